@@ -1,0 +1,124 @@
+"""Attention contexts: one batched paged-KV forward over many sequences, and plain causal attention.
+
+Shapes: T step tokens (sequence-major), B sequences, Q = longest chunk in the step, K = longest
+context, nh query heads, nkv kv heads, D head dim.
+
+`StepPlan` is everything the attention of one step needs besides q/k/v: where to write this
+step's keys, which cache slots each sequence reads, and which of them each row may see. It is
+built once per step and shared by every layer (and by the MTP layer, on its own cache plane).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from runtime.kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True, slots=True)
+class SeqChunk:
+    """One sequence's rows in a step: positions start..start+num_tokens-1.
+
+    `mask`, when given, is [num_tokens, start + num_tokens] bool: which context positions each row
+    may see (tree verification); None means causal.
+    """
+    seq_id: int
+    start: int
+    num_tokens: int
+    mask: torch.Tensor | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    positions: torch.Tensor      # [T] absolute positions
+    slot_mapping: torch.Tensor   # [T] cache slot each row's k/v is written to
+    gather: torch.Tensor         # [B, K] cache slots of each sequence's context (padding: 0)
+    q_index: torch.Tensor        # [B, Q] row of the step for each (sequence, query) (padding: 0)
+    valid: torch.Tensor          # [B, Q] bool, real query rows
+    mask: torch.Tensor           # [B, 1, Q, K] bool, True = may attend
+    last_rows: torch.Tensor      # [B] index of each sequence's last row in the step
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def build_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
+    """Plan one step; every chunk's positions must already be reserved in `cache`."""
+    if not chunks:
+        raise ValueError("a step needs at least one sequence")
+    b = len(chunks)
+    q_max = max(c.num_tokens for c in chunks)
+    k_max = max(c.end for c in chunks)
+    positions, slot_mapping = [], []
+    gather = torch.zeros(b, k_max, dtype=torch.long)
+    q_index = torch.zeros(b, q_max, dtype=torch.long)
+    valid = torch.zeros(b, q_max, dtype=torch.bool)
+    mask = torch.zeros(b, 1, q_max, k_max, dtype=torch.bool)
+    mask[:, :, :, 0] = True  # padding rows see one slot, so softmax never meets an all-masked row
+    last_rows = torch.empty(b, dtype=torch.long)
+    row = 0
+    for i, c in enumerate(chunks):
+        if c.num_tokens < 1:
+            raise ValueError(f"sequence {c.seq_id} has an empty chunk")
+        ctx = cache.slots(c.seq_id, 0, c.end)
+        gather[i, :c.end] = ctx
+        slot_mapping.append(ctx[c.start:])
+        pos = torch.arange(c.start, c.end)
+        positions.append(pos)
+        q_index[i, :c.num_tokens] = torch.arange(row, row + c.num_tokens)
+        valid[i, :c.num_tokens] = True
+        if c.mask is not None:
+            if tuple(c.mask.shape) != (c.num_tokens, c.end):
+                raise ValueError(f"sequence {c.seq_id}: mask shape {tuple(c.mask.shape)}, "
+                                 f"expected {(c.num_tokens, c.end)}")
+            mask[i, 0, :c.num_tokens, :c.end] = c.mask
+        else:
+            mask[i, 0, :c.num_tokens, :c.end] = torch.arange(c.end)[None, :] <= pos[:, None]
+        row += c.num_tokens
+        last_rows[i] = row - 1
+    return StepPlan(positions=torch.cat(positions), slot_mapping=torch.cat(slot_mapping), gather=gather,
+                    q_index=q_index, valid=valid, mask=mask, last_rows=last_rows)
+
+
+class PagedAttention:
+    """`AttentionContext` over a paged cache: writes this step's k/v, then attends over the context."""
+
+    def __init__(self, cache: PagedKVCache, plan: StepPlan) -> None:
+        self.cache = cache
+        self.plan = plan
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        p = self.plan
+        self.cache.write(layer_idx, p.slot_mapping, k, v)
+        keys = self.cache.k[layer_idx][p.gather].transpose(1, 2)    # [B, nkv, K, D]
+        values = self.cache.v[layer_idx][p.gather].transpose(1, 2)
+        queries = q[p.q_index].transpose(1, 2)                      # [B, nh, Q, D]
+        out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
+                                             attn_mask=p.mask, scale=scale,
+                                             enable_gqa=keys.shape[1] != queries.shape[1])
+        return out.transpose(1, 2)[p.valid]                          # [T, nh, D]
+
+
+class CausalAttention:
+    """`AttentionContext` for training: T = batch * seq_len rows, causal within each sequence, no cache."""
+
+    def __init__(self, batch: int, seq_len: int) -> None:
+        self.batch, self.seq_len = batch, seq_len
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        b, s = self.batch, self.seq_len
+        qq = q.view(b, s, *q.shape[1:]).transpose(1, 2)
+        kk = k.view(b, s, *k.shape[1:]).transpose(1, 2)
+        vv = v.view(b, s, *v.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale,
+                                             enable_gqa=kk.shape[1] != qq.shape[1])
+        return out.transpose(1, 2).reshape(b * s, *q.shape[1:])

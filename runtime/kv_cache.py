@@ -1,0 +1,97 @@
+"""Paged KV cache: a fixed pool of blocks, a block table per sequence, rewind to any shorter length.
+
+Shapes: L cache layers (target layers plus the MTP layer), S slots = num_blocks * block_size,
+nkv key/value heads, D head dim. A token at position p of a sequence lives in slot
+`block_table[p // block_size] * block_size + p % block_size`.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    """Raised when a reservation does not fit; the scheduler checks `can_reserve` first."""
+
+
+class PagedKVCache:
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int = 16, dtype: torch.dtype = torch.float32) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be at least 1")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        num_slots = num_blocks * block_size
+        self.k = torch.zeros(num_layers, num_slots, num_kv_heads, head_dim, dtype=dtype)  # [L, S, nkv, D]
+        self.v = torch.zeros_like(self.k)
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._tables: dict[int, list[int]] = {}
+        self._lengths: dict[int, int] = {}
+
+    # --- accounting -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def num_free_tokens(self) -> int:
+        """Tokens that still fit in the pool, counting only whole free blocks."""
+        return len(self._free) * self.block_size
+
+    def blocks_needed(self, seq_id: int, new_length: int) -> int:
+        have = len(self._tables.get(seq_id, ()))
+        return max(0, -(-new_length // self.block_size) - have)
+
+    def can_reserve(self, seq_id: int, new_length: int) -> bool:
+        """True when sequence `seq_id` can grow to `new_length` tokens without evicting anyone."""
+        return self.blocks_needed(seq_id, new_length) <= len(self._free)
+
+    def length(self, seq_id: int) -> int:
+        return self._lengths.get(seq_id, 0)
+
+    def has(self, seq_id: int) -> bool:
+        return seq_id in self._tables
+
+    # --- changes ----------------------------------------------------------------------------
+    def reserve(self, seq_id: int, new_length: int) -> None:
+        """Grow `seq_id` to hold `new_length` tokens (allocating blocks); never shrinks."""
+        need = self.blocks_needed(seq_id, new_length)
+        if need > len(self._free):
+            raise CacheFullError(f"sequence {seq_id} needs {need} more blocks, {len(self._free)} free")
+        table = self._tables.setdefault(seq_id, [])
+        for _ in range(need):
+            table.append(self._free.pop())
+        self._lengths[seq_id] = max(self._lengths.get(seq_id, 0), new_length)
+
+    def rewind(self, seq_id: int, new_length: int) -> None:
+        """Shrink `seq_id` to its first `new_length` tokens and give back blocks no longer used."""
+        cur = self._lengths.get(seq_id, 0)
+        if not 0 <= new_length <= cur:
+            raise ValueError(f"cannot rewind sequence {seq_id} from {cur} to {new_length} tokens")
+        table = self._tables[seq_id]
+        keep = -(-new_length // self.block_size)
+        while len(table) > keep:
+            self._free.append(table.pop())
+        self._lengths[seq_id] = new_length
+
+    def free(self, seq_id: int) -> None:
+        for block in reversed(self._tables.pop(seq_id, [])):
+            self._free.append(block)
+        self._lengths.pop(seq_id, None)
+
+    # --- addressing -------------------------------------------------------------------------
+    def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
+        """Slot ids of positions start..end-1 of `seq_id` (all must be reserved) [end - start]."""
+        if end > self._lengths.get(seq_id, 0):
+            raise ValueError(f"positions up to {end} of sequence {seq_id} are not reserved "
+                             f"(length {self._lengths.get(seq_id, 0)})")
+        table = torch.tensor(self._tables[seq_id], dtype=torch.long)
+        pos = torch.arange(start, end, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [T, nkv, D] into `slots` [T] of cache layer `layer`."""
+        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))

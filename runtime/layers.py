@@ -1,0 +1,215 @@
+"""Building blocks of the GLM-4.5 MoE decoder, single device, no collectives.
+
+Shapes: T tokens (flattened over sequences), H hidden, nh query heads, nkv key/value heads,
+D head dim, E routed experts, k experts per token, I expert intermediate size.
+
+Numerics follow transformers' Glm4Moe: RMSNorm statistics and the router run in float32,
+rotary cos/sin are computed in float32 and cast to the activation dtype.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.config import ModelConfig
+
+
+class AttentionContext(Protocol):
+    """Where keys and values live for one forward: a paged KV cache, or plain causal attention."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """q [T, nh, D], k/v [T, nkv, D] of this step's tokens -> attention output [T, nh, D]."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Partial rotary (rotate-half layout) on the first `rotary_dim` channels of each head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        dim = cfg.rotary_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, rotary_dim] in `dtype`."""
+        freqs = positions[:, None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, R] with R <= D; channels past R pass through."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = r // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.use_qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.use_qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                ctx: AttentionContext) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, -1, self.head_dim)  # [T, nh, D]
+        k = self.k_proj(x).view(t, -1, self.head_dim)  # [T, nkv, D]
+        v = self.v_proj(x).view(t, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [T, nh, D]
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid router with score-correction bias and grouped top-k, computed in float32."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.num_experts = cfg.n_routed_experts
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (scores [T, E] float32, weights [T, k] float32, expert ids [T, k])."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
+            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+            keep = group_mask[:, :, None].expand_as(grouped).reshape(-1, self.num_experts)
+            choice = choice.masked_fill(keep == 0, float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores, weights * self.routed_scaling_factor, ids
+
+
+class RoutedExperts(nn.Module):
+    """Expert weights stacked per layer: gate/up [E, I, H], down [E, H, I].
+
+    `expert_offset` is the global id of local expert 0, so a shard holding a contiguous range of
+    experts computes only those and leaves other tokens' rows at zero.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, expert_offset: int = 0) -> None:
+        super().__init__()
+        self.expert_offset = expert_offset
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.gate_proj.shape[0]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], weights/ids [T, k] (global ids) -> weighted sum over the local experts [T, H]."""
+        out = torch.zeros_like(x)
+        local = ids - self.expert_offset  # [T, k]
+        flat = local.reshape(-1)
+        is_local = (flat >= 0) & (flat < self.num_local_experts)
+        if not bool(is_local.any()):
+            return out
+        slots = is_local.nonzero().squeeze(1)
+        experts = flat[slots]
+        order = torch.argsort(experts, stable=True)
+        slots, experts = slots[order], experts[order]
+        counts = torch.bincount(experts, minlength=self.num_local_experts).tolist()
+        token_idx = slots // ids.shape[1]
+        w = weights.reshape(-1)[slots]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = token_idx[start:start + n]
+            xs = x[rows]
+            h = F.silu(F.linear(xs, self.gate_proj[e])) * F.linear(xs, self.up_proj[e])
+            y = F.linear(h, self.down_proj[e]) * w[start:start + n, None].to(x.dtype)
+            out.index_add_(0, rows, y)
+            start += n
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts > 0 else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp: nn.Module = (MoE(cfg) if cfg.is_moe_layer(layer_idx)
+                               else MLP(cfg.hidden_size, cfg.intermediate_size))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))

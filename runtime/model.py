@@ -1,0 +1,87 @@
+"""The GLM-4.5 MoE causal LM and its MTP layer, single device, no collectives inside.
+
+Shapes: T tokens flattened over sequences, H hidden, V vocab.
+`forward` returns hidden states *before* the final norm; `compute_logits` applies the norm and
+the head. The MTP drafter needs the pre-norm hidden of the last committed position (DESIGN §3).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.config import ModelConfig
+from runtime.layers import AttentionContext, DecoderLayer, RMSNorm, RotaryEmbedding
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, own_head: bool) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_head else None
+
+
+class MTPLayer(nn.Module):
+    """One multi-token-prediction layer (checkpoint index `num_hidden_layers`).
+
+    Draft step: x = eh_proj(concat(enorm(embed(token)), hnorm(hidden))), then a decoder layer with
+    its own KV plane (cache layer index `num_hidden_layers`), then `shared_head.norm` and the head.
+    Embedding and head fall back to the target model's when the checkpoint does not carry them.
+    """
+
+    def __init__(self, cfg: ModelConfig, own_embed: bool = False, own_head: bool = False) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if own_embed else None
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.block = DecoderLayer(cfg, cfg.num_hidden_layers)
+        self.shared_head = SharedHead(cfg, own_head)
+
+
+class Glm4MoeForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, mtp_own_embed: bool = False, mtp_own_head: bool = False) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg)
+        self.mtp = (MTPLayer(cfg, mtp_own_embed, mtp_own_head)
+                    if cfg.num_nextn_predict_layers else None)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """tokens, positions [T] -> hidden states before the final norm [T, H]."""
+        x = self.embed_tokens(tokens)
+        rope = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope, ctx)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden [N, H] -> logits [N, V]."""
+        return self.lm_head(self.norm(hidden))
+
+    def mtp_forward(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
+                    ctx: AttentionContext) -> torch.Tensor:
+        """One MTP step: tokens [T] at `positions`, the previous position's hidden [T, H] ->
+        the MTP layer's pre-norm output [T, H] (the input hidden of the next draft step)."""
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers is 0)")
+        mtp = self.mtp
+        embed = mtp.embed_tokens if mtp.embed_tokens is not None else self.embed_tokens
+        x = mtp.eh_proj(torch.cat((mtp.enorm(embed(tokens)), mtp.hnorm(prev_hidden)), dim=-1))
+        return mtp.block(x, self.rotary(positions, x.dtype), ctx)
+
+    def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        """MTP pre-norm output [N, H] -> draft logits [N, V]."""
+        head = self.mtp.shared_head
+        lm = head.head if head.head is not None else self.lm_head
+        return lm(head.norm(mtp_hidden))

@@ -1,0 +1,199 @@
+"""Checkpoint loading: safetensors (one file, or sharded with an index), memory-mapped.
+
+Hugging Face names map onto the runtime's modules: `model.` is dropped, per-expert projections
+`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight` are stacked into one tensor per layer,
+and the MTP layer (`model.layers.{num_hidden_layers}.*`) goes to `mtp.*`. Each tensor is read
+only when this process owns it (`expert_range` limits the routed experts it reads).
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from runtime.config import ModelConfig, load_config
+from runtime.model import Glm4MoeForCausalLM
+
+_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
+_MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
+# Kept in float32 whatever the model dtype, as transformers does for the router.
+_FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose tensors do not match the model; the message names the tensor."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where one checkpoint tensor goes: a parameter name, and the expert row for stacked experts."""
+    param: str
+    expert: int | None = None
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        out = {name: model_dir / fname for name, fname in weight_map.items()}
+        for path in set(out.values()):
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is named in {index.name} but missing")
+        return out
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
+    out = {}
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                out[name] = path
+    return out
+
+
+def map_name(hf_name: str, cfg: ModelConfig) -> Target | None:
+    """HF tensor name -> runtime parameter (None when the name has no place in this model)."""
+    if not hf_name.startswith("model.") and hf_name != "lm_head.weight":
+        return None
+    name = hf_name.removeprefix("model.")
+    m = _EXPERT.match(name)
+    if m and int(m.group(1)) < cfg.num_hidden_layers:
+        return Target(f"layers.{m.group(1)}.mlp.experts.{m.group(3)}", int(m.group(2)))
+    m = _LAYER.match(name)
+    if m and int(m.group(1)) == cfg.num_hidden_layers and cfg.num_nextn_predict_layers:
+        rest = m.group(2)
+        me = re.match(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", rest)
+        if me:
+            return Target(f"mtp.block.mlp.experts.{me.group(2)}", int(me.group(1)))
+        return Target(f"mtp.{rest}" if rest.startswith(_MTP_OWN) else f"mtp.block.{rest}")
+    if m and int(m.group(1)) > cfg.num_hidden_layers:
+        return None
+    return Target(name)
+
+
+def _model_tensor_names(model: Glm4MoeForCausalLM) -> set[str]:
+    return {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()
+                                                       if not n.startswith("rotary.")}
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
+               expert_range: range | None = None) -> Glm4MoeForCausalLM:
+    """Build the model and fill it from the checkpoint.
+
+    `expert_range` restricts the routed experts read (global ids, the same for every layer);
+    None reads all. A tensor the model needs that the checkpoint lacks, or one it carries that
+    the model has no place for, is a `CheckpointError` naming it. An MTP layer announced in
+    config.json but wholly absent from the checkpoint loads as no MTP layer.
+    """
+    model_dir = Path(model_dir)
+    cfg = load_config(model_dir)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported (expected one of {', '.join(DTYPES)})")
+        dtype = DTYPES[dtype]
+    files = checkpoint_files(model_dir)
+    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+    has_mtp = any(n.startswith(mtp_prefix) for n in files)
+    if cfg.num_nextn_predict_layers and not has_mtp:
+        from dataclasses import replace
+        cfg = replace(cfg, num_nextn_predict_layers=0)
+    experts = expert_range if expert_range is not None else range(cfg.n_routed_experts)
+    if experts.step != 1 or experts.start < 0 or experts.stop > cfg.n_routed_experts:
+        raise ValueError(f"expert_range {experts} is not a contiguous range inside 0..{cfg.n_routed_experts}")
+
+    with torch.device("meta"):
+        model = Glm4MoeForCausalLM(cfg, mtp_own_embed=f"{mtp_prefix}embed_tokens.weight" in files,
+                                   mtp_own_head=f"{mtp_prefix}shared_head.head.weight" in files)
+    _shrink_experts(model, len(experts), experts.start)
+    model.to_empty(device="cpu")
+    model.rotary.__init__(cfg)  # non-persistent buffer: recompute after leaving the meta device
+    params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+
+    filled: set[str] = set()
+    expert_rows: dict[str, set[int]] = {}
+    with ExitStack() as stack:
+        handles = {p: stack.enter_context(safe_open(str(p), "pt")) for p in set(files.values())}
+        for hf_name, path in sorted(files.items()):
+            target = map_name(hf_name, cfg)
+            if target is None or target.param not in params:
+                raise CheckpointError(f"unexpected tensor {hf_name!r} in {path.name}: the model has no place for it")
+            if target.expert is not None and target.expert not in experts:
+                continue  # another rank's expert: never read
+            dest = params[target.param]
+            want = dest.shape[1:] if target.expert is not None else dest.shape
+            src_slice = handles[path].get_slice(hf_name)
+            if tuple(src_slice.get_shape()) != tuple(want):
+                raise CheckpointError(f"tensor {hf_name!r} has shape {tuple(src_slice.get_shape())}, "
+                                      f"expected {tuple(want)}")
+            src = handles[path].get_tensor(hf_name)
+            with torch.no_grad():
+                if target.expert is not None:
+                    dest[target.expert - experts.start].copy_(src)
+                    expert_rows.setdefault(target.param, set()).add(target.expert)
+                else:
+                    dest.copy_(src)
+            filled.add(target.param)
+
+    needed = _model_tensor_names(model)
+    if cfg.tie_word_embeddings:
+        filled.add("lm_head.weight")
+    missing = sorted(needed - filled)
+    if missing:
+        raise CheckpointError(f"checkpoint {model_dir} lacks tensor(s) for: {', '.join(missing[:5])}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    for param, rows in expert_rows.items():
+        if len(rows) != len(experts):
+            lost = sorted(set(experts) - rows)
+            raise CheckpointError(f"checkpoint lacks expert(s) {lost[:5]} for {param}")
+    _cast(model, dtype)
+    model.eval()
+    return model
+
+
+def _shrink_experts(model: Glm4MoeForCausalLM, num_local: int, offset: int) -> None:
+    from runtime.layers import RoutedExperts
+    for mod in model.modules():
+        if isinstance(mod, RoutedExperts):
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                p = getattr(mod, name)
+                setattr(mod, name, torch.nn.Parameter(torch.empty(num_local, *p.shape[1:], device="meta")))
+            mod.expert_offset = offset
+
+
+def _cast(model: Glm4MoeForCausalLM, dtype: torch.dtype) -> None:
+    for name, p in model.named_parameters():
+        p.requires_grad_(False)
+        p.data = p.data.to(torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype)
+
+
+def iter_hf_state(model: Glm4MoeForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's tensors under their Hugging Face names (experts unstacked): what `save` writes."""
+    cfg = model.config
+    mtp_layer = f"model.layers.{cfg.num_hidden_layers}."
+    for name, tensor in model.state_dict().items():
+        if name.startswith("rotary.") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        if name.startswith("mtp.block."):
+            hf = mtp_layer + name.removeprefix("mtp.block.")
+        elif name.startswith("mtp."):
+            hf = mtp_layer + name.removeprefix("mtp.")
+        elif name == "lm_head.weight":
+            hf = name
+        else:
+            hf = "model." + name
+        m = re.match(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$", hf)
+        if m:
+            for e in range(tensor.shape[0]):
+                yield f"{m.group(1)}.{e}.{m.group(2)}.weight", tensor[e]
+        else:
+            yield hf, tensor

@@ -1,0 +1,1 @@
+"""Metrale speculative package."""
