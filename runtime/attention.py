@@ -43,6 +43,9 @@ class StepPlan:
     valid: torch.Tensor          # [B, Q] bool, real query rows
     mask: torch.Tensor           # [B, 1, Q, K] bool, True = may attend
     last_rows: torch.Tensor      # [B] index of each sequence's last row in the step
+    # One sequence with a plain causal mask: SDPA runs unmasked (one row) or with is_causal
+    # (a chunk from position 0), the faster kernels, and the ones transformers itself picks.
+    mask_mode: str = "explicit"  # "explicit" | "none" | "causal"
 
     @property
     def num_tokens(self) -> int:
@@ -83,8 +86,11 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
             mask[i, 0, :c.num_tokens, :c.end] = torch.arange(c.end)[None, :] <= pos[:, None]
         row += c.num_tokens
         last_rows[i] = row - 1
+    mode = "explicit"
+    if b == 1 and chunks[0].mask is None:
+        mode = "none" if chunks[0].num_tokens == 1 else ("causal" if chunks[0].start == 0 else "explicit")
     return StepPlan(positions=torch.cat(positions), slot_mapping=torch.cat(slot_mapping), gather=gather,
-                    q_index=q_index, valid=valid, mask=mask, last_rows=last_rows)
+                    q_index=q_index, valid=valid, mask=mask, last_rows=last_rows, mask_mode=mode)
 
 
 class PagedAttention:
@@ -98,11 +104,12 @@ class PagedAttention:
                scale: float) -> torch.Tensor:
         p = self.plan
         self.cache.write(layer_idx, p.slot_mapping, k, v)
-        keys = self.cache.k[layer_idx][p.gather].transpose(1, 2)    # [B, nkv, K, D]
-        values = self.cache.v[layer_idx][p.gather].transpose(1, 2)
+        keys = self.cache.k[layer_idx][p.gather].transpose(1, 2).contiguous()    # [B, nkv, K, D]
+        values = self.cache.v[layer_idx][p.gather].transpose(1, 2).contiguous()
         queries = q[p.q_index].transpose(1, 2)                      # [B, nh, Q, D]
         out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
-                                             attn_mask=p.mask, scale=scale,
+                                             attn_mask=p.mask if p.mask_mode == "explicit" else None,
+                                             is_causal=p.mask_mode == "causal", scale=scale,
                                              enable_gqa=keys.shape[1] != queries.shape[1])
         return out.transpose(1, 2)[p.valid]                          # [T, nh, D]
 

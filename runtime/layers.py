@@ -3,7 +3,8 @@
 Shapes: T tokens (flattened over sequences), H hidden, nh query heads, nkv key/value heads,
 D head dim, E routed experts, k experts per token, I expert intermediate size.
 
-Numerics follow transformers' Glm4Moe: RMSNorm statistics and the router run in float32,
+Numerics follow transformers' Glm4Moe: RMSNorm statistics and the router run in float32 (in
+float64 when the model runs in float64: that dtype is the reference mode, float64 throughout),
 rotary cos/sin are computed in float32 and cast to the activation dtype.
 """
 from __future__ import annotations
@@ -26,6 +27,11 @@ class AttentionContext(Protocol):
         ...
 
 
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Precision of norm statistics and routing: float32, or float64 for a float64 model."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -34,7 +40,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        xf = x.to(torch.float32)
+        xf = x.to(stats_dtype(dtype))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
@@ -107,7 +113,8 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Sigmoid router with score-correction bias and grouped top-k, computed in float32."""
+    """Sigmoid router with score-correction bias and grouped top-k, computed in float32 (float64
+    for a float64 model)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -121,9 +128,11 @@ class Router(nn.Module):
                                                     requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (scores [T, E] float32, weights [T, k] float32, expert ids [T, k])."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        choice = scores + self.e_score_correction_bias.float()
+        """x [T, H] -> (scores [T, E], weights [T, k], expert ids [T, k]); scores and weights in
+        `stats_dtype(x.dtype)`."""
+        dt = stats_dtype(x.dtype)
+        scores = F.linear(x.to(dt), self.weight.to(dt)).sigmoid()
+        choice = scores + self.e_score_correction_bias.to(dt)
         if self.n_group > 1:
             grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
             group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
@@ -139,7 +148,7 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """Expert weights stacked per layer: gate/up [E, I, H], down [E, H, I].
+    """Expert weights stacked per layer: gate and up fused as gate_up [E, 2I, H], down [E, H, I].
 
     `expert_offset` is the global id of local expert 0, so a shard holding a contiguous range of
     experts computes only those and leaves other tokens' rows at zero.
@@ -148,13 +157,12 @@ class RoutedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, expert_offset: int = 0) -> None:
         super().__init__()
         self.expert_offset = expert_offset
-        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
-        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
     @property
     def num_local_experts(self) -> int:
-        return self.gate_proj.shape[0]
+        return self.gate_up_proj.shape[0]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] (global ids) -> weighted sum over the local experts [T, H]."""
@@ -177,7 +185,8 @@ class RoutedExperts(nn.Module):
                 continue
             rows = token_idx[start:start + n]
             xs = x[rows]
-            h = F.silu(F.linear(xs, self.gate_proj[e])) * F.linear(xs, self.up_proj[e])
+            gate, up = F.linear(xs, self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = F.silu(gate) * up
             y = F.linear(h, self.down_proj[e]) * w[start:start + n, None].to(x.dtype)
             out.index_add_(0, rows, y)
             start += n

@@ -35,9 +35,17 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """Where one checkpoint tensor goes: a parameter name, and the expert row for stacked experts."""
+    """Where one checkpoint tensor goes: a parameter name, the expert row for stacked experts, and
+    for the fused gate_up tensor which half (0 gate, 1 up)."""
     param: str
     expert: int | None = None
+    half: int | None = None
+
+
+def _expert_target(prefix: str, expert: int, proj: str) -> Target:
+    if proj == "down_proj":
+        return Target(f"{prefix}.down_proj", expert)
+    return Target(f"{prefix}.gate_up_proj", expert, 0 if proj == "gate_proj" else 1)
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -68,13 +76,13 @@ def map_name(hf_name: str, cfg: ModelConfig) -> Target | None:
     name = hf_name.removeprefix("model.")
     m = _EXPERT.match(name)
     if m and int(m.group(1)) < cfg.num_hidden_layers:
-        return Target(f"layers.{m.group(1)}.mlp.experts.{m.group(3)}", int(m.group(2)))
+        return _expert_target(f"layers.{m.group(1)}.mlp.experts", int(m.group(2)), m.group(3))
     m = _LAYER.match(name)
     if m and int(m.group(1)) == cfg.num_hidden_layers and cfg.num_nextn_predict_layers:
         rest = m.group(2)
         me = re.match(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", rest)
         if me:
-            return Target(f"mtp.block.mlp.experts.{me.group(2)}", int(me.group(1)))
+            return _expert_target("mtp.block.mlp.experts", int(me.group(1)), me.group(2))
         return Target(f"mtp.{rest}" if rest.startswith(_MTP_OWN) else f"mtp.block.{rest}")
     if m and int(m.group(1)) > cfg.num_hidden_layers:
         return None
@@ -130,18 +138,21 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
             if target.expert is not None and target.expert not in experts:
                 continue  # another rank's expert: never read
             dest = params[target.param]
-            want = dest.shape[1:] if target.expert is not None else dest.shape
+            if target.expert is not None:
+                dest = dest[target.expert - experts.start]
+            if target.half is not None:
+                dest = dest.chunk(2, dim=0)[target.half]
+            want = dest.shape
             src_slice = handles[path].get_slice(hf_name)
             if tuple(src_slice.get_shape()) != tuple(want):
                 raise CheckpointError(f"tensor {hf_name!r} has shape {tuple(src_slice.get_shape())}, "
                                       f"expected {tuple(want)}")
             src = handles[path].get_tensor(hf_name)
             with torch.no_grad():
+                dest.copy_(src)
                 if target.expert is not None:
-                    dest[target.expert - experts.start].copy_(src)
-                    expert_rows.setdefault(target.param, set()).add(target.expert)
-                else:
-                    dest.copy_(src)
+                    key = f"{target.param}[{target.half}]"
+                    expert_rows.setdefault(key, set()).add(target.expert)
             filled.add(target.param)
 
     needed = _model_tensor_names(model)
@@ -164,7 +175,7 @@ def _shrink_experts(model: Glm4MoeForCausalLM, num_local: int, offset: int) -> N
     from runtime.layers import RoutedExperts
     for mod in model.modules():
         if isinstance(mod, RoutedExperts):
-            for name in ("gate_proj", "up_proj", "down_proj"):
+            for name in ("gate_up_proj", "down_proj"):
                 p = getattr(mod, name)
                 setattr(mod, name, torch.nn.Parameter(torch.empty(num_local, *p.shape[1:], device="meta")))
             mod.expert_offset = offset
@@ -191,9 +202,14 @@ def iter_hf_state(model: Glm4MoeForCausalLM) -> Iterator[tuple[str, torch.Tensor
             hf = name
         else:
             hf = "model." + name
-        m = re.match(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$", hf)
+        m = re.match(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$", hf)
         if m:
             for e in range(tensor.shape[0]):
-                yield f"{m.group(1)}.{e}.{m.group(2)}.weight", tensor[e]
+                if m.group(2) == "down_proj":
+                    yield f"{m.group(1)}.{e}.down_proj.weight", tensor[e]
+                else:
+                    gate, up = tensor[e].chunk(2, dim=0)
+                    yield f"{m.group(1)}.{e}.gate_proj.weight", gate
+                    yield f"{m.group(1)}.{e}.up_proj.weight", up
         else:
             yield hf, tensor

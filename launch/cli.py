@@ -1,0 +1,123 @@
+"""The `metrale` command line (`python -m launch` is the same): generate, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+class UsageError(ValueError):
+    """Bad command-line input; printed as one line, exit status 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint folder (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.add_argument("--kv-cache-tokens", type=_positive_int, default=32768, help="KV cache budget in tokens")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most sequences in one step")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="metrale", description="Serve and benchmark MoE language models.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate continuations of prompts offline")
+    add_model_args(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one text prompt")
+    src.add_argument("--prompts-file", type=Path,
+                     help='JSONL, one {"prompt": "..."} or {"prompt_ids": [...]} per line; served as one batch')
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
+
+    from launch.bench_cli import add_bench_parser
+    add_bench_parser(sub)
+    return ap
+
+
+def read_prompts(path: Path) -> list[str | list[int]]:
+    if not path.is_file():
+        raise UsageError(f"prompts file {str(path)!r} does not exist")
+    prompts: list[str | list[int]] = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            prompts.append(obj["prompt"])
+        elif isinstance(obj, dict) and isinstance(obj.get("prompt_ids"), list) \
+                and all(isinstance(t, int) for t in obj["prompt_ids"]):
+            prompts.append(obj["prompt_ids"])
+        else:
+            raise UsageError(f'{path}:{lineno}: expected {{"prompt": "..."}} or {{"prompt_ids": [ints]}}')
+    if not prompts:
+        raise UsageError(f"prompts file {path} holds no prompt")
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import time
+
+    from runtime import LLM, SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
+                            stop=args.stop)
+    prompts = read_prompts(args.prompts_file) if args.prompts_file else [args.prompt]
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
+              max_num_seqs=args.max_num_seqs)
+    try:
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - t0
+    finally:
+        llm.shutdown()
+    for out in outputs:
+        if args.json:
+            print(json.dumps({"index": out.index, "token_ids": out.token_ids, "text": out.text,
+                              "finish_reason": out.finish_reason, "num_verifies": out.num_verifies,
+                              "drafted_tokens": out.drafted_tokens, "accepted_tokens": out.accepted_tokens}))
+        else:
+            print(out.text)
+    if not args.json:
+        n = sum(len(o.token_ids) for o in outputs)
+        print(f"[{len(outputs)} prompt(s), {n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from runtime.config import ConfigError
+    from runtime.engine import RequestError
+    from runtime.weights import CheckpointError
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        from launch.bench_cli import cmd_bench
+        return cmd_bench(args)
+    except (UsageError, RequestError, ConfigError, CheckpointError, FileNotFoundError, ValueError) as exc:
+        print(f"metrale {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"metrale {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,39 @@
+"""Runs the model over one step's chunks on a paged KV cache (single process).
+
+Shapes: T step tokens, B sequences, H hidden, V vocab.
+"""
+from __future__ import annotations
+
+import torch
+
+from runtime.attention import PagedAttention, SeqChunk, StepPlan, build_plan
+from runtime.kv_cache import PagedKVCache
+from runtime.model import Glm4MoeForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: Glm4MoeForCausalLM, *, kv_cache_tokens: int, block_size: int = 16) -> None:
+        cfg = model.config
+        self.model = model
+        self.config = cfg
+        num_blocks = max(1, kv_cache_tokens // block_size)
+        self.cache = PagedKVCache(num_layers=cfg.num_cache_layers if model.mtp is not None else cfg.num_hidden_layers,
+                                  num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                  num_blocks=num_blocks, block_size=block_size, dtype=model.dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], chunks: list[SeqChunk]) -> tuple[torch.Tensor, StepPlan]:
+        """Run the target over the step's rows (sequence-major, matching `chunks`).
+
+        Returns the pre-norm hidden states [T, H] and the step plan.
+        """
+        plan = build_plan(self.cache, chunks)
+        token_tensor = torch.tensor(tokens, dtype=torch.long)
+        hidden = self.model(token_tensor, plan.positions, PagedAttention(self.cache, plan))
+        return hidden, plan
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm hidden rows [N, H] -> float32 (or float64) logits [N, V]."""
+        out = self.model.compute_logits(hidden)
+        return out if out.dtype == torch.float64 else out.float()

@@ -1,0 +1,102 @@
+"""Continuous batching: which sequences run this step and how many of their tokens.
+
+Every step, running sequences come first (a decode row each, or the rest of a prefill); then
+waiting sequences are admitted while there is room in the batch, in the token budget and in the
+KV cache. Prompts are prefilled in chunks within the token budget. When the cache cannot hold a
+running sequence's next tokens, the most recently admitted sequence is preempted: its blocks are
+freed and it goes back to the front of the queue, to be recomputed from its prompt and its
+committed output (nothing it produced is lost).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from runtime.kv_cache import PagedKVCache
+from runtime.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be at least 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least "
+                             f"max_num_seqs={self.max_num_seqs}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: PagedKVCache) -> None:
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        if len(seq.token_ids) + 1 > self.cache.capacity_tokens:
+            raise ValueError(f"prompt of {len(seq.token_ids)} tokens cannot fit a KV cache of "
+                             f"{self.cache.capacity_tokens} tokens")
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """Pick this step's (sequence, number of tokens to compute) and reserve their cache."""
+        budget = self.config.max_num_batched_tokens
+        batch: list[tuple[Sequence, int]] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_pending, budget)
+            if not self._reserve(seq, n):
+                victim = self.running.pop()  # youngest admission
+                self._preempt(victim)
+                if victim is seq:
+                    break
+                continue
+            batch.append((seq, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            # Admit only when the whole remaining prompt and a first output token fit.
+            if not self.cache.can_reserve(seq.seq_id, len(seq.token_ids) + 1):
+                break
+            n = min(seq.num_pending, budget)
+            self._reserve(seq, n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        end = seq.num_computed + n
+        if not self.cache.can_reserve(seq.seq_id, end):
+            return False
+        self.cache.reserve(seq.seq_id, end)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.cache.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or cancelled sequence from the queues and free its cache."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.cache.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED

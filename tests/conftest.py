@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random Glm4MoeForCausalLM checkpoints written by transformers itself."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 320  # a byte-level BPE needs 256 base tokens
+
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts_per_tok=2,
+            n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=256,
+            eos_token_id=0)
+# One plain config, one with grouped routing, q/k norm, attention bias and routed scaling.
+CONFIGS = {
+    "plain": dict(n_group=1, topk_group=1, use_qk_norm=False, attention_bias=False),
+    "grouped": dict(n_group=4, topk_group=2, use_qk_norm=True, attention_bias=True, routed_scaling_factor=2.5,
+                    n_routed_experts=8, num_experts_per_tok=3),
+}
+
+
+def write_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = (ROOT / "runtime" / "model.py").read_text() + (ROOT / "runtime" / "layers.py").read_text()
+    tok.train_from_iterator([text] * 4, trainer=trainer)
+    tok.save(str(path / "tokenizer.json"))
+
+
+def make_checkpoint(path: Path, name: str = "plain", seed: int = 0, **overrides) -> Path:
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    torch.manual_seed(seed)
+    cfg = Glm4MoeConfig(**{**BASE, **CONFIGS[name], **overrides})
+    model = Glm4MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)  # a non-zero correction bias changes which experts win
+        for n, p in model.named_parameters():  # larger weights: logits that are not all near zero
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    write_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def ckpt_plain(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("plain"), "plain")
+
+
+@pytest.fixture(scope="session")
+def ckpt_grouped(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("grouped"), "grouped", seed=1)
+
+
+def metrale_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "launch", *args]
+
+
+def run_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "2")
+    return env
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
