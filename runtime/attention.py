@@ -104,8 +104,8 @@ class PagedAttention:
                scale: float) -> torch.Tensor:
         p = self.plan
         self.cache.write(layer_idx, p.slot_mapping, k, v)
-        keys = self.cache.k[layer_idx][p.gather].transpose(1, 2).contiguous()    # [B, nkv, K, D]
-        values = self.cache.v[layer_idx][p.gather].transpose(1, 2).contiguous()
+        keys = self.cache.k[layer_idx][p.gather].transpose(1, 2)    # [B, nkv, K, D]
+        values = self.cache.v[layer_idx][p.gather].transpose(1, 2)
         queries = q[p.q_index].transpose(1, 2)                      # [B, nh, Q, D]
         out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
                                              attn_mask=p.mask if p.mask_mode == "explicit" else None,

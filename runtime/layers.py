@@ -165,32 +165,31 @@ class RoutedExperts(nn.Module):
         return self.gate_up_proj.shape[0]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/ids [T, k] (global ids) -> weighted sum over the local experts [T, H]."""
-        out = torch.zeros_like(x)
-        local = ids - self.expert_offset  # [T, k]
-        flat = local.reshape(-1)
+        """x [T, H], weights/ids [T, k] (global ids) -> weighted sum over the local experts [T, H].
+
+        Rows routed to experts outside this shard contribute zero.
+        """
+        t, k = ids.shape
+        flat = (ids - self.expert_offset).reshape(-1)              # [T*k] local expert of each choice
         is_local = (flat >= 0) & (flat < self.num_local_experts)
-        if not bool(is_local.any()):
-            return out
-        slots = is_local.nonzero().squeeze(1)
-        experts = flat[slots]
-        order = torch.argsort(experts, stable=True)
-        slots, experts = slots[order], experts[order]
-        counts = torch.bincount(experts, minlength=self.num_local_experts).tolist()
-        token_idx = slots // ids.shape[1]
-        w = weights.reshape(-1)[slots]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = token_idx[start:start + n]
-            xs = x[rows]
-            gate, up = F.linear(xs, self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = F.silu(gate) * up
-            y = F.linear(h, self.down_proj[e]) * w[start:start + n, None].to(x.dtype)
-            out.index_add_(0, rows, y)
-            start += n
-        return out
+        per_choice = x.new_zeros(t * k, x.shape[1])                # [T*k, H]
+        if bool(is_local.any()):
+            slots = is_local.nonzero().squeeze(1)
+            experts = flat[slots]
+            order = torch.argsort(experts, stable=True)
+            slots, experts = slots[order], experts[order]
+            counts = torch.bincount(experts, minlength=self.num_local_experts).tolist()
+            tokens = slots // k
+            start = 0
+            for e, n in enumerate(counts):
+                if n == 0:
+                    continue
+                xs = x[tokens[start:start + n]]
+                gate, up = F.linear(xs, self.gate_up_proj[e]).chunk(2, dim=-1)
+                per_choice[slots[start:start + n]] = F.linear(F.silu(gate) * up, self.down_proj[e])
+                start += n
+        # Sum over the k choices in a fixed order: the result does not depend on the batch.
+        return (per_choice.view(t, k, -1) * weights.to(x.dtype)[..., None]).sum(dim=1)
 
 
 class MoE(nn.Module):

@@ -16,11 +16,9 @@ checkpoint written every `--save-every` steps; `--export DIR` writes the Hugging
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -31,27 +29,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.attention import CausalAttention  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
+from runtime.corpus import corpus_files, read_source as read  # noqa: E402
 from runtime.layers import Router  # noqa: E402
 from runtime.model import Glm4MoeForCausalLM  # noqa: E402
 from runtime.weights import iter_hf_state  # noqa: E402
 
 EOS = "<|endoftext|>"
-HELD_OUT_BUCKETS = 5  # of 100: ~5% of files are held out
-
-
-def corpus_files() -> tuple[list[Path], list[Path]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3"}
-    files = sorted(f for f in root.rglob("*.py") if not skip & set(f.relative_to(root).parts))
-    train, held = [], []
-    for f in files:
-        bucket = int(hashlib.sha1(str(f.relative_to(root)).encode()).hexdigest(), 16) % 100
-        (held if bucket < HELD_OUT_BUCKETS else train).append(f)
-    return train, held
-
-
-def read(f: Path) -> str:
-    return f.read_text(encoding="utf-8", errors="replace")
 
 
 def train_tokenizer(files: list[Path], vocab_size: int, out: Path):

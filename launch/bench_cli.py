@@ -1,0 +1,35 @@
+"""`metrale bench`: argument parsing and the printed table (the sweep lives in runtime.benchmark)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help="concurrency sweep over held-out prompts, arms side by side")
+    b.add_argument("--model", required=True)
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    b.add_argument("--quick", action="store_true", help="small sweep that finishes in a few minutes")
+    b.add_argument("--concurrency", default=None, help="comma list, e.g. 1,2,4,8,16,32")
+    b.add_argument("--arms", default="none", help="comma list of arms: none, hf, k1, k2, k3, ...")
+    b.add_argument("--ep", type=int, default=1)
+    b.add_argument("--max-tokens", type=int, default=None, help="output tokens per request")
+    b.add_argument("--requests", type=int, default=None, help="requests per cell (default: 2 x concurrency, >= 4)")
+    b.add_argument("--json-out", type=Path, default=None)
+    b.add_argument("--plot-out", type=Path, default=None)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from runtime.benchmark import BenchConfig, run_bench
+
+    conc = args.concurrency or ("1,4" if args.quick else "1,2,4,8,16,32")
+    try:
+        levels = [int(c) for c in conc.split(",")]
+    except ValueError:
+        raise ValueError(f"--concurrency {conc!r} is not a comma list of integers") from None
+    config = BenchConfig(model=args.model, dtype=args.dtype, arms=tuple(a.strip() for a in args.arms.split(",")),
+                         concurrency=tuple(levels), ep=args.ep,
+                         max_tokens=args.max_tokens or (48 if args.quick else 128),
+                         requests=args.requests, quick=args.quick)
+    run_bench(config, json_out=args.json_out, plot_out=args.plot_out)
+    return 0

@@ -1,0 +1,234 @@
+"""`metrale bench`: a closed-loop concurrency sweep over held-out code prompts, arms side by side.
+
+Every arm runs the same prompts at the same concurrency levels in one process and one run, after a
+warm-up that is not measured. Greedy decoding with EOS ignored, so every request produces the same
+number of tokens in every arm. Per cell: aggregate output tokens/s, acceptance (for arms that
+speculate), TTFT and TPOT percentiles. The record goes to JSON, the curves to a PNG.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from runtime.corpus import heldout_prompts
+from runtime.sampler import SamplingParams
+
+# Arms that other parts of the project provide; each is refused by name until it exists.
+PLANNED_ARMS = {
+    "k1": "MTP speculation", "k2": "MTP speculation", "k3": "MTP speculation", "k4": "MTP speculation",
+    "ladder": "the K-versus-width ladder", "ladder+stop": "the confidence stop", "auto": "the auto ladder",
+    "tree": "tree speculation", "ngram": "the n-gram proposer",
+}
+BUILT_ARMS = ("none", "hf")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    model: str
+    dtype: str = "float32"
+    arms: tuple[str, ...] = ("none",)
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    ep: int = 1
+    max_tokens: int = 128
+    requests: int | None = None
+    quick: bool = False
+    num_prompts: int = 64
+
+    def __post_init__(self) -> None:
+        for arm in self.arms:
+            if arm in PLANNED_ARMS:
+                raise ValueError(f"bench arm {arm!r} needs {PLANNED_ARMS[arm]}, which is not built yet")
+            if arm not in BUILT_ARMS:
+                raise ValueError(f"unknown bench arm {arm!r} (built: {', '.join(BUILT_ARMS)})")
+        if self.ep != 1:
+            raise ValueError(f"--ep {self.ep}: expert parallelism is not built yet; only --ep 1 runs")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError(f"concurrency levels {self.concurrency} must be positive")
+        if self.max_tokens < 2:
+            raise ValueError(f"max_tokens={self.max_tokens} must be at least 2 (TPOT needs two tokens)")
+
+    def num_requests(self, concurrency: int) -> int:
+        return self.requests or max(4, 2 * concurrency)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    idx = min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))
+    return s[idx]
+
+
+def _cell(arm: str, concurrency: int, ep: int, tokens: int, wall: float, ttft: list[float],
+          tpot: list[float], verifies: int = 0, accepted: int = 0, p1: float | None = None,
+          p2_uncond: float | None = None, requests: int = 0) -> dict:
+    return {"arm": arm, "concurrency": concurrency, "ep": ep, "requests": requests, "output_tokens": tokens,
+            "wall_s": round(wall, 3), "tok_s": round(tokens / wall, 2),
+            "accept_len": round(1 + accepted / verifies, 3) if verifies else None,
+            "p1": p1, "p2_uncond": p2_uncond, "verifies": verifies,
+            "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p90_ms": _ms(percentile(ttft, 90)),
+            "tpot_p50_ms": _ms(percentile(tpot, 50)), "tpot_p90_ms": _ms(percentile(tpot, 90))}
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1000, 2)
+
+
+class EngineArm:
+    """Our engine, closed loop: `concurrency` requests in flight, a new one joins as one ends."""
+
+    def __init__(self, name: str, config: BenchConfig) -> None:
+        from runtime.llm import LLM
+        self.name = name
+        self.llm = LLM(config.model, dtype=config.dtype, kv_cache_tokens=65536,
+                       max_num_seqs=max(config.concurrency))
+
+    def run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int, ep: int) -> dict:
+        engine = self.llm.engine
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        inflight, done = [], []
+        submitted = 0
+        t0 = time.perf_counter()
+        while len(done) < n:
+            while len(inflight) < concurrency and submitted < n:
+                inflight.append(engine.add_request(prompts[submitted % len(prompts)], params))
+                submitted += 1
+            engine.step()
+            still = []
+            for seq in inflight:
+                (done if seq.is_finished else still).append(seq)
+            inflight = still
+        wall = time.perf_counter() - t0
+        ttft = [s.first_token_time - s.arrival_time for s in done]
+        tpot = [(s.finish_time - s.first_token_time) / (s.num_output - 1) for s in done if s.num_output > 1]
+        tokens = sum(s.num_output for s in done)
+        return _cell(self.name, concurrency, ep, tokens, wall, ttft, tpot, requests=n,
+                     verifies=sum(s.num_verifies for s in done), accepted=sum(s.accepted_tokens for s in done))
+
+
+class HFArm:
+    """transformers' `generate` on the same checkpoint: static batches of `concurrency` prompts."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        from transformers import Glm4MoeForCausalLM
+        from runtime.weights import DTYPES
+        self.model = Glm4MoeForCausalLM.from_pretrained(config.model, dtype=DTYPES[config.dtype]).eval()
+
+    def run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int, ep: int) -> dict:
+        tokens = 0
+        t0 = time.perf_counter()
+        for start in range(0, n, concurrency):
+            batch = [prompts[i % len(prompts)] for i in range(start, min(n, start + concurrency))]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            with torch.inference_mode():
+                out = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
+                                          min_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                                          pad_token_id=0)
+            tokens += (out.shape[1] - width) * len(batch)
+        return _cell("hf", concurrency, ep, tokens, time.perf_counter() - t0, [], [], requests=n)
+
+
+def build_arm(name: str, config: BenchConfig):
+    return HFArm(config) if name == "hf" else EngineArm(name, config)
+
+
+def bench_prompts(config: BenchConfig) -> list[list[int]]:
+    from runtime.tokenizer import Tokenizer
+    model_dir = Path(config.model)
+    tok = Tokenizer(model_dir)
+    path = model_dir / "heldout_prompts.jsonl"
+    if path.is_file():
+        texts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    else:
+        texts = heldout_prompts(config.num_prompts)
+    return [tok.encode(t) for t in texts[:config.num_prompts]]
+
+
+def git_sha() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "processor": platform.machine(), "cpus": torch.get_num_threads(),
+            "python": sys.version.split()[0], "torch": torch.__version__}
+
+
+def print_table(cells: list[dict]) -> None:
+    cols = ["arm", "concurrency", "tok_s", "accept_len", "p1", "p2_uncond", "verifies", "ttft_p50_ms",
+            "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms"]
+    rows = [[("-" if c[k] is None else str(c[k])) for k in cols] for c in cells]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(cols)]
+    print("  ".join(h.rjust(w) for h, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
+
+
+def plot(cells: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for arm in dict.fromkeys(c["arm"] for c in cells):
+        mine = sorted((c for c in cells if c["arm"] == arm), key=lambda c: c["concurrency"])
+        xs = [c["concurrency"] for c in mine]
+        ax1.plot(xs, [c["tok_s"] for c in mine], marker="o", label=arm)
+        if any(c["accept_len"] is not None for c in mine):
+            ax2.plot(xs, [c["accept_len"] or float("nan") for c in mine], marker="o", label=arm)
+    for ax, label in ((ax1, "output tokens/s"), (ax2, "accept_len (1 + mean accepted)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax2.set_title("acceptance (speculating arms)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path | None = None) -> dict:
+    prompts = bench_prompts(config)
+    print(f"bench: {len(prompts)} held-out prompts, arms {','.join(config.arms)}, concurrency "
+          f"{','.join(map(str, config.concurrency))}, {config.max_tokens} tokens per request", flush=True)
+    cells: list[dict] = []
+    for arm_name in config.arms:
+        arm = build_arm(arm_name, config)
+        arm.run(prompts[:2], 2, 2, 4, config.ep)  # warm-up, not recorded
+        for c in config.concurrency:
+            cell = arm.run(prompts, c, config.num_requests(c), config.max_tokens, config.ep)
+            cells.append(cell)
+            print(f"  {arm_name:>10} c={c:<3} {cell['tok_s']:9.1f} tok/s  accept_len {cell['accept_len']}",
+                  flush=True)
+        del arm
+    base = {c["concurrency"]: c["tok_s"] for c in cells if c["arm"] == config.arms[0]}
+    for c in cells:
+        c["tok_s_ratio_vs_" + config.arms[0]] = round(c["tok_s"] / base[c["concurrency"]], 3)
+    record = {"model": str(config.model), "git_sha": git_sha(),
+              "recorded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine(), "params": asdict(config), "cells": cells}
+    print_table(cells)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {json_out}")
+    if plot_out:
+        plot(cells, plot_out, f"{Path(config.model).name} ({config.dtype}, ep {config.ep})")
+        print(f"wrote {plot_out}")
+    return record

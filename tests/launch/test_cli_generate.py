@@ -1,0 +1,73 @@
+"""`metrale generate` end to end through a subprocess: output, JSON lines, and bad input."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import metrale_cmd, run_env, write_jsonl
+
+TIMEOUT = 120
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(metrale_cmd(*args), capture_output=True, text=True, env=run_env(), timeout=TIMEOUT)
+
+
+def test_generate_json_lines_in_input_order(ckpt_plain, tmp_path):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "def add(a, b):"}, {"prompt_ids": [5, 6, 7]},
+                                                  {"prompt": "import os"}])
+    res = run("generate", "--model", str(ckpt_plain), "--prompts-file", str(prompts), "--max-tokens", "5",
+              "--ignore-eos", "--json", "--dtype", "float64")
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert set(r) == {"index", "token_ids", "text", "finish_reason", "num_verifies", "drafted_tokens",
+                          "accepted_tokens"}
+        assert len(r["token_ids"]) == 5 and r["finish_reason"] == "length"
+        assert r["num_verifies"] == r["drafted_tokens"] == r["accepted_tokens"] == 0
+    # The batch gives what a single prompt gives (python -m launch is the same CLI as metrale).
+    alone = run("generate", "--model", str(ckpt_plain), "--prompt", "import os", "--max-tokens", "5",
+                "--ignore-eos", "--json", "--dtype", "float64")
+    assert json.loads(alone.stdout)["token_ids"] == rows[2]["token_ids"]
+
+
+def test_generate_plain_text(ckpt_plain):
+    res = run("generate", "--model", str(ckpt_plain), "--prompt", "x = 1", "--max-tokens", "4")
+    assert res.returncode == 0, res.stderr
+    assert "tok/s" in res.stderr
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--max-tokens", "0"], "max_tokens=0"),
+    (["--temperature", "-1"], "temperature=-1"),
+    (["--top-p", "1.5"], "top_p=1.5"),
+])
+def test_bad_sampling_flags(ckpt_plain, extra, needle):
+    res = run("generate", "--model", str(ckpt_plain), "--prompt", "hi", *extra)
+    assert res.returncode != 0
+    assert needle in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_bad_inputs_fail_with_one_line(ckpt_plain, tmp_path):
+    cases = [
+        (["--model", str(tmp_path / "missing"), "--prompt", "hi"], "missing"),
+        (["--model", str(ckpt_plain), "--prompts-file", str(tmp_path / "none.jsonl")], "none.jsonl"),
+        (["--model", str(ckpt_plain), "--prompts-file",
+          str(write_jsonl(tmp_path / "oov.jsonl", [{"prompt_ids": [1, 99999]}]))], "99999"),
+        (["--model", str(ckpt_plain), "--prompt", "word " * 400], "context"),
+    ]
+    (tmp_path / "broken.jsonl").write_text("{not json\n")
+    cases.append((["--model", str(ckpt_plain), "--prompts-file", str(tmp_path / "broken.jsonl")], "broken.jsonl:1"))
+    empty = tmp_path / "empty_model"
+    empty.mkdir()
+    cases.append((["--model", str(empty), "--prompt", "hi"], "config.json"))
+    for args, needle in cases:
+        res = run("generate", *args)
+        assert res.returncode == 2, (args, res.stderr)
+        assert needle in res.stderr, (needle, res.stderr)
+        assert "Traceback" not in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
