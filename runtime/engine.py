@@ -7,6 +7,7 @@ the (seed, position) generator; finished sequences free their cache.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -17,9 +18,15 @@ from runtime.attention import SeqChunk
 from runtime.config import ModelConfig
 from runtime.model_runner import ModelRunner
 from runtime.sampler import SamplingParams, sample_rows
-from runtime.scheduler import Scheduler, SchedulerConfig
+from runtime.scheduler import Scheduled, Scheduler, SchedulerConfig
 from runtime.sequence import Sequence
 from runtime.tokenizer import Tokenizer, find_stop
+from speculative.knobs import mtp_accept_debug
+from speculative.metrics import AcceptanceMetrics
+from speculative.proposer import DraftProposer, Drafts, ProposerState, ProposeRequest
+from speculative.verify import committed_tokens, target_tokens
+
+log = logging.getLogger("metrale.engine")
 
 
 class RequestError(ValueError):
@@ -32,22 +39,29 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    num_drafts: int = 0          # draft tokens per sequence per step when a proposer is given
 
     def __post_init__(self) -> None:
+        if not 0 <= self.num_drafts <= 16:
+            raise ValueError(f"num_drafts={self.num_drafts} must be in 0..16")
         if self.kv_cache_tokens < self.block_size:
             raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} must be at least one block "
                              f"({self.block_size} tokens)")
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None, config: EngineConfig) -> None:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None, config: EngineConfig,
+                 proposer: DraftProposer | None = None) -> None:
         self.runner = runner
         self.model_config: ModelConfig = runner.config
         self.tokenizer = tokenizer
         self.config = config
+        self.proposer = proposer if config.num_drafts > 0 else None
+        self.states: dict[int, ProposerState] = {}
+        self.metrics = AcceptanceMetrics()
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                                    max_num_batched_tokens=config.max_num_batched_tokens),
-                                   runner.cache)
+                                   runner.cache, on_preempt=self._on_preempt)
         self.max_model_len = min(self.model_config.max_position_embeddings, runner.cache.capacity_tokens)
         self._ids = itertools.count()
         self._rng = random.Random()
@@ -69,45 +83,130 @@ class Engine:
         seq = Sequence(seq_id=next(self._ids), prompt_len=len(prompt_ids), token_ids=list(prompt_ids),
                        params=params, seed=seed)
         self.scheduler.add(seq)
+        if self.proposer is not None:
+            self.states[seq.seq_id] = self.proposer.alloc_state(seq.seq_id)
         return seq
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         if not seq.is_finished:
             seq.finish_reason = reason
             seq.finish_time = time.perf_counter()
-            self.scheduler.finish(seq)
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        state = self.states.pop(seq.seq_id, None)
+        if state is not None:
+            self.proposer.free_state(state)
+
+    def _on_preempt(self, seq: Sequence) -> None:
+        if seq.seq_id in self.states:
+            self.proposer.reset_state(self.states[seq.seq_id])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # --- one step -------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one batched forward; returns the sequences that got a token (or finished)."""
-        batch = self.scheduler.schedule()
+        """Run one batched forward; returns the sequences that got tokens (or finished).
+
+        Sequences still prefilling compute a chunk of their prompt; decoding sequences compute
+        their pending token, followed by drafts when a proposer is set, verified in the same
+        forward. Prefill rows and accepted rows are handed to the proposer as target hiddens.
+        """
+        batch = self.scheduler.schedule(self._drafts_for if self.proposer is not None else None)
         if not batch:
             if self.scheduler.waiting:
                 raise RuntimeError("the KV cache cannot hold the next waiting request even when empty")
             return []
+        drafts = self._propose(batch)
         tokens: list[int] = []
         chunks: list[SeqChunk] = []
-        for seq, n in batch:
-            tokens.extend(seq.token_ids[seq.num_computed:seq.num_computed + n])
-            chunks.append(SeqChunk(seq.seq_id, seq.num_computed, n))
+        for item, d in zip(batch, drafts):
+            seq = item.seq
+            tokens.extend(seq.token_ids[seq.num_computed:seq.num_computed + item.num_tokens])
+            tokens.extend(d.tokens)
+            chunks.append(SeqChunk(seq.seq_id, seq.num_computed, item.num_tokens + len(d.tokens)))
         hidden, plan = self.runner.forward(tokens, chunks)
-        for seq, n in batch:
-            seq.num_computed += n
-        ready = [i for i, (seq, _) in enumerate(batch) if seq.num_pending == 0]
         self.num_steps += 1
-        if not ready:
-            return []
-        logits = self.runner.logits(hidden[plan.last_rows[ready]])
-        seqs = [batch[i][0] for i in ready]
-        new = sample_rows(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                          [len(s.token_ids) for s in seqs])
+        row = 0
+        plain: list[tuple[Sequence, int]] = []       # (sequence, hidden row of its last token)
+        spec: list[tuple[Scheduled, Drafts, int]] = []
+        for item, d, chunk in zip(batch, drafts, chunks):
+            if d.tokens:
+                spec.append((item, d, row))
+            else:
+                seq = item.seq
+                self._observe(seq, hidden[row:row + item.num_tokens], seq.num_computed)
+                seq.num_computed += item.num_tokens
+                if seq.num_pending == 0:
+                    plain.append((seq, row + item.num_tokens - 1))
+            row += chunk.num_tokens
         now = time.perf_counter()
-        for seq, tok in zip(seqs, new):
-            self.commit(seq, [tok], now)
-        return seqs
+        done: list[Sequence] = []
+        if plain:
+            seqs = [s for s, _ in plain]
+            logits = self.runner.logits(hidden[[r for _, r in plain]])
+            new = sample_rows(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                              [len(s.token_ids) for s in seqs])
+            for seq, tok in zip(seqs, new):
+                self.commit(seq, [tok], now)
+            done.extend(seqs)
+        if spec:
+            self._verify(spec, hidden, len(batch), now)
+            done.extend(item.seq for item, _, _ in spec)
+        return done
+
+    # --- speculation ----------------------------------------------------------------------
+    def _drafts_for(self, seq: Sequence) -> int:
+        """Drafts for a decoding sequence this step: --num-drafts, clamped so that the committed
+        tokens (accepted drafts plus the bonus) never pass max_tokens or the context."""
+        room = min(seq.params.max_tokens - seq.num_output, self.max_model_len - len(seq.token_ids)) - 1
+        return max(0, min(self.config.num_drafts, room))
+
+    def _propose(self, batch: list[Scheduled]) -> list[Drafts]:
+        none = Drafts([], [])
+        if self.proposer is None:
+            return [none] * len(batch)
+        idx = [i for i, item in enumerate(batch) if item.num_drafts > 0]
+        reqs = [ProposeRequest(self.states[batch[i].seq.seq_id], batch[i].seq.token_ids, batch[i].num_drafts)
+                for i in idx]
+        got = self.proposer.propose_batch(reqs) if reqs else []
+        if got is None:
+            got = [self.proposer.propose(r) for r in reqs]
+        out = [none] * len(batch)
+        for i, d in zip(idx, got):
+            n = min(len(d.tokens), batch[i].num_drafts)
+            out[i] = Drafts(d.tokens[:n], d.probs[:n])
+        return out
+
+    def _observe(self, seq: Sequence, rows: torch.Tensor, start: int) -> None:
+        if self.proposer is not None and seq.seq_id in self.states:
+            self.proposer.observe_target(self.states[seq.seq_id], rows, start)
+
+    def _verify(self, spec: list[tuple[Scheduled, Drafts, int]], hidden: torch.Tensor, width: int,
+                now: float) -> None:
+        rows = torch.cat([torch.arange(r, r + 1 + len(d.tokens)) for _, d, r in spec])
+        logits = self.runner.logits(hidden[rows])
+        at = 0
+        for item, d, row in spec:
+            seq, k = item.seq, len(d.tokens)
+            start = seq.num_computed
+            targets = target_tokens(logits[at:at + k + 1], seq.params, seq.seed, start + 1)
+            at += k + 1
+            na, commit = committed_tokens(d.tokens, targets)
+            self.metrics.record(width, d.tokens, targets, na)
+            seq.num_verifies += 1
+            seq.drafted_tokens += k
+            seq.accepted_tokens += na
+            # Rows 0..na had committed inputs (the pending token and the accepted drafts).
+            seq.num_computed = start + na + 1
+            self.runner.cache.rewind(seq.seq_id, seq.num_computed)
+            self._observe(seq, hidden[row:row + na + 1], start)
+            self.proposer.after_verify(self.states[seq.seq_id], na)
+            self.commit(seq, commit, now)
+        if mtp_accept_debug() and self.metrics.verifies % 200 < len(spec):
+            log.info("mtp accept: %s", self.metrics.summary())
 
     def commit(self, seq: Sequence, new_tokens: list[int], now: float) -> None:
         """Append tokens to a sequence, stopping at EOS, a stop string, max_tokens or the context."""
@@ -132,7 +231,7 @@ class Engine:
         if reason:
             seq.finish_reason = reason
             seq.finish_time = now
-            self.scheduler.finish(seq)
+            self._finish(seq)
 
     def run_to_completion(self) -> None:
         with torch.inference_mode():

@@ -14,23 +14,39 @@ from runtime.tokenizer import Tokenizer
 from runtime.weights import load_model
 
 Prompt = str | list[int]
+SPEC_METHODS = ("none", "mtp", "ngram")
+
+
+def make_proposer(spec: str, model, runner: ModelRunner):
+    """The drafter for `spec`: the checkpoint's MTP layer, prompt lookup, or none."""
+    if spec == "mtp":
+        from speculative.mtp import MTPProposer
+        return MTPProposer(model, runner.cache)
+    if spec == "ngram":
+        from speculative.ngram import NgramProposer
+        return NgramProposer()
+    return None
 
 
 class LLM:
     """Loads a checkpoint folder and generates for batches of prompts (text or token ids)."""
 
     def __init__(self, model: str | Path, dtype: str = "float32", *, kv_cache_tokens: int = 32768,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024) -> None:
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, spec: str = "none",
+                 num_drafts: int = 3) -> None:
         model_dir = Path(model)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model folder {str(model_dir)!r} does not exist")
         self.model_dir = model_dir
         self.model = load_model(model_dir, dtype)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        if spec not in SPEC_METHODS:
+            raise ValueError(f"spec={spec!r} is not a speculation method (expected one of {', '.join(SPEC_METHODS)})")
         config = EngineConfig(kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens)
-        self.engine = Engine(ModelRunner(self.model, kv_cache_tokens=config.kv_cache_tokens,
-                                         block_size=config.block_size), self.tokenizer, config)
+                              max_num_batched_tokens=max_num_batched_tokens,
+                              num_drafts=num_drafts if spec != "none" else 0)
+        runner = ModelRunner(self.model, kv_cache_tokens=config.kv_cache_tokens, block_size=config.block_size)
+        self.engine = Engine(runner, self.tokenizer, config, make_proposer(spec, self.model, runner))
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -10,6 +10,7 @@ committed output (nothing it produced is lost).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.kv_cache import PagedKVCache
@@ -29,10 +30,20 @@ class SchedulerConfig:
                              f"max_num_seqs={self.max_num_seqs}")
 
 
+@dataclass(slots=True)
+class Scheduled:
+    """One sequence's share of a step: `num_tokens` known tokens, then `num_drafts` draft rows."""
+    seq: Sequence
+    num_tokens: int
+    num_drafts: int = 0
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: PagedKVCache) -> None:
+    def __init__(self, config: SchedulerConfig, cache: PagedKVCache,
+                 on_preempt: Callable[[Sequence], None] | None = None) -> None:
         self.config = config
         self.cache = cache
+        self.on_preempt = on_preempt
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -46,22 +57,28 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """Pick this step's (sequence, number of tokens to compute) and reserve their cache."""
+    def schedule(self, drafts_for: Callable[[Sequence], int] | None = None) -> list[Scheduled]:
+        """Pick this step's sequences and token counts and reserve their cache.
+
+        `drafts_for(seq)` gives the draft rows a decoding sequence (one pending token) wants this
+        step; its cache is reserved for them too (the drafter writes its rows there as well).
+        """
         budget = self.config.max_num_batched_tokens
-        batch: list[tuple[Sequence, int]] = []
+        batch: list[Scheduled] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_pending, budget)
-            if not self._reserve(seq, n):
+            k = drafts_for(seq) if drafts_for is not None and seq.num_pending == 1 else 0
+            k = max(0, min(k, budget - n))
+            if not self._reserve(seq, n + k):
                 victim = self.running.pop()  # youngest admission
                 self._preempt(victim)
                 if victim is seq:
                     break
                 continue
-            batch.append((seq, n))
-            budget -= n
+            batch.append(Scheduled(seq, n, k))
+            budget -= n + k
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -73,7 +90,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.append((seq, n))
+            batch.append(Scheduled(seq, n))
             budget -= n
         return batch
 
@@ -91,6 +108,8 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or cancelled sequence from the queues and free its cache."""

@@ -53,6 +53,37 @@ def make_checkpoint(path: Path, name: str = "plain", seed: int = 0, **overrides)
     return path
 
 
+def add_random_mtp(path: Path, seed: int = 5, copy_from_last: bool = True) -> Path:
+    """Give a transformers checkpoint an MTP layer at index num_hidden_layers (DESIGN §3).
+
+    With `copy_from_last` the MTP decoder layer starts as a copy of the last target layer and
+    eh_proj passes the hidden through, so drafts agree with the target often enough for
+    verification to accept some and reject others.
+    """
+    from safetensors.torch import load_file, save_file
+    cfg = json.loads((path / "config.json").read_text())
+    layers, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    tensors = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    src = f"model.layers.{layers - 1}."
+    for k in [k for k in tensors if k.startswith(src)]:
+        noise = 0.0 if copy_from_last else 0.05 * torch.randn(tensors[k].shape, generator=g)
+        tensors[f"model.layers.{layers}." + k[len(src):]] = tensors[k].clone() + noise
+    eh = torch.zeros(h, 2 * h)
+    eh[:, h:] = torch.eye(h)  # pass the target hidden through, ignore the token
+    eh += 0.02 * torch.randn(h, 2 * h, generator=g)
+    tensors[f"model.layers.{layers}.eh_proj.weight"] = eh
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"model.layers.{layers}.{name}.weight"] = torch.ones(h)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="session")
+def ckpt_mtp(tmp_path_factory) -> Path:
+    return add_random_mtp(make_checkpoint(tmp_path_factory.mktemp("mtp"), "grouped", seed=2))
+
+
 @pytest.fixture(scope="session")
 def ckpt_plain(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("plain"), "plain")

@@ -1,0 +1,74 @@
+"""The draft-proposer interface: what the engine asks of any drafter (MTP head, n-gram lookup).
+
+Shapes: m fed rows, H hidden.
+
+Feeding convention: the target's pre-norm hidden at position i is paired with the committed token
+at position i + 1. `observe_target` hands the proposer the hiddens of committed positions as the
+engine learns them (prefill chunks, the accepted rows of a verify); a propose then drafts the
+tokens that follow the last committed token.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class ProposerState:
+    """Per-sequence drafter state, opaque to the engine."""
+    seq_id: int
+    # Target hiddens not yet fed to the drafter: rows for positions fed_upto.. (in order).
+    pending_hidden: list[torch.Tensor] = field(default_factory=list)
+    fed_upto: int = 0          # drafter rows 0..fed_upto-1 hold true (committed) inputs
+
+
+@dataclass(frozen=True, slots=True)
+class Drafts:
+    tokens: list[int]
+    probs: list[float]         # the drafter's top-1 probability of each token (1.0 for lookups)
+
+
+@dataclass(slots=True)
+class ProposeRequest:
+    state: ProposerState
+    token_ids: Sequence[int]   # every committed token of the sequence
+    num_drafts: int
+
+
+class DraftProposer(ABC):
+    """A source of draft tokens. Implementations must not change any committed state of the target."""
+
+    #: True when a propose runs collectives (the sharded MTP drafter): every rank must join it.
+    needs_comm: bool = False
+
+    def alloc_state(self, seq_id: int) -> ProposerState:
+        return ProposerState(seq_id=seq_id)
+
+    def observe_target(self, state: ProposerState, hidden: torch.Tensor, start: int) -> None:
+        """Target pre-norm hiddens [m, H] of committed positions start..start+m-1."""
+        pending_end = state.fed_upto + sum(h.shape[0] for h in state.pending_hidden)
+        if start != pending_end:
+            raise ValueError(f"sequence {state.seq_id}: hidden rows from {start}, expected {pending_end}")
+        state.pending_hidden.append(hidden)
+
+    @abstractmethod
+    def propose(self, req: ProposeRequest) -> Drafts:
+        """Draft up to `req.num_drafts` tokens after the last committed token."""
+
+    def propose_batch(self, reqs: list[ProposeRequest]) -> list[Drafts] | None:
+        """Draft for many sequences at once; None declines (the engine then goes one by one)."""
+        return None
+
+    def after_verify(self, state: ProposerState, num_accepted: int) -> None:
+        """Trim the state to what the verify accepted (default: nothing to trim)."""
+
+    def free_state(self, state: ProposerState) -> None:
+        state.pending_hidden.clear()
+
+    def reset_state(self, state: ProposerState) -> None:
+        """Forget everything: the sequence was preempted and will be recomputed from scratch."""
+        state.pending_hidden.clear()
+        state.fed_upto = 0
