@@ -26,6 +26,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     p.add_argument("--kv-cache-tokens", type=_positive_int, default=32768, help="KV cache budget in tokens")
     p.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most sequences in one step")
+    p.add_argument("--spec", default="none", choices=["none", "mtp", "ngram"],
+                   help="speculative decoding: the checkpoint's MTP layer, prompt lookup, or none")
+    p.add_argument("--num-drafts", type=int, default=3, help="draft tokens per sequence per step (0..16)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +88,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             stop=args.stop)
     prompts = read_prompts(args.prompts_file) if args.prompts_file else [args.prompt]
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
-              max_num_seqs=args.max_num_seqs)
+              max_num_seqs=args.max_num_seqs, spec=args.spec, num_drafts=args.num_drafts)
     try:
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params)
@@ -101,7 +104,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(out.text)
     if not args.json:
         n = sum(len(o.token_ids) for o in outputs)
-        print(f"[{len(outputs)} prompt(s), {n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s]", file=sys.stderr)
+        line = f"[{len(outputs)} prompt(s), {n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s"
+        verifies = sum(o.num_verifies for o in outputs)
+        if verifies:
+            line += f", accept_len {1 + sum(o.accepted_tokens for o in outputs) / verifies:.2f}"
+        print(line + "]", file=sys.stderr)
     return 0
 
 

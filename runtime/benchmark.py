@@ -24,11 +24,13 @@ from runtime.sampler import SamplingParams
 
 # Arms that other parts of the project provide; each is refused by name until it exists.
 PLANNED_ARMS = {
-    "k1": "MTP speculation", "k2": "MTP speculation", "k3": "MTP speculation", "k4": "MTP speculation",
     "ladder": "the K-versus-width ladder", "ladder+stop": "the confidence stop", "auto": "the auto ladder",
-    "tree": "tree speculation", "ngram": "the n-gram proposer",
+    "tree": "tree speculation",
 }
-BUILT_ARMS = ("none", "hf")
+# Engine arms: name -> (speculation method, drafts per step).
+ENGINE_ARMS = {"none": ("none", 0), "k1": ("mtp", 1), "k2": ("mtp", 2), "k3": ("mtp", 3), "k4": ("mtp", 4),
+               "ngram": ("ngram", 3)}
+BUILT_ARMS = (*ENGINE_ARMS, "hf")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -79,6 +81,10 @@ def _cell(arm: str, concurrency: int, ep: int, tokens: int, wall: float, ttft: l
             "tpot_p50_ms": _ms(percentile(tpot, 50)), "tpot_p90_ms": _ms(percentile(tpot, 90))}
 
 
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 4)
+
+
 def _ms(v: float | None) -> float | None:
     return None if v is None else round(v * 1000, 2)
 
@@ -89,11 +95,14 @@ class EngineArm:
     def __init__(self, name: str, config: BenchConfig) -> None:
         from runtime.llm import LLM
         self.name = name
+        spec, k = ENGINE_ARMS[name]
         self.llm = LLM(config.model, dtype=config.dtype, kv_cache_tokens=65536,
-                       max_num_seqs=max(config.concurrency))
+                       max_num_seqs=max(config.concurrency), spec=spec, num_drafts=k)
 
     def run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int, ep: int) -> dict:
+        from speculative.metrics import AcceptanceMetrics
         engine = self.llm.engine
+        engine.metrics = AcceptanceMetrics()
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         inflight, done = [], []
         submitted = 0
@@ -111,8 +120,9 @@ class EngineArm:
         ttft = [s.first_token_time - s.arrival_time for s in done]
         tpot = [(s.finish_time - s.first_token_time) / (s.num_output - 1) for s in done if s.num_output > 1]
         tokens = sum(s.num_output for s in done)
-        return _cell(self.name, concurrency, ep, tokens, wall, ttft, tpot, requests=n,
-                     verifies=sum(s.num_verifies for s in done), accepted=sum(s.accepted_tokens for s in done))
+        m = engine.metrics
+        return _cell(self.name, concurrency, ep, tokens, wall, ttft, tpot, requests=n, verifies=m.verifies,
+                     accepted=m.accepted_tokens, p1=_round(m.positional(0)), p2_uncond=_round(m.positional(1)))
 
 
 class HFArm:

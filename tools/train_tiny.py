@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.attention import CausalAttention  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
-from runtime.corpus import corpus_files, read_source as read  # noqa: E402
+from runtime.corpus import corpus_files, heldout_prompts, read_source as read  # noqa: E402
 from runtime.layers import Router  # noqa: E402
 from runtime.model import Glm4MoeForCausalLM  # noqa: E402
 from runtime.weights import iter_hf_state  # noqa: E402
@@ -142,6 +142,8 @@ def export(model: Glm4MoeForCausalLM, out_dir: Path, tokenizer_path: Path, meta:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "model_max_length": 2048}, indent=2) + "\n")
     (out_dir / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
+    prompts = heldout_prompts(64)  # the benchmark's prompts: cut from files the model never saw
+    (out_dir / "heldout_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
 
 
 def main() -> None:
