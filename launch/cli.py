@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
 
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="model name clients use (default: the folder name)")
+    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes")
+
     from launch.bench_cli import add_bench_parser
     add_bench_parser(sub)
     return ap
@@ -112,6 +119,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from runtime import LLM
+    from runtime.server import ServerConfig, load_chat_template, serve
+
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port {args.port} is not a TCP port")
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
+              max_num_seqs=args.max_num_seqs, spec=args.spec, num_drafts=args.num_drafts)
+    name = args.served_model_name or Path(args.model).resolve().name
+    print(f"metrale serve: {name} on http://{args.host}:{args.port} (spec {args.spec})", file=sys.stderr, flush=True)
+    serve(llm, host=args.host, port=args.port,
+          config=ServerConfig(served_model_name=name, api_key=args.api_key,
+                              chat_template=load_chat_template(Path(args.model))))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from runtime.config import ConfigError
@@ -120,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "serve":
+            return cmd_serve(args)
         from launch.bench_cli import cmd_bench
         return cmd_bench(args)
     except (UsageError, RequestError, ConfigError, CheckpointError, FileNotFoundError, ValueError) as exc:

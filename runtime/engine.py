@@ -70,6 +70,17 @@ class Engine:
     # --- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Validate and queue one request; raises `RequestError` naming what is wrong."""
+        self.validate_request(prompt_ids, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(seq_id=next(self._ids), prompt_len=len(prompt_ids), token_ids=list(prompt_ids),
+                       params=params, seed=seed)
+        self.scheduler.add(seq)
+        if self.proposer is not None:
+            self.states[seq.seq_id] = self.proposer.alloc_state(seq.seq_id)
+        return seq
+
+    def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise `RequestError` when a request cannot be served; reads only fixed configuration."""
         vocab = self.model_config.vocab_size
         if not prompt_ids:
             raise RequestError("prompt is empty: at least one token is needed")
@@ -79,13 +90,6 @@ class Engine:
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"prompt of {len(prompt_ids)} tokens does not fit the context of "
                                f"{self.max_model_len} tokens (one output token needs room too)")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(seq_id=next(self._ids), prompt_len=len(prompt_ids), token_ids=list(prompt_ids),
-                       params=params, seed=seed)
-        self.scheduler.add(seq)
-        if self.proposer is not None:
-            self.states[seq.seq_id] = self.proposer.alloc_state(seq.seq_id)
-        return seq
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         if not seq.is_finished:

@@ -1,0 +1,54 @@
+"""Prometheus metrics of one server: requests, latencies, the batch, the KV cache, speculation."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from runtime.engine import Engine
+from speculative.metrics import MAX_POSITIONS
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("metrale_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.rejected = Counter("metrale_requests_rejected", "Requests refused with a 4xx", ["status"],
+                                registry=r)
+        self.prompt_tokens = Counter("metrale_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("metrale_generation_tokens", "Output tokens sent", registry=r)
+        self.latency = Histogram("metrale_request_latency_seconds", "Arrival to last token", registry=r,
+                                 buckets=_LATENCY_BUCKETS)
+        self.ttft = Histogram("metrale_time_to_first_token_seconds", "Arrival to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.running = Gauge("metrale_num_requests_running", "Sequences in the running batch", registry=r)
+        self.waiting = Gauge("metrale_num_requests_waiting", "Sequences waiting for admission", registry=r)
+        self.kv_usage = Gauge("metrale_kv_cache_usage_ratio", "Share of KV cache blocks in use", registry=r)
+        self.preemptions = Gauge("metrale_num_preemptions", "Preemptions so far (recompute)", registry=r)
+        self.spec_drafts = Gauge("metrale_spec_decode_num_drafts", "Verifies of drafted sequences", registry=r)
+        self.spec_draft_tokens = Gauge("metrale_spec_decode_num_draft_tokens", "Draft tokens proposed",
+                                       registry=r)
+        self.spec_accepted = Gauge("metrale_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                   registry=r)
+        self.spec_accepted_pos = Gauge("metrale_spec_decode_num_accepted_tokens_per_pos",
+                                       "Drafts equal to the target's token, by draft position", ["position"],
+                                       registry=r)
+
+    def observe_engine(self, engine: Engine) -> None:
+        """Called on the engine thread after every step."""
+        sched = engine.scheduler
+        cache = engine.runner.cache
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.kv_usage.set(1 - cache.num_free_blocks / cache.num_blocks)
+        self.preemptions.set(sched.num_preemptions)
+        m = engine.metrics
+        self.spec_drafts.set(m.verifies)
+        self.spec_draft_tokens.set(m.drafted_tokens)
+        self.spec_accepted.set(m.accepted_tokens)
+        for i in range(MAX_POSITIONS):
+            if m.drafted_at[i]:
+                self.spec_accepted_pos.labels(position=str(i)).set(m.matched_at[i])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
