@@ -150,7 +150,7 @@ class Engine:
         done: list[Sequence] = []
         if plain:
             seqs = [s for s, _ in plain]
-            logits = self.runner.logits(hidden[[r for _, r in plain]])
+            logits = self.runner.logits(hidden, [r for _, r in plain])
             new = sample_rows(logits, [s.params for s in seqs], [s.seed for s in seqs],
                               [len(s.token_ids) for s in seqs])
             for seq, tok in zip(seqs, new):
@@ -190,8 +190,8 @@ class Engine:
 
     def _verify(self, spec: list[tuple[Scheduled, Drafts, int]], hidden: torch.Tensor, width: int,
                 now: float) -> None:
-        rows = torch.cat([torch.arange(r, r + 1 + len(d.tokens)) for _, d, r in spec])
-        logits = self.runner.logits(hidden[rows])
+        rows = [i for _, d, r in spec for i in range(r, r + 1 + len(d.tokens))]
+        logits = self.runner.logits(hidden, rows)
         at = 0
         for item, d, row in spec:
             seq, k = item.seq, len(d.tokens)

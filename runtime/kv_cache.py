@@ -26,6 +26,10 @@ class PagedKVCache:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
+        # When a list, every reserve/rewind/free is also recorded here as (op, seq_id, length), so
+        # the caches of other ranks can replay it: the allocator is deterministic, so the same
+        # operations give the same block tables everywhere.
+        self.journal: list[tuple[str, int, int]] | None = None
 
     # --- accounting -------------------------------------------------------------------------
     @property
@@ -60,6 +64,8 @@ class PagedKVCache:
         need = self.blocks_needed(seq_id, new_length)
         if need > len(self._free):
             raise CacheFullError(f"sequence {seq_id} needs {need} more blocks, {len(self._free)} free")
+        if self.journal is not None:
+            self.journal.append(("reserve", seq_id, new_length))
         table = self._tables.setdefault(seq_id, [])
         for _ in range(need):
             table.append(self._free.pop())
@@ -70,6 +76,8 @@ class PagedKVCache:
         cur = self._lengths.get(seq_id, 0)
         if not 0 <= new_length <= cur:
             raise ValueError(f"cannot rewind sequence {seq_id} from {cur} to {new_length} tokens")
+        if self.journal is not None:
+            self.journal.append(("rewind", seq_id, new_length))
         table = self._tables[seq_id]
         keep = -(-new_length // self.block_size)
         while len(table) > keep:
@@ -77,9 +85,22 @@ class PagedKVCache:
         self._lengths[seq_id] = new_length
 
     def free(self, seq_id: int) -> None:
+        if self.journal is not None:
+            self.journal.append(("free", seq_id, 0))
         for block in reversed(self._tables.pop(seq_id, [])):
             self._free.append(block)
         self._lengths.pop(seq_id, None)
+
+    def replay(self, op: str, seq_id: int, length: int) -> None:
+        """Apply one journal entry recorded by another rank's cache."""
+        if op == "reserve":
+            self.reserve(seq_id, length)
+        elif op == "rewind":
+            self.rewind(seq_id, length)
+        elif op == "free":
+            self.free(seq_id)
+        else:
+            raise ValueError(f"unknown cache operation {op!r}")
 
     # --- addressing -------------------------------------------------------------------------
     def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:

@@ -189,7 +189,7 @@ class RoutedExperts(nn.Module):
                 per_choice[slots[start:start + n]] = F.linear(F.silu(gate) * up, self.down_proj[e])
                 start += n
         # Sum over the k choices in a fixed order: the result does not depend on the batch.
-        return (per_choice.view(t, k, -1) * weights.to(x.dtype)[..., None]).sum(dim=1)
+        return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
 
 
 class MoE(nn.Module):

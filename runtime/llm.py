@@ -33,20 +33,53 @@ class LLM:
 
     def __init__(self, model: str | Path, dtype: str = "float32", *, kv_cache_tokens: int = 32768,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, spec: str = "none",
-                 num_drafts: int = 3) -> None:
+                 num_drafts: int = 3, ep: int = 1, moe_a2a: str = "alltoall", ep_timeout_s: float = 60.0,
+                 comm=None) -> None:
+        """`ep` > 1 spawns ep - 1 workers (the mp launcher) unless `comm`, an already joined
+        communicator of rank 0 (torchrun), is given."""
         model_dir = Path(model)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model folder {str(model_dir)!r} does not exist")
         self.model_dir = model_dir
-        self.model = load_model(model_dir, dtype)
+        self.group = None
+        self.rank_weight_bytes: list[int] = []
+        if ep > 1 and spec == "mtp":
+            raise ValueError("--spec mtp with --ep > 1 needs the sharded MTP drafter, which is not built yet")
+        if ep > 1 or comm is not None:
+            runner = self._start_ep(model_dir, dtype, ep, moe_a2a, ep_timeout_s, kv_cache_tokens, comm)
+        else:
+            runner = ModelRunner(load_model(model_dir, dtype), kv_cache_tokens=kv_cache_tokens)
+        self.model = runner.model
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         if spec not in SPEC_METHODS:
             raise ValueError(f"spec={spec!r} is not a speculation method (expected one of {', '.join(SPEC_METHODS)})")
         config = EngineConfig(kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
                               num_drafts=num_drafts if spec != "none" else 0)
-        runner = ModelRunner(self.model, kv_cache_tokens=config.kv_cache_tokens, block_size=config.block_size)
         self.engine = Engine(runner, self.tokenizer, config, make_proposer(spec, self.model, runner))
+
+    def _start_ep(self, model_dir: Path, dtype: str, ep: int, moe_a2a: str, timeout_s: float,
+                  kv_cache_tokens: int, comm):
+        from ep.shard import DriverRunner, driver_handshake, gather_weight_bytes, load_shard
+        if comm is None:
+            from launch.mp import GroupConfig, MPGroup
+            self.group = MPGroup(GroupConfig(model_dir=str(model_dir), dtype=dtype, ep=ep, moe_a2a=moe_a2a,
+                                             kv_cache_tokens=kv_cache_tokens, timeout_s=timeout_s))
+            comm = self.group.comm
+        self.comm = comm
+        try:
+            driver_handshake(comm, model_dir, dtype)
+            local = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens)
+            self.rank_weight_bytes = gather_weight_bytes(comm, local)
+        except BaseException:
+            self._stop_group()
+            raise
+        return DriverRunner(local, comm)
+
+    def _stop_group(self) -> None:
+        if self.group is not None:
+            self.group.stop()
+            self.group = None
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -72,11 +105,21 @@ class LLM:
             for s in seqs:
                 self.engine.abort(s)
             raise
-        self.engine.run_to_completion()
+        try:
+            self.engine.run_to_completion()
+        except BaseException:
+            self.shutdown()  # an EP error leaves the group unusable: end every rank now
+            raise
         return [RequestOutput.of(i, s) for i, s in enumerate(seqs)]
 
     def shutdown(self) -> None:
-        """Release the model and cache (the EP launcher also ends its workers here)."""
+        """End the EP workers (if any) and release the model and cache."""
+        from runtime.model_runner import ModelRunner as _Single
+        if self.engine is not None and not isinstance(self.engine.runner, _Single):
+            try:
+                self.engine.runner.shutdown()
+            except Exception:  # a broken group: the workers end on their own timeout
+                pass
+        self._stop_group()
         self.engine = None
         self.model = None
-        torch.set_grad_enabled(True)

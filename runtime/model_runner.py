@@ -18,7 +18,7 @@ class ModelRunner:
         self.config = cfg
         num_blocks = max(1, kv_cache_tokens // block_size)
         self.cache = PagedKVCache(num_layers=cfg.num_cache_layers if model.mtp is not None else cfg.num_hidden_layers,
-                                  num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                  num_kv_heads=model.layers[0].self_attn.num_kv_heads, head_dim=cfg.head_dim,
                                   num_blocks=num_blocks, block_size=block_size, dtype=model.dtype)
 
     @torch.inference_mode()
@@ -33,7 +33,7 @@ class ModelRunner:
         return hidden, plan
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Pre-norm hidden rows [N, H] -> float32 (or float64) logits [N, V]."""
-        out = self.model.compute_logits(hidden)
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Logits of `rows` of a forward's pre-norm hidden [T, H] -> float32 (or float64) [N, V]."""
+        out = self.model.compute_logits(hidden[rows])
         return out if out.dtype == torch.float64 else out.float()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,12 +94,18 @@ def _model_tensor_names(model: Glm4MoeForCausalLM) -> set[str]:
                                                        if not n.startswith("rotary.")}
 
 
+ShardSpecs = dict[str, tuple[int, int, int]]  # param -> (dim, start, stop) of the checkpoint tensor
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
-               expert_range: range | None = None) -> Glm4MoeForCausalLM:
+               expert_range: range | None = None,
+               transform: Callable[[Glm4MoeForCausalLM], ShardSpecs] | None = None) -> Glm4MoeForCausalLM:
     """Build the model and fill it from the checkpoint.
 
     `expert_range` restricts the routed experts read (global ids, the same for every layer);
-    None reads all. A tensor the model needs that the checkpoint lacks, or one it carries that
+    None reads all. `transform` runs on the meta-device model before any weight exists (the EP
+    step that swaps layers for parallel ones) and says which slice of each sharded tensor this
+    process holds; only that slice is read from the memory-mapped file. A tensor the model needs that the checkpoint lacks, or one it carries that
     the model has no place for, is a `CheckpointError` naming it. An MTP layer announced in
     config.json but wholly absent from the checkpoint loads as no MTP layer.
     """
@@ -123,6 +129,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
         model = Glm4MoeForCausalLM(cfg, mtp_own_embed=f"{mtp_prefix}embed_tokens.weight" in files,
                                    mtp_own_head=f"{mtp_prefix}shared_head.head.weight" in files)
     _shrink_experts(model, len(experts), experts.start)
+    specs = transform(model) if transform is not None else {}
     model.to_empty(device="cpu")
     model.rotary.__init__(cfg)  # non-persistent buffer: recompute after leaving the meta device
     params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
@@ -144,10 +151,23 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
                 dest = dest.chunk(2, dim=0)[target.half]
             want = dest.shape
             src_slice = handles[path].get_slice(hf_name)
-            if tuple(src_slice.get_shape()) != tuple(want):
+            shape = list(src_slice.get_shape())
+            spec = specs.get(target.param)
+            if spec is not None:
+                dim, start, stop = spec
+                if stop > shape[dim]:
+                    raise CheckpointError(f"tensor {hf_name!r} has {shape[dim]} rows on dim {dim}, "
+                                          f"this rank needs {start}..{stop}")
+                shape[dim] = stop - start
+            if tuple(shape) != tuple(want):
                 raise CheckpointError(f"tensor {hf_name!r} has shape {tuple(src_slice.get_shape())}, "
                                       f"expected {tuple(want)}")
-            src = handles[path].get_tensor(hf_name)
+            if spec is None:
+                src = handles[path].get_tensor(hf_name)
+            elif spec[0] == 0:
+                src = src_slice[spec[1]:spec[2]]
+            else:
+                src = src_slice[:, spec[1]:spec[2]]
             with torch.no_grad():
                 dest.copy_(src)
                 if target.expert is not None:

@@ -1,0 +1,106 @@
+"""The communicator: torch.distributed with gloo on CPU and NCCL on CUDA, a timeout on every collective.
+
+Control words are u32 on the wire as int32 bit patterns (torch.distributed has no uint32
+collectives); `words_to_u32` / `u32_to_words` convert. Every rank must call every collective of a
+step in the same order, even with nothing to send.
+"""
+from __future__ import annotations
+
+import datetime as dt
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+class CommError(RuntimeError):
+    """A collective failed: a peer died, the link broke, or it timed out."""
+
+
+def u32_to_words(values: list[int] | np.ndarray) -> torch.Tensor:
+    arr = np.asarray(values, dtype=np.uint64)
+    if arr.size and int(arr.max()) > 0xFFFFFFFF:
+        raise ValueError(f"value {int(arr.max())} does not fit in u32")
+    return torch.from_numpy(arr.astype(np.uint32).view(np.int32).copy())
+
+
+def words_to_u32(words: torch.Tensor) -> list[int]:
+    return words.numpy().astype(np.int32).view(np.uint32).astype(np.int64).tolist()
+
+
+class Communicator:
+    def __init__(self, *, rank: int, world_size: int, init_method: str, timeout_s: float = 60.0,
+                 backend: str | None = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
+            else torch.device("cpu")
+        if world_size > 1:
+            dist.init_process_group(self.backend, init_method=init_method, rank=rank, world_size=world_size,
+                                    timeout=dt.timedelta(seconds=timeout_s))
+        self.comm_seconds = 0.0  # wall time spent inside collectives (for the step split)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    def _run(self, what: str, fn, *args, **kwargs):
+        if self.world_size == 1:
+            return None
+        import time
+        t0 = time.perf_counter()
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:  # gloo raises RuntimeError/DistBackendError on a dead peer or timeout
+            raise CommError(f"rank {self.rank}: {what} failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                            "a peer rank died or the link broke") from exc
+        finally:
+            self.comm_seconds += time.perf_counter() - t0
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self._run("broadcast", dist.broadcast, tensor, src=src)
+        return tensor
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+        self._run("all_reduce", dist.all_reduce, tensor, op=ops[op])
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[n, ...] on every rank -> [world * n, ...], rank-major."""
+        if self.world_size == 1:
+            return tensor
+        out = tensor.new_empty((self.world_size * tensor.shape[0], *tensor.shape[1:]))
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        self._run("all_gather", gather, out, tensor.contiguous())
+        return out
+
+    def all_to_all(self, tensor: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        """Uneven all-to-all along dim 0. The caller must have exchanged and checked the splits:
+        gloo does not detect mismatched sizes (it returns stale data)."""
+        out = tensor.new_empty((sum(recv_splits), *tensor.shape[1:]))
+        if self.world_size == 1:
+            out.copy_(tensor)
+            return out
+        self._run("all_to_all", dist.all_to_all_single, out, tensor.contiguous(), recv_splits, send_splits)
+        return out
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            self.all_reduce(torch.zeros(1))
+
+    def close(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a broken group cannot always be torn down; the process exits anyway
+                pass
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

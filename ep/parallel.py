@@ -1,0 +1,156 @@
+"""The one explicit step that makes the single-device model parallel across EP ranks.
+
+Shapes: T tokens (every rank holds all T after each layer), H hidden, E experts, k experts per
+token, N ranks, V vocab, Vr this rank's vocabulary slice.
+
+- Attention: query and key/value heads split across ranks (column-parallel q/k/v), output
+  projection row-parallel followed by an all-reduce. KV heads are replicated when there are
+  fewer of them than ranks.
+- LM head (and the MTP head when it has its own): vocabulary-parallel; logits are gathered.
+- Routed experts: each rank owns a contiguous range; dispatch `alltoall` or `allreduce`.
+- Embeddings, norms, routers and shared experts: replicated.
+
+`parallelize` runs on the meta device before weights exist and returns, for every sharded
+parameter, which slice of the checkpoint tensor it holds, so each rank reads only that slice.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ep.comm import Communicator
+from ep.topology import EPTopology
+from runtime.layers import MoE, RoutedExperts
+from runtime.model import Glm4MoeForCausalLM
+
+ShardSpecs = dict[str, tuple[int, int, int]]  # param name -> (dim, start, stop) in the checkpoint tensor
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear over this rank's slice of the input features; partial sums all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, comm: Communicator) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallelHead(nn.Module):
+    """This rank's rows of the output projection; `forward` gathers full logits on every rank."""
+
+    def __init__(self, hidden: int, topo: EPTopology, comm: Communicator) -> None:
+        super().__init__()
+        self.topo, self.comm = topo, comm
+        self.weight = nn.Parameter(torch.empty(len(topo.vocab_range()), hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = F.linear(x, self.weight)                                  # [T, Vr]
+        pad = self.topo.max_vocab_shard - local.shape[1]
+        if pad:
+            local = F.pad(local, (0, pad))
+        # Gather along the vocabulary: all_gather works on dim 0, so gather [Vr_max, T] slices.
+        gathered = self.comm.all_gather(local.t().contiguous())           # [N * Vr_max, T]
+        parts = [gathered[r * self.topo.max_vocab_shard:r * self.topo.max_vocab_shard + len(self.topo.vocab_range(r))]
+                 for r in range(self.topo.ep_size)]
+        return torch.cat(parts).t()                                        # [T, V]
+
+
+class EPMoE(nn.Module):
+    """MoE with routed experts split across ranks; same result as the single-rank layer."""
+
+    def __init__(self, moe: MoE, topo: EPTopology, comm: Communicator, mode: str) -> None:
+        super().__init__()
+        if mode not in ("alltoall", "allreduce"):
+            raise ValueError(f"--moe-a2a {mode!r}: expected alltoall or allreduce")
+        self.gate = moe.gate
+        self.shared_experts = moe.shared_experts
+        mine = topo.expert_range()
+        hidden = moe.experts.gate_up_proj.shape[2]
+        inter = moe.experts.down_proj.shape[2]
+        self.experts = RoutedExperts(len(mine), hidden, inter, expert_offset=mine.start)
+        self.topo, self.comm, self.mode = topo, comm, mode
+        self.owner = torch.empty(topo.num_experts, dtype=torch.long)      # expert id -> rank
+        for r in range(topo.ep_size):
+            self.owner[topo.expert_range(r).start:topo.expert_range(r).stop] = r
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "allreduce":
+            _, weights, ids = self.gate(x)
+            out = self.comm.all_reduce(self.experts(x, weights, ids))
+        else:
+            out = self._alltoall(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _alltoall(self, x: torch.Tensor) -> torch.Tensor:
+        topo, comm = self.topo, self.comm
+        n, rank, t = topo.ep_size, topo.ep_rank, x.shape[0]
+        share = [len(range(t)[r * t // n:(r + 1) * t // n]) for r in range(n)]
+        start = sum(share[:rank])
+        xs = x[start:start + share[rank]]                                  # [Ts, H] my share of tokens
+        _, weights, ids = self.gate(xs)                                    # [Ts, k]
+        k = ids.shape[1]
+        dest = self.owner[ids.reshape(-1)]                                 # [Ts*k] rank of each choice
+        order = torch.argsort(dest, stable=True)
+        send_counts = torch.bincount(dest, minlength=n)                    # [N]
+        # Exchange and check the counts first: gloo returns stale data on mismatched splits.
+        all_counts = comm.all_gather(send_counts.to(torch.int32)[None]).view(n, n)
+        if not torch.equal(all_counts[rank].long(), send_counts):
+            raise RuntimeError(f"rank {rank}: MoE dispatch counts disagree after exchange "
+                               f"({all_counts[rank].tolist()} vs {send_counts.tolist()})")
+        send_splits = send_counts.tolist()
+        recv_splits = all_counts[:, rank].tolist()
+        tok = (order // k)
+        recv_x = comm.all_to_all(xs[tok], send_splits, recv_splits)        # [R, H]
+        recv_ids = comm.all_to_all(ids.reshape(-1)[order].to(torch.int32)[:, None], send_splits, recv_splits)
+        recv_w = comm.all_to_all(weights.reshape(-1)[order][:, None], send_splits, recv_splits)
+        y = self.experts(recv_x, recv_w, recv_ids.long())                  # one choice per received row
+        back = comm.all_to_all(y, recv_splits, send_splits)                # [Ts*k, H] in `order`
+        per_choice = torch.empty_like(back)
+        per_choice[order] = back
+        local_out = per_choice.view(share[rank], k, x.shape[1]).sum(dim=1)         # weights applied by experts
+        # Every rank needs every token again: gather the shares (padded to the largest).
+        width = max(share)
+        padded = F.pad(local_out, (0, 0, 0, width - share[rank]))
+        gathered = comm.all_gather(padded)                                 # [N * width, H]
+        return torch.cat([gathered[r * width:r * width + share[r]] for r in range(n)])
+
+
+def parallelize(model: Glm4MoeForCausalLM, topo: EPTopology, comm: Communicator, moe_mode: str) -> ShardSpecs:
+    """Swap the model's layers for their parallel versions (on the meta device, before loading)."""
+    cfg = model.config
+    if cfg.tie_word_embeddings:
+        raise ValueError("tie_word_embeddings=true is not supported with ep_size > 1")
+    specs: ShardSpecs = {}
+    d = cfg.head_dim
+    h0, h1 = topo.head_range.start, topo.head_range.stop
+    k0, k1 = topo.kv_head_range.start, topo.kv_head_range.stop
+    blocks = [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
+    if model.mtp is not None:
+        blocks.append(("mtp.block", model.mtp.block))
+    for name, block in blocks:
+        attn = block.self_attn
+        h = cfg.hidden_size
+        attn.q_proj = nn.Linear(h, (h1 - h0) * d, bias=cfg.attention_bias)
+        attn.k_proj = nn.Linear(h, (k1 - k0) * d, bias=cfg.attention_bias)
+        attn.v_proj = nn.Linear(h, (k1 - k0) * d, bias=cfg.attention_bias)
+        attn.o_proj = RowParallelLinear((h1 - h0) * d, h, comm)
+        attn.num_heads, attn.num_kv_heads = h1 - h0, k1 - k0
+        for proj, (a, b) in (("q_proj", (h0, h1)), ("k_proj", (k0, k1)), ("v_proj", (k0, k1))):
+            specs[f"{name}.self_attn.{proj}.weight"] = (0, a * d, b * d)
+            if cfg.attention_bias:
+                specs[f"{name}.self_attn.{proj}.bias"] = (0, a * d, b * d)
+        specs[f"{name}.self_attn.o_proj.weight"] = (1, h0 * d, h1 * d)
+        if isinstance(block.mlp, MoE):
+            block.mlp = EPMoE(block.mlp, topo, comm, moe_mode)
+    vr = topo.vocab_range()
+    model.lm_head = VocabParallelHead(cfg.hidden_size, topo, comm)
+    specs["lm_head.weight"] = (0, vr.start, vr.stop)
+    if model.mtp is not None and model.mtp.shared_head.head is not None:
+        model.mtp.shared_head.head = VocabParallelHead(cfg.hidden_size, topo, comm)
+        specs["mtp.shared_head.head.weight"] = (0, vr.start, vr.stop)
+    return specs

@@ -1,0 +1,135 @@
+"""The rank-0 command protocol: one table of codes and payload layouts, encode and decode.
+
+A command is a fixed header of HEADER_WORDS u32 words, `(slot, code, p0, p1, p2, p3, p4, p5)`,
+broadcast from rank 0, then, when the header announces one (`bulk_len`), one bulk array of u32
+words in a second broadcast. No pickle. Codes live at the top of u32. Words travel as int32 bit
+patterns (ep.comm). Decoding checks lengths and ranges and raises `ProtocolError` naming the
+problem; the worker reports it and stays in step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROTOCOL_VERSION = 1
+HEADER_WORDS = 8
+NO_SLOT = 0xFFFFFFFF
+MAX_SLOT = 1 << 30
+
+EP_CMD_SHUTDOWN = 0xFFFFFFFF      # no payload
+EP_CMD_HANDSHAKE = 0xFFFFFFFE     # version, world_size, fingerprint_lo, fingerprint_hi, dtype_code
+EP_CMD_FORWARD = 0xFFFFFFFD       # num_ops, num_chunks, num_tokens, bulk_len | bulk: ops, chunks, tokens
+EP_CMD_LOGITS = 0xFFFFFFFC        # num_rows, bulk_len | bulk: row indices into the last forward's rows
+# KV-cache slot operations; they travel as (code, slot, length) triples in a FORWARD's op list.
+EP_CMD_SLOT_RESERVE = 0xFFFFFFFB  # grow slot to `length` tokens
+EP_CMD_SLOT_REWIND = 0xFFFFFFFA   # shrink slot to `length` tokens
+EP_CMD_SLOT_FREE = 0xFFFFFFF9     # release slot (length unused)
+EP_CMD_MTP_PROPOSE = 0xFFFFFFF5   # last_token, position, num_drafts (exactly three words)
+
+COMMANDS = {
+    EP_CMD_SHUTDOWN: "SHUTDOWN", EP_CMD_HANDSHAKE: "HANDSHAKE", EP_CMD_FORWARD: "FORWARD",
+    EP_CMD_LOGITS: "LOGITS", EP_CMD_SLOT_RESERVE: "SLOT_RESERVE", EP_CMD_SLOT_REWIND: "SLOT_REWIND",
+    EP_CMD_SLOT_FREE: "SLOT_FREE", EP_CMD_MTP_PROPOSE: "MTP_PROPOSE",
+}
+SLOT_OPS = (EP_CMD_SLOT_RESERVE, EP_CMD_SLOT_REWIND, EP_CMD_SLOT_FREE)
+DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float64": 3}
+
+
+class ProtocolError(ValueError):
+    """A command that cannot be executed; the message names the field and the value."""
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    code: int
+    slot: int = NO_SLOT
+    params: tuple[int, ...] = ()
+    bulk: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return COMMANDS.get(self.code, hex(self.code))
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardPayload:
+    ops: list[tuple[int, int, int]]          # (slot op code, slot, length)
+    chunks: list[tuple[int, int, int]]       # (slot, start, num_tokens)
+    tokens: list[int]
+
+
+def _u32(value: int, what: str) -> int:
+    if not isinstance(value, int) or not 0 <= value <= 0xFFFFFFFF:
+        raise ProtocolError(f"{what}={value!r} does not fit in u32")
+    return value
+
+
+def encode(cmd: Command) -> tuple[list[int], list[int]]:
+    """Command -> (header words, bulk words); the header's last used param is bulk_len when bulk exists."""
+    if len(cmd.params) > HEADER_WORDS - 2:
+        raise ProtocolError(f"{cmd.name}: {len(cmd.params)} header params, at most {HEADER_WORDS - 2}")
+    header = [_u32(cmd.slot, "slot"), _u32(cmd.code, "code")] + [_u32(p, "param") for p in cmd.params]
+    header += [0] * (HEADER_WORDS - len(header))
+    return header, [_u32(w, "bulk word") for w in cmd.bulk]
+
+
+def bulk_len(header: list[int]) -> int:
+    """How many bulk words follow this header (0 for codes without a bulk array)."""
+    code = header[1]
+    if code == EP_CMD_FORWARD:
+        return header[5]
+    if code == EP_CMD_LOGITS:
+        return header[3]
+    return 0
+
+
+def decode(header: list[int], bulk: list[int]) -> Command:
+    if len(header) != HEADER_WORDS:
+        raise ProtocolError(f"truncated header: {len(header)} of {HEADER_WORDS} words")
+    slot, code = header[0], header[1]
+    if code not in COMMANDS or code in SLOT_OPS:
+        raise ProtocolError(f"unknown command code {code:#010x}")
+    if slot != NO_SLOT and slot >= MAX_SLOT:
+        raise ProtocolError(f"slot {slot} out of range (0..{MAX_SLOT - 1})")
+    want = bulk_len(header)
+    if len(bulk) != want:
+        raise ProtocolError(f"{COMMANDS[code]}: truncated payload, {len(bulk)} of {want} bulk words")
+    nparams = {EP_CMD_SHUTDOWN: 0, EP_CMD_HANDSHAKE: 5, EP_CMD_FORWARD: 4, EP_CMD_LOGITS: 2,
+               EP_CMD_MTP_PROPOSE: 3}[code]
+    return Command(code=code, slot=slot, params=tuple(header[2:2 + nparams]), bulk=list(bulk))
+
+
+def forward_command(ops: list[tuple[int, int, int]], chunks: list[tuple[int, int, int]],
+                    tokens: list[int]) -> Command:
+    bulk = [w for op in ops for w in op] + [w for c in chunks for w in c] + list(tokens)
+    return Command(EP_CMD_FORWARD, NO_SLOT, (len(ops), len(chunks), len(tokens), len(bulk)), bulk)
+
+
+def parse_forward(cmd: Command, *, vocab_size: int) -> ForwardPayload:
+    """Check and unpack a FORWARD: op codes, slots, chunk sizes and token ids must be valid."""
+    num_ops, num_chunks, num_tokens, n = cmd.params
+    if n != 3 * num_ops + 3 * num_chunks + num_tokens:
+        raise ProtocolError(f"FORWARD: layout {num_ops} ops, {num_chunks} chunks, {num_tokens} tokens "
+                            f"does not match {n} bulk words")
+    b = cmd.bulk
+    ops = [tuple(b[3 * i:3 * i + 3]) for i in range(num_ops)]
+    off = 3 * num_ops
+    chunks = [tuple(b[off + 3 * i:off + 3 * i + 3]) for i in range(num_chunks)]
+    tokens = b[off + 3 * num_chunks:]
+    for code, slot, _ in ops:
+        if code not in SLOT_OPS:
+            raise ProtocolError(f"FORWARD: unknown slot op {code:#010x}")
+        if slot >= MAX_SLOT:
+            raise ProtocolError(f"FORWARD: slot {slot} out of range (0..{MAX_SLOT - 1})")
+    if sum(c[2] for c in chunks) != num_tokens or any(c[2] == 0 for c in chunks):
+        raise ProtocolError(f"FORWARD: chunk sizes {[c[2] for c in chunks]} do not add up to {num_tokens} tokens")
+    for slot, _, _ in chunks:
+        if slot >= MAX_SLOT:
+            raise ProtocolError(f"FORWARD: slot {slot} out of range (0..{MAX_SLOT - 1})")
+    bad = next((t for t in tokens if t >= vocab_size), None)
+    if bad is not None:
+        raise ProtocolError(f"FORWARD: token {bad} outside the vocabulary of {vocab_size}")
+    return ForwardPayload(ops=ops, chunks=chunks, tokens=tokens)
+
+
+def mtp_propose_command(slot: int, last_token: int, position: int, num_drafts: int) -> Command:
+    return Command(EP_CMD_MTP_PROPOSE, slot, (last_token, position, num_drafts))

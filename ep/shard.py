@@ -1,0 +1,186 @@
+"""One rank's piece of an EP group: its shard of the model, the driver (rank 0) and the worker loop.
+
+Rank 0's `DriverRunner` has the same interface as `ModelRunner`: before each forward or logits
+call it broadcasts the command, so the workers enter the same collectives in the same order.
+Every command ends with a status all-reduce: a worker that cannot execute a command reports it
+there, every rank skips it together, and rank 0 raises with the worker's rank and reason code.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from ep.comm import Communicator, u32_to_words, words_to_u32
+from ep.parallel import parallelize
+from ep.protocol import (DTYPE_CODES, EP_CMD_FORWARD, EP_CMD_HANDSHAKE, EP_CMD_LOGITS, EP_CMD_SHUTDOWN,
+                         EP_CMD_SLOT_FREE, EP_CMD_SLOT_RESERVE, EP_CMD_SLOT_REWIND, HEADER_WORDS, NO_SLOT,
+                         PROTOCOL_VERSION, Command, ProtocolError, bulk_len, decode, encode, forward_command,
+                         parse_forward)
+from ep.topology import EPTopology
+from runtime.attention import SeqChunk
+from runtime.model_runner import ModelRunner
+from runtime.weights import checkpoint_files, load_model
+
+log = logging.getLogger("metrale.ep")
+
+MAX_BULK_WORDS = 1 << 24
+OP_CODES = {"reserve": EP_CMD_SLOT_RESERVE, "rewind": EP_CMD_SLOT_REWIND, "free": EP_CMD_SLOT_FREE}
+OP_NAMES = {v: k for k, v in OP_CODES.items()}
+HANDSHAKE_FIELDS = {1: "protocol version", 2: "world size", 3: "model fingerprint", 4: "dtype"}
+
+
+class CommandRefused(RuntimeError):
+    pass
+
+
+class HandshakeError(RuntimeError):
+    pass
+
+
+def model_fingerprint(model_dir: str | Path) -> int:
+    """64 bits over config.json (normalized) and the checkpoint's tensor names."""
+    model_dir = Path(model_dir)
+    cfg = json.dumps(json.loads((model_dir / "config.json").read_text()), sort_keys=True)
+    names = "\n".join(sorted(checkpoint_files(model_dir)))
+    return int.from_bytes(hashlib.sha256((cfg + "\n" + names).encode()).digest()[:8], "little")
+
+
+def load_shard(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: str,
+               kv_cache_tokens: int) -> ModelRunner:
+    """This rank's model shard (reading only its tensors) and its KV cache."""
+    from runtime.config import load_config
+    cfg = load_config(model_dir)
+    topo = EPTopology.of(cfg, comm.rank, comm.world_size)
+    model = load_model(model_dir, dtype, expert_range=topo.expert_range(),
+                       transform=lambda m: parallelize(m, topo, comm, moe_mode))
+    return ModelRunner(model, kv_cache_tokens=kv_cache_tokens)
+
+
+def weight_bytes(runner: ModelRunner) -> int:
+    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+
+
+# --- the command channel -------------------------------------------------------------------
+def _status(comm: Communicator, code: int) -> int:
+    return int(comm.all_reduce(torch.tensor([code], dtype=torch.int64), "max")[0])
+
+
+def send_command(comm: Communicator, cmd: Command) -> None:
+    header, bulk = encode(cmd)
+    comm.broadcast(u32_to_words(header))
+    if bulk:
+        comm.broadcast(u32_to_words(bulk))
+    status = _status(comm, 0)
+    if status:
+        raise CommandRefused(f"rank {status & 0xFFFF} refused {cmd.name} (reason {status >> 16}); see its log")
+
+
+def recv_command(comm: Communicator) -> tuple[list[int], list[int]]:
+    header_t = comm.broadcast(torch.empty(HEADER_WORDS, dtype=torch.int32))
+    header = words_to_u32(header_t)
+    n = bulk_len(header)
+    if n > MAX_BULK_WORDS:
+        raise ProtocolError(f"bulk of {n} words exceeds {MAX_BULK_WORDS}")
+    bulk = words_to_u32(comm.broadcast(torch.empty(n, dtype=torch.int32))) if n else []
+    return header, bulk
+
+
+def handshake_words(model_dir: str | Path, world_size: int, dtype: str) -> tuple[int, ...]:
+    fp = model_fingerprint(model_dir)
+    return PROTOCOL_VERSION, world_size, fp & 0xFFFFFFFF, fp >> 32, DTYPE_CODES[dtype]
+
+
+def driver_handshake(comm: Communicator, model_dir: str | Path, dtype: str) -> list[int]:
+    """Rank 0: announce what this group must agree on; returns each rank's weight bytes afterwards."""
+    header, _ = encode(Command(EP_CMD_HANDSHAKE, NO_SLOT, handshake_words(model_dir, comm.world_size, dtype)))
+    comm.broadcast(u32_to_words(header))
+    status = _status(comm, 0)
+    if status:
+        raise HandshakeError(f"EP handshake failed: rank {status & 0xFFFF} has another "
+                             f"{HANDSHAKE_FIELDS.get(status >> 16, 'setting')} than rank 0")
+
+
+def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str) -> None:
+    header, _ = recv_command(comm)
+    mine = handshake_words(model_dir, comm.world_size, dtype)
+    theirs = tuple(header[2:7]) if header[1] == EP_CMD_HANDSHAKE else ()
+    kind = 0
+    if not theirs:
+        kind = 1
+    else:
+        for i, field in ((0, 1), (1, 2), (2, 3), (3, 3), (4, 4)):
+            if theirs[i] != mine[i]:
+                kind = field
+                break
+    status = _status(comm, (kind << 16) | comm.rank if kind else 0)
+    if status:
+        raise HandshakeError(f"EP handshake failed: rank {status & 0xFFFF} has another "
+                             f"{HANDSHAKE_FIELDS.get(status >> 16, 'setting')} than rank 0")
+
+
+def gather_weight_bytes(comm: Communicator, runner: ModelRunner) -> list[int]:
+    out = comm.all_gather(torch.tensor([weight_bytes(runner)], dtype=torch.int64))
+    return out.tolist()
+
+
+class DriverRunner:
+    """Rank 0's runner: broadcasts each step to the workers, then runs its own shard."""
+
+    def __init__(self, local: ModelRunner, comm: Communicator) -> None:
+        self.local = local
+        self.comm = comm
+        self.model = local.model
+        self.config = local.config
+        self.cache = local.cache
+        self.cache.journal = []
+
+    def forward(self, tokens: list[int], chunks: list[SeqChunk]):
+        if any(c.mask is not None for c in chunks):
+            raise ValueError("custom attention masks are not carried to EP workers")
+        ops = [(OP_CODES[op], seq, n) for op, seq, n in self.cache.journal]
+        self.cache.journal.clear()
+        send_command(self.comm, forward_command(ops, [(c.seq_id, c.start, c.num_tokens) for c in chunks], tokens))
+        return self.local.forward(tokens, chunks)
+
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        send_command(self.comm, Command(EP_CMD_LOGITS, NO_SLOT, (len(rows), len(rows)), list(rows)))
+        return self.local.logits(hidden, rows)
+
+    def shutdown(self) -> None:
+        send_command(self.comm, Command(EP_CMD_SHUTDOWN))
+
+
+def worker_loop(runner: ModelRunner, comm: Communicator) -> None:
+    """Ranks above 0: execute rank 0's commands until SHUTDOWN. A refused command is skipped by
+    every rank together; a broken link raises `CommError` and ends the worker."""
+    vocab = runner.config.vocab_size
+    last_hidden = None
+    while True:
+        header, bulk = recv_command(comm)
+        reason = 0
+        try:
+            cmd = decode(header, bulk)
+            if cmd.code not in (EP_CMD_SHUTDOWN, EP_CMD_FORWARD, EP_CMD_LOGITS):
+                raise ProtocolError(f"{cmd.name} is not executed by workers in this protocol version")
+            payload = parse_forward(cmd, vocab_size=vocab) if cmd.code == EP_CMD_FORWARD else None
+            if cmd.code == EP_CMD_LOGITS and (last_hidden is None or
+                                              any(r >= last_hidden.shape[0] for r in cmd.bulk)):
+                raise ProtocolError(f"LOGITS: rows {cmd.bulk[:4]} outside the last forward")
+        except ProtocolError as exc:
+            log.error("rank %d: refused command: %s", comm.rank, exc)
+            reason = 1
+        if _status(comm, (reason << 16) | comm.rank if reason else 0):
+            continue
+        if cmd.code == EP_CMD_SHUTDOWN:
+            return
+        if cmd.code == EP_CMD_FORWARD:
+            for code, slot, length in payload.ops:
+                runner.cache.replay(OP_NAMES[code], slot, length)
+            chunks = [SeqChunk(s, start, n) for s, start, n in payload.chunks]
+            last_hidden, _ = runner.forward(payload.tokens, chunks)
+        else:
+            runner.logits(last_hidden, cmd.bulk)
