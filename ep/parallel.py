@@ -99,6 +99,7 @@ class EPMoE(nn.Module):
         send_counts = torch.bincount(dest, minlength=n)                    # [N]
         # Exchange and check the counts first: gloo returns stale data on mismatched splits.
         all_counts = comm.all_gather(send_counts.to(torch.int32)[None]).view(n, n)
+        self.last_counts = all_counts  # [N, N] sender x receiver, kept for inspection
         if not torch.equal(all_counts[rank].long(), send_counts):
             raise RuntimeError(f"rank {rank}: MoE dispatch counts disagree after exchange "
                                f"({all_counts[rank].tolist()} vs {send_counts.tolist()})")

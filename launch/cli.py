@@ -29,6 +29,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default="none", choices=["none", "mtp", "ngram"],
                    help="speculative decoding: the checkpoint's MTP layer, prompt lookup, or none")
     p.add_argument("--num-drafts", type=int, default=3, help="draft tokens per sequence per step (0..16)")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (default 1, or torchrun's world size)")
+    p.add_argument("--launcher", default="mp", choices=["mp"], help="how --ep > 1 starts its workers")
+    p.add_argument("--moe-a2a", default="alltoall", choices=["alltoall", "allreduce"], help="MoE dispatch mode")
+    p.add_argument("--ep-timeout", type=float, default=60.0, help="seconds before a collective is declared dead")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +89,34 @@ def read_prompts(path: Path) -> list[str | list[int]]:
     return prompts
 
 
+def make_llm(args: argparse.Namespace):
+    """The LLM of rank 0: single process, an mp group, or a torchrun group. None on torchrun
+    worker ranks, which serve rank 0's commands until it shuts them down."""
+    from launch.torchrun import join, run_worker, torchrun_rank
+    from runtime import LLM
+
+    common = dict(dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
+                  spec=args.spec, num_drafts=args.num_drafts, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout)
+    tr = torchrun_rank()
+    if tr is not None:
+        rank, world = tr
+        if args.ep is not None and args.ep != world:
+            raise UsageError(f"--ep {args.ep} conflicts with torchrun's world size {world}")
+        if not Path(args.model).is_dir():
+            raise UsageError(f"model folder {args.model!r} does not exist")
+        comm = join(rank, world, args.ep_timeout)
+        if rank > 0:
+            code = run_worker(comm, args.model, args.dtype, args.moe_a2a, args.kv_cache_tokens)
+            if code:
+                raise SystemExit(code)
+            return None
+        return LLM(model=args.model, ep=world, comm=comm, **common)
+    ep = args.ep or 1
+    if ep < 1:
+        raise UsageError(f"--ep {ep} must be at least 1")
+    return LLM(model=args.model, ep=ep, **common)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
@@ -94,8 +126,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
                             stop=args.stop)
     prompts = read_prompts(args.prompts_file) if args.prompts_file else [args.prompt]
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
-              max_num_seqs=args.max_num_seqs, spec=args.spec, num_drafts=args.num_drafts)
+    llm = make_llm(args)
+    if llm is None:  # a torchrun worker rank: it served rank 0 and prints nothing
+        return 0
     try:
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params)
@@ -116,6 +149,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if verifies:
             line += f", accept_len {1 + sum(o.accepted_tokens for o in outputs) / verifies:.2f}"
         print(line + "]", file=sys.stderr)
+    if len(llm.rank_weight_bytes) > 1:
+        print("[weights per rank: " + ", ".join(f"rank {r}: {b / 2**20:.1f} MiB"
+                                                for r, b in enumerate(llm.rank_weight_bytes)) + "]", file=sys.stderr)
     return 0
 
 
@@ -125,8 +161,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} is not a TCP port")
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
-              max_num_seqs=args.max_num_seqs, spec=args.spec, num_drafts=args.num_drafts)
+    llm = make_llm(args)
+    if llm is None:
+        return 0
     name = args.served_model_name or Path(args.model).resolve().name
     print(f"metrale serve: {name} on http://{args.host}:{args.port} (spec {args.spec})", file=sys.stderr, flush=True)
     serve(llm, host=args.host, port=args.port,
@@ -137,6 +174,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from ep.comm import CommError
+    from ep.shard import CommandRefused, HandshakeError
     from runtime.config import ConfigError
     from runtime.engine import RequestError
     from runtime.weights import CheckpointError
@@ -147,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_serve(args)
         from launch.bench_cli import cmd_bench
         return cmd_bench(args)
-    except (UsageError, RequestError, ConfigError, CheckpointError, FileNotFoundError, ValueError) as exc:
+    except (UsageError, RequestError, ConfigError, CheckpointError, FileNotFoundError, ValueError,
+            CommError, HandshakeError, CommandRefused) as exc:
         print(f"metrale {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

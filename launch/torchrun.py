@@ -1,0 +1,40 @@
+"""The torchrun entry: `torchrun --nproc-per-node N -m launch generate ...`.
+
+World size and rank come from torchrun's own variables (the only topology read from the
+environment). Rank 0 runs the command; the other ranks serve it as EP workers and print nothing.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from ep.comm import CommError, Communicator
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world_size) when this process was started by torchrun, else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def join(rank: int, world: int, timeout_s: float) -> Communicator:
+    return Communicator(rank=rank, world_size=world, init_method="env://", timeout_s=timeout_s)
+
+
+def run_worker(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_cache_tokens: int) -> int:
+    from ep.shard import gather_weight_bytes, load_shard, worker_handshake, worker_loop
+    try:
+        worker_handshake(comm, model_dir, dtype)
+        runner = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens)
+        gather_weight_bytes(comm, runner)
+        worker_loop(runner, comm)
+        return 0
+    except CommError as exc:
+        print(f"metrale worker rank {comm.rank}: {exc}", file=sys.stderr, flush=True)
+        return 3
+    except Exception as exc:
+        print(f"metrale worker rank {comm.rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        comm.close()

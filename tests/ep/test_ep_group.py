@@ -1,0 +1,121 @@
+"""EP groups of real processes on gloo: parity with one rank, handshake, a killed worker."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.attention import SeqChunk
+from runtime.llm import LLM
+from runtime.sampler import SamplingParams
+from tests.conftest import make_checkpoint, metrale_cmd, run_env
+
+PROMPTS = [[5, 17, 200, 3], [9, 9, 9, 100, 250, 31, 7, 64, 12], [300]]
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=5)
+
+
+@pytest.fixture(scope="module")
+def ckpt_six(tmp_path_factory) -> Path:
+    """6 experts over 4 ranks: 2, 2, 1, 1."""
+    return make_checkpoint(tmp_path_factory.mktemp("six"), "plain", seed=4, n_routed_experts=6)
+
+
+def prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    runner = llm.engine.runner
+    runner.cache.reserve(10_000, len(ids))
+    hidden, _ = runner.forward(ids, [SeqChunk(10_000, 0, len(ids))])
+    out = runner.logits(hidden, list(range(len(ids))))
+    runner.cache.free(10_000)
+    return out
+
+
+def outputs(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("ep, mode, which", [(2, "alltoall", "ckpt_grouped"), (2, "allreduce", "ckpt_grouped"),
+                                             (4, "alltoall", "ckpt_six"), (4, "allreduce", "ckpt_six")])
+def test_ep_tokens_equal_one_rank_in_float64(request, ep, mode, which):
+    path = request.getfixturevalue(which)
+    single = LLM(path, dtype="float64", kv_cache_tokens=2048)
+    want = (outputs(single, GREEDY), outputs(single, SEEDED))
+    llm = LLM(path, dtype="float64", kv_cache_tokens=2048, ep=ep, moe_a2a=mode, ep_timeout_s=60)
+    try:
+        assert outputs(llm, GREEDY) == want[0]
+        assert outputs(llm, SEEDED) == want[1]
+        assert len(llm.rank_weight_bytes) == ep
+        assert max(llm.rank_weight_bytes) < sum(p.numel() * p.element_size() for p in single.model.parameters())
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("ep, mode, which", [(2, "alltoall", "ckpt_grouped"), (2, "allreduce", "ckpt_grouped"),
+                                             (4, "alltoall", "ckpt_six")])
+def test_ep_logits_within_1e5_in_float32(request, ep, mode, which):
+    path = request.getfixturevalue(which)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    want = prefill_logits(LLM(path, dtype="float32", kv_cache_tokens=1024), ids)
+    llm = LLM(path, dtype="float32", kv_cache_tokens=1024, ep=ep, moe_a2a=mode)
+    try:
+        got = prefill_logits(llm, ids)
+        assert got.shape == want.shape
+        assert (got - want).abs().max().item() < 1e-5
+    finally:
+        llm.shutdown()
+
+
+def test_handshake_mismatch_stops_every_rank(ckpt_plain, ckpt_grouped):
+    from ep.shard import HandshakeError, driver_handshake
+    from launch.mp import GroupConfig, MPGroup
+    for override, field in (({"model_dir": str(ckpt_grouped)}, "model fingerprint"),
+                            ({"dtype": "float64"}, "dtype")):
+        group = MPGroup(GroupConfig(model_dir=str(ckpt_plain), dtype="float32", ep=2, timeout_s=30),
+                        worker_overrides={1: override})
+        with pytest.raises(HandshakeError, match=f"rank 1 has another {field}"):
+            driver_handshake(group.comm, ckpt_plain, "float32")
+        group.procs[0].join(timeout=30)
+        assert group.procs[0].exitcode == 2  # the worker stopped too, with its own message
+        group.stop()
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def test_killed_worker_ends_rank0_with_a_message(ckpt_plain):
+    proc = subprocess.Popen(metrale_cmd("generate", "--model", str(ckpt_plain), "--prompt", "x", "--max-tokens", "200",
+                                        "--ignore-eos", "--ep", "2", "--ep-timeout", "20", "--kv-cache-tokens", "1024"),
+                            env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    worker = None
+    deadline = time.time() + 60
+    while worker is None and time.time() < deadline:
+        workers = [k for k in children_of(proc.pid)
+                   if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text(errors="replace")]
+        if workers:
+            worker = workers[-1]
+        time.sleep(0.2)
+    assert worker is not None, "no worker process appeared"
+    time.sleep(3)  # into loading and generation
+    os.kill(worker, signal.SIGKILL)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("rank 0 hung after its worker was killed")
+    assert proc.returncode != 0
+    assert "rank" in err and "Traceback" not in err, err[-2000:]
