@@ -7,6 +7,7 @@ step in the same order, even with nothing to send.
 from __future__ import annotations
 
 import datetime as dt
+import os
 
 import numpy as np
 import torch
@@ -37,6 +38,9 @@ class Communicator:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
             else torch.device("cpu")
+        if world_size > 1 and self.backend == "gloo":
+            # Ranks share the host's cores: more threads than cores per rank only adds contention.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         if world_size > 1:
             dist.init_process_group(self.backend, init_method=init_method, rank=rank, world_size=world_size,
                                     timeout=dt.timedelta(seconds=timeout_s))

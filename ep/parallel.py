@@ -107,9 +107,11 @@ class EPMoE(nn.Module):
         recv_splits = all_counts[:, rank].tolist()
         tok = (order // k)
         recv_x = comm.all_to_all(xs[tok], send_splits, recv_splits)        # [R, H]
-        recv_ids = comm.all_to_all(ids.reshape(-1)[order].to(torch.int32)[:, None], send_splits, recv_splits)
-        recv_w = comm.all_to_all(weights.reshape(-1)[order][:, None], send_splits, recv_splits)
-        y = self.experts(recv_x, recv_w, recv_ids.long())                  # one choice per received row
+        # Expert id and weight of each row travel together: ids < 2^24 are exact in float32/64.
+        meta_dtype = torch.float64 if weights.dtype == torch.float64 else torch.float32
+        meta = torch.stack((ids.reshape(-1)[order].to(meta_dtype), weights.reshape(-1)[order].to(meta_dtype)), 1)
+        recv_meta = comm.all_to_all(meta, send_splits, recv_splits)        # [R, 2]
+        y = self.experts(recv_x, recv_meta[:, 1:], recv_meta[:, :1].long())  # one choice per received row
         back = comm.all_to_all(y, recv_splits, send_splits)                # [Ts*k, H] in `order`
         per_choice = torch.empty_like(back)
         per_choice[order] = back

@@ -51,8 +51,10 @@ class BenchConfig:
                 raise ValueError(f"bench arm {arm!r} needs {PLANNED_ARMS[arm]}, which is not built yet")
             if arm not in BUILT_ARMS:
                 raise ValueError(f"unknown bench arm {arm!r} (built: {', '.join(BUILT_ARMS)})")
-        if self.ep != 1:
-            raise ValueError(f"--ep {self.ep}: expert parallelism is not built yet; only --ep 1 runs")
+        if self.ep < 1:
+            raise ValueError(f"--ep {self.ep} must be at least 1")
+        if self.ep > 1 and any(ENGINE_ARMS.get(a, ("none",))[0] == "mtp" for a in self.arms):
+            raise ValueError("MTP arms with --ep > 1 need the sharded MTP drafter, which is not built yet")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency levels {self.concurrency} must be positive")
         if self.max_tokens < 2:
@@ -97,12 +99,18 @@ class EngineArm:
         self.name = name
         spec, k = ENGINE_ARMS[name]
         self.llm = LLM(config.model, dtype=config.dtype, kv_cache_tokens=65536,
-                       max_num_seqs=max(config.concurrency), spec=spec, num_drafts=k)
+                       max_num_seqs=max(config.concurrency), spec=spec, num_drafts=k, ep=config.ep)
+        self.comm = getattr(self.llm, "comm", None)
+
+    def close(self) -> None:
+        self.llm.shutdown()
 
     def run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int, ep: int) -> dict:
         from speculative.metrics import AcceptanceMetrics
         engine = self.llm.engine
         engine.metrics = AcceptanceMetrics()
+        comm0 = self.comm.comm_seconds if self.comm is not None else 0.0
+        steps0 = engine.num_steps
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         inflight, done = [], []
         submitted = 0
@@ -121,12 +129,22 @@ class EngineArm:
         tpot = [(s.finish_time - s.first_token_time) / (s.num_output - 1) for s in done if s.num_output > 1]
         tokens = sum(s.num_output for s in done)
         m = engine.metrics
-        return _cell(self.name, concurrency, ep, tokens, wall, ttft, tpot, requests=n, verifies=m.verifies,
+        cell = _cell(self.name, concurrency, ep, tokens, wall, ttft, tpot, requests=n, verifies=m.verifies,
                      accepted=m.accepted_tokens, p1=_round(m.positional(0)), p2_uncond=_round(m.positional(1)))
+        steps = max(1, engine.num_steps - steps0)
+        cell["step_ms"] = round(1000 * wall / steps, 3)
+        if self.comm is not None:  # rank 0's time inside collectives (includes waiting for peers)
+            comm_s = self.comm.comm_seconds - comm0
+            cell["comm_ms_per_step"] = round(1000 * comm_s / steps, 3)
+            cell["compute_ms_per_step"] = round(1000 * (wall - comm_s) / steps, 3)
+        return cell
 
 
 class HFArm:
     """transformers' `generate` on the same checkpoint: static batches of `concurrency` prompts."""
+
+    def close(self) -> None:
+        self.model = None
 
     def __init__(self, config: BenchConfig) -> None:
         from transformers import Glm4MoeForCausalLM
@@ -146,7 +164,7 @@ class HFArm:
                                           min_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
                                           pad_token_id=0)
             tokens += (out.shape[1] - width) * len(batch)
-        return _cell("hf", concurrency, ep, tokens, time.perf_counter() - t0, [], [], requests=n)
+        return _cell("hf", concurrency, 1, tokens, time.perf_counter() - t0, [], [], requests=n)
 
 
 def build_arm(name: str, config: BenchConfig):
@@ -226,7 +244,7 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
             cells.append(cell)
             print(f"  {arm_name:>10} c={c:<3} {cell['tok_s']:9.1f} tok/s  accept_len {cell['accept_len']}",
                   flush=True)
-        del arm
+        arm.close()
     base = {c["concurrency"]: c["tok_s"] for c in cells if c["arm"] == config.arms[0]}
     for c in cells:
         c["tok_s_ratio_vs_" + config.arms[0]] = round(c["tok_s"] / base[c["concurrency"]], 3)
