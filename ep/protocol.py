@@ -17,18 +17,23 @@ MAX_SLOT = 1 << 30
 
 EP_CMD_SHUTDOWN = 0xFFFFFFFF      # no payload
 EP_CMD_HANDSHAKE = 0xFFFFFFFE     # version, world_size, fingerprint_lo, fingerprint_hi, dtype_code
-EP_CMD_FORWARD = 0xFFFFFFFD       # num_ops, num_chunks, num_tokens, bulk_len | bulk: ops, chunks, tokens
+EP_CMD_FORWARD = 0xFFFFFFFD       # num_ops, num_chunks, num_tokens, bulk_len, num_obs | bulk: ops, chunks, tokens, obs
 EP_CMD_LOGITS = 0xFFFFFFFC        # num_rows, bulk_len | bulk: row indices into the last forward's rows
 # KV-cache slot operations; they travel as (code, slot, length) triples in a FORWARD's op list.
 EP_CMD_SLOT_RESERVE = 0xFFFFFFFB  # grow slot to `length` tokens
 EP_CMD_SLOT_REWIND = 0xFFFFFFFA   # shrink slot to `length` tokens
 EP_CMD_SLOT_FREE = 0xFFFFFFF9     # release slot (length unused)
 EP_CMD_MTP_PROPOSE = 0xFFFFFFF5   # last_token, position, num_drafts (exactly three words)
+EP_CMD_MTP_PROPOSE_BATCH = 0xFFFFFFF4  # num_seqs, num_obs, bulk_len, num_ops | bulk: ops, obs, then
+#                                        per sequence (slot, num_drafts, m, m feed tokens)
+# An observation (slot, row, count, position) says: rows row..row+count-1 of the last target
+# forward's hidden are the committed positions position.. of that slot (the drafter's input).
 
 COMMANDS = {
     EP_CMD_SHUTDOWN: "SHUTDOWN", EP_CMD_HANDSHAKE: "HANDSHAKE", EP_CMD_FORWARD: "FORWARD",
     EP_CMD_LOGITS: "LOGITS", EP_CMD_SLOT_RESERVE: "SLOT_RESERVE", EP_CMD_SLOT_REWIND: "SLOT_REWIND",
     EP_CMD_SLOT_FREE: "SLOT_FREE", EP_CMD_MTP_PROPOSE: "MTP_PROPOSE",
+    EP_CMD_MTP_PROPOSE_BATCH: "MTP_PROPOSE_BATCH",
 }
 SLOT_OPS = (EP_CMD_SLOT_RESERVE, EP_CMD_SLOT_REWIND, EP_CMD_SLOT_FREE)
 DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float64": 3}
@@ -50,11 +55,22 @@ class Command:
         return COMMANDS.get(self.code, hex(self.code))
 
 
+Observation = tuple[int, int, int, int]      # (slot, row, count, position)
+
+
 @dataclass(frozen=True, slots=True)
 class ForwardPayload:
     ops: list[tuple[int, int, int]]          # (slot op code, slot, length)
     chunks: list[tuple[int, int, int]]       # (slot, start, num_tokens)
     tokens: list[int]
+    obs: list[Observation]
+
+
+@dataclass(frozen=True, slots=True)
+class ProposePayload:
+    ops: list[tuple[int, int, int]]
+    obs: list[Observation]
+    seqs: list[tuple[int, int, list[int]]]   # (slot, num_drafts, feed tokens)
 
 
 def _u32(value: int, what: str) -> int:
@@ -79,6 +95,8 @@ def bulk_len(header: list[int]) -> int:
         return header[5]
     if code == EP_CMD_LOGITS:
         return header[3]
+    if code == EP_CMD_MTP_PROPOSE_BATCH:
+        return header[4]
     return 0
 
 
@@ -93,33 +111,49 @@ def decode(header: list[int], bulk: list[int]) -> Command:
     want = bulk_len(header)
     if len(bulk) != want:
         raise ProtocolError(f"{COMMANDS[code]}: truncated payload, {len(bulk)} of {want} bulk words")
-    nparams = {EP_CMD_SHUTDOWN: 0, EP_CMD_HANDSHAKE: 5, EP_CMD_FORWARD: 4, EP_CMD_LOGITS: 2,
-               EP_CMD_MTP_PROPOSE: 3}[code]
+    nparams = {EP_CMD_SHUTDOWN: 0, EP_CMD_HANDSHAKE: 5, EP_CMD_FORWARD: 5, EP_CMD_LOGITS: 2,
+               EP_CMD_MTP_PROPOSE: 3, EP_CMD_MTP_PROPOSE_BATCH: 4}[code]
     return Command(code=code, slot=slot, params=tuple(header[2:2 + nparams]), bulk=list(bulk))
 
 
 def forward_command(ops: list[tuple[int, int, int]], chunks: list[tuple[int, int, int]],
-                    tokens: list[int]) -> Command:
-    bulk = [w for op in ops for w in op] + [w for c in chunks for w in c] + list(tokens)
-    return Command(EP_CMD_FORWARD, NO_SLOT, (len(ops), len(chunks), len(tokens), len(bulk)), bulk)
+                    tokens: list[int], obs: list[Observation] = ()) -> Command:
+    bulk = [w for op in ops for w in op] + [w for c in chunks for w in c] + list(tokens) + [w for o in obs for w in o]
+    return Command(EP_CMD_FORWARD, NO_SLOT, (len(ops), len(chunks), len(tokens), len(bulk), len(obs)), bulk)
+
+
+def _check_ops(ops: list[tuple[int, int, int]], what: str) -> None:
+    for code, slot, _ in ops:
+        if code not in SLOT_OPS:
+            raise ProtocolError(f"{what}: unknown slot op {code:#010x}")
+        if slot >= MAX_SLOT:
+            raise ProtocolError(f"{what}: slot {slot} out of range (0..{MAX_SLOT - 1})")
+
+
+def _check_obs(obs: list[Observation], what: str) -> None:
+    for slot, _, count, _ in obs:
+        if slot >= MAX_SLOT:
+            raise ProtocolError(f"{what}: slot {slot} out of range (0..{MAX_SLOT - 1})")
+        if count == 0:
+            raise ProtocolError(f"{what}: an observation of zero rows for slot {slot}")
 
 
 def parse_forward(cmd: Command, *, vocab_size: int) -> ForwardPayload:
     """Check and unpack a FORWARD: op codes, slots, chunk sizes and token ids must be valid."""
-    num_ops, num_chunks, num_tokens, n = cmd.params
-    if n != 3 * num_ops + 3 * num_chunks + num_tokens:
-        raise ProtocolError(f"FORWARD: layout {num_ops} ops, {num_chunks} chunks, {num_tokens} tokens "
-                            f"does not match {n} bulk words")
+    num_ops, num_chunks, num_tokens, n, num_obs = cmd.params
+    if n != 3 * num_ops + 3 * num_chunks + num_tokens + 4 * num_obs:
+        raise ProtocolError(f"FORWARD: layout {num_ops} ops, {num_chunks} chunks, {num_tokens} tokens, "
+                            f"{num_obs} observations does not match {n} bulk words")
     b = cmd.bulk
     ops = [tuple(b[3 * i:3 * i + 3]) for i in range(num_ops)]
     off = 3 * num_ops
     chunks = [tuple(b[off + 3 * i:off + 3 * i + 3]) for i in range(num_chunks)]
-    tokens = b[off + 3 * num_chunks:]
-    for code, slot, _ in ops:
-        if code not in SLOT_OPS:
-            raise ProtocolError(f"FORWARD: unknown slot op {code:#010x}")
-        if slot >= MAX_SLOT:
-            raise ProtocolError(f"FORWARD: slot {slot} out of range (0..{MAX_SLOT - 1})")
+    off += 3 * num_chunks
+    tokens = b[off:off + num_tokens]
+    off += num_tokens
+    obs = [tuple(b[off + 4 * i:off + 4 * i + 4]) for i in range(num_obs)]
+    _check_obs(obs, "FORWARD")
+    _check_ops(ops, "FORWARD")
     if sum(c[2] for c in chunks) != num_tokens or any(c[2] == 0 for c in chunks):
         raise ProtocolError(f"FORWARD: chunk sizes {[c[2] for c in chunks]} do not add up to {num_tokens} tokens")
     for slot, _, _ in chunks:
@@ -128,7 +162,45 @@ def parse_forward(cmd: Command, *, vocab_size: int) -> ForwardPayload:
     bad = next((t for t in tokens if t >= vocab_size), None)
     if bad is not None:
         raise ProtocolError(f"FORWARD: token {bad} outside the vocabulary of {vocab_size}")
-    return ForwardPayload(ops=ops, chunks=chunks, tokens=tokens)
+    return ForwardPayload(ops=ops, chunks=chunks, tokens=tokens, obs=obs)
+
+
+def propose_batch_command(ops: list[tuple[int, int, int]], obs: list[Observation],
+                          seqs: list[tuple[int, int, list[int]]]) -> Command:
+    bulk = [w for op in ops for w in op] + [w for o in obs for w in o]
+    for slot, num_drafts, feed in seqs:
+        bulk += [slot, num_drafts, len(feed), *feed]
+    return Command(EP_CMD_MTP_PROPOSE_BATCH, NO_SLOT, (len(seqs), len(obs), len(bulk), len(ops)), bulk)
+
+
+def parse_propose_batch(cmd: Command, *, vocab_size: int) -> ProposePayload:
+    num_seqs, num_obs, n, num_ops = cmd.params
+    b = cmd.bulk
+    if 3 * num_ops + 4 * num_obs > n:
+        raise ProtocolError(f"MTP_PROPOSE_BATCH: {num_ops} ops and {num_obs} observations do not fit {n} bulk words")
+    ops = [tuple(b[3 * i:3 * i + 3]) for i in range(num_ops)]
+    _check_ops(ops, "MTP_PROPOSE_BATCH")
+    off = 3 * num_ops
+    obs = [tuple(b[off + 4 * i:off + 4 * i + 4]) for i in range(num_obs)]
+    _check_obs(obs, "MTP_PROPOSE_BATCH")
+    off, seqs = off + 4 * num_obs, []
+    for _ in range(num_seqs):
+        if off + 3 > n:
+            raise ProtocolError(f"MTP_PROPOSE_BATCH: truncated payload at sequence {len(seqs)}")
+        slot, k, m = b[off:off + 3]
+        feed = b[off + 3:off + 3 + m]
+        if len(feed) != m:
+            raise ProtocolError(f"MTP_PROPOSE_BATCH: truncated feed of slot {slot} ({len(feed)} of {m} tokens)")
+        if slot >= MAX_SLOT or not 1 <= k <= 16:
+            raise ProtocolError(f"MTP_PROPOSE_BATCH: slot {slot} / num_drafts {k} out of range")
+        bad = next((t for t in feed if t >= vocab_size), None)
+        if bad is not None:
+            raise ProtocolError(f"MTP_PROPOSE_BATCH: token {bad} outside the vocabulary of {vocab_size}")
+        seqs.append((slot, k, list(feed)))
+        off += 3 + m
+    if off != n:
+        raise ProtocolError(f"MTP_PROPOSE_BATCH: {n - off} trailing bulk words")
+    return ProposePayload(ops=ops, obs=obs, seqs=seqs)
 
 
 def mtp_propose_command(slot: int, last_token: int, position: int, num_drafts: int) -> Command:

@@ -16,14 +16,16 @@ import torch
 
 from ep.comm import Communicator, u32_to_words, words_to_u32
 from ep.parallel import parallelize
-from ep.protocol import (DTYPE_CODES, EP_CMD_FORWARD, EP_CMD_HANDSHAKE, EP_CMD_LOGITS, EP_CMD_SHUTDOWN,
-                         EP_CMD_SLOT_FREE, EP_CMD_SLOT_RESERVE, EP_CMD_SLOT_REWIND, HEADER_WORDS, NO_SLOT,
-                         PROTOCOL_VERSION, Command, ProtocolError, bulk_len, decode, encode, forward_command,
-                         parse_forward)
+from ep.protocol import (DTYPE_CODES, EP_CMD_FORWARD, EP_CMD_HANDSHAKE, EP_CMD_LOGITS, EP_CMD_MTP_PROPOSE_BATCH,
+                         EP_CMD_SHUTDOWN, EP_CMD_SLOT_FREE, EP_CMD_SLOT_RESERVE, EP_CMD_SLOT_REWIND, HEADER_WORDS,
+                         NO_SLOT, PROTOCOL_VERSION, Command, Observation, ProtocolError, bulk_len, decode, encode,
+                         forward_command, parse_forward, parse_propose_batch, propose_batch_command)
 from ep.topology import EPTopology
 from runtime.attention import SeqChunk
 from runtime.model_runner import ModelRunner
 from runtime.weights import checkpoint_files, load_model
+from speculative.mtp import MTPProposer
+from speculative.proposer import ProposerState, ProposeRequest
 
 log = logging.getLogger("metrale.ep")
 
@@ -137,13 +139,24 @@ class DriverRunner:
         self.config = local.config
         self.cache = local.cache
         self.cache.journal = []
+        # Drafter inputs observed since the last command (they index the last forward's hidden).
+        self.obs_journal: list[Observation] = []
+
+    def take_obs(self) -> list[Observation]:
+        obs, self.obs_journal = self.obs_journal, []
+        return obs
+
+    def take_ops(self) -> list[tuple[int, int, int]]:
+        ops = [(OP_CODES[op], seq, n) for op, seq, n in self.cache.journal]
+        self.cache.journal.clear()
+        return ops
 
     def forward(self, tokens: list[int], chunks: list[SeqChunk]):
         if any(c.mask is not None for c in chunks):
             raise ValueError("custom attention masks are not carried to EP workers")
-        ops = [(OP_CODES[op], seq, n) for op, seq, n in self.cache.journal]
-        self.cache.journal.clear()
-        send_command(self.comm, forward_command(ops, [(c.seq_id, c.start, c.num_tokens) for c in chunks], tokens))
+        ops = self.take_ops()
+        send_command(self.comm, forward_command(ops, [(c.seq_id, c.start, c.num_tokens) for c in chunks], tokens,
+                                                self.take_obs()))
         return self.local.forward(tokens, chunks)
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -154,19 +167,69 @@ class DriverRunner:
         send_command(self.comm, Command(EP_CMD_SHUTDOWN))
 
 
+class ShardedMTPProposer(MTPProposer):
+    """Rank 0's sharded MTP drafter: its propose tells the workers first, so they enter the
+    drafter's collectives with it; the hiddens it is fed are mirrored on every rank."""
+
+    needs_comm = True
+
+    def __init__(self, driver: DriverRunner) -> None:
+        super().__init__(driver.model, driver.cache)
+        self.driver = driver
+
+    def observe_target(self, state: ProposerState, hidden: torch.Tensor, rows: range, start: int) -> None:
+        super().observe_target(state, hidden, rows, start)
+        self.driver.obs_journal.append((state.seq_id, rows.start, len(rows), start))
+
+    def before_draft(self, live: list[ProposeRequest], feeds: list[list[int]]) -> None:
+        obs = self.driver.take_obs()  # before the ops: they index the last forward, whose rows
+        send_command(self.driver.comm, propose_batch_command(  # a FREE among the ops may drop
+            self.driver.take_ops(), obs, [(r.state.seq_id, r.num_drafts, f) for r, f in zip(live, feeds)]))
+
+
+class DrafterMirror:
+    """A worker's copy of the drafter states, fed from the same target hiddens as rank 0's."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.drafter = MTPProposer(runner.model, runner.cache) if runner.model.mtp is not None else None
+        self.states: dict[int, ProposerState] = {}
+
+    def observe(self, obs: list[Observation], hidden: torch.Tensor | None) -> None:
+        for slot, row, count, position in obs:
+            if hidden is None or row + count > hidden.shape[0] or self.drafter is None:
+                raise RuntimeError(f"observation of slot {slot} rows {row}..{row + count} has no forward to read")
+            state = self.states.setdefault(slot, ProposerState(seq_id=slot))
+            self.drafter.observe_target(state, hidden, range(row, row + count), position)
+
+    def draft(self, seqs: list[tuple[int, int, list[int]]]) -> None:
+        states = [self.states[slot] for slot, _, _ in seqs]
+        self.drafter.draft(states, [f for _, _, f in seqs], [k for _, k, _ in seqs])
+
+
 def worker_loop(runner: ModelRunner, comm: Communicator) -> None:
     """Ranks above 0: execute rank 0's commands until SHUTDOWN. A refused command is skipped by
     every rank together; a broken link raises `CommError` and ends the worker."""
     vocab = runner.config.vocab_size
+    mirror = DrafterMirror(runner)
     last_hidden = None
     while True:
         header, bulk = recv_command(comm)
         reason = 0
         try:
             cmd = decode(header, bulk)
-            if cmd.code not in (EP_CMD_SHUTDOWN, EP_CMD_FORWARD, EP_CMD_LOGITS):
+            if cmd.code not in (EP_CMD_SHUTDOWN, EP_CMD_FORWARD, EP_CMD_LOGITS, EP_CMD_MTP_PROPOSE_BATCH):
                 raise ProtocolError(f"{cmd.name} is not executed by workers in this protocol version")
-            payload = parse_forward(cmd, vocab_size=vocab) if cmd.code == EP_CMD_FORWARD else None
+            payload = None
+            if cmd.code == EP_CMD_FORWARD:
+                payload = parse_forward(cmd, vocab_size=vocab)
+            elif cmd.code == EP_CMD_MTP_PROPOSE_BATCH:
+                payload = parse_propose_batch(cmd, vocab_size=vocab)
+                if mirror.drafter is None:
+                    raise ProtocolError("MTP_PROPOSE_BATCH: this checkpoint has no MTP layer")
+                missing = [s for s, _, _ in payload.seqs if s not in mirror.states
+                           and not any(o[0] == s for o in payload.obs)]
+                if missing:
+                    raise ProtocolError(f"MTP_PROPOSE_BATCH: no drafter state for slots {missing[:4]}")
             if cmd.code == EP_CMD_LOGITS and (last_hidden is None or
                                               any(r >= last_hidden.shape[0] for r in cmd.bulk)):
                 raise ProtocolError(f"LOGITS: rows {cmd.bulk[:4]} outside the last forward")
@@ -178,9 +241,19 @@ def worker_loop(runner: ModelRunner, comm: Communicator) -> None:
         if cmd.code == EP_CMD_SHUTDOWN:
             return
         if cmd.code == EP_CMD_FORWARD:
+            mirror.observe(payload.obs, last_hidden)   # they index the previous forward
             for code, slot, length in payload.ops:
                 runner.cache.replay(OP_NAMES[code], slot, length)
+                if code == EP_CMD_SLOT_FREE:
+                    mirror.states.pop(slot, None)
             chunks = [SeqChunk(s, start, n) for s, start, n in payload.chunks]
             last_hidden, _ = runner.forward(payload.tokens, chunks)
+        elif cmd.code == EP_CMD_MTP_PROPOSE_BATCH:
+            mirror.observe(payload.obs, last_hidden)
+            for code, slot, length in payload.ops:
+                runner.cache.replay(OP_NAMES[code], slot, length)
+                if code == EP_CMD_SLOT_FREE:
+                    mirror.states.pop(slot, None)
+            mirror.draft(payload.seqs)
         else:
             runner.logits(last_hidden, cmd.bulk)

@@ -53,8 +53,6 @@ class BenchConfig:
                 raise ValueError(f"unknown bench arm {arm!r} (built: {', '.join(BUILT_ARMS)})")
         if self.ep < 1:
             raise ValueError(f"--ep {self.ep} must be at least 1")
-        if self.ep > 1 and any(ENGINE_ARMS.get(a, ("none",))[0] == "mtp" for a in self.arms):
-            raise ValueError("MTP arms with --ep > 1 need the sharded MTP drafter, which is not built yet")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency levels {self.concurrency} must be positive")
         if self.max_tokens < 2:

@@ -141,7 +141,7 @@ class Engine:
                 spec.append((item, d, row))
             else:
                 seq = item.seq
-                self._observe(seq, hidden[row:row + item.num_tokens], seq.num_computed)
+                self._observe(seq, hidden, range(row, row + item.num_tokens), seq.num_computed)
                 seq.num_computed += item.num_tokens
                 if seq.num_pending == 0:
                     plain.append((seq, row + item.num_tokens - 1))
@@ -184,9 +184,9 @@ class Engine:
             out[i] = Drafts(d.tokens[:n], d.probs[:n])
         return out
 
-    def _observe(self, seq: Sequence, rows: torch.Tensor, start: int) -> None:
+    def _observe(self, seq: Sequence, hidden: torch.Tensor, rows: range, start: int) -> None:
         if self.proposer is not None and seq.seq_id in self.states:
-            self.proposer.observe_target(self.states[seq.seq_id], rows, start)
+            self.proposer.observe_target(self.states[seq.seq_id], hidden, rows, start)
 
     def _verify(self, spec: list[tuple[Scheduled, Drafts, int]], hidden: torch.Tensor, width: int,
                 now: float) -> None:
@@ -206,7 +206,7 @@ class Engine:
             # Rows 0..na had committed inputs (the pending token and the accepted drafts).
             seq.num_computed = start + na + 1
             self.runner.cache.rewind(seq.seq_id, seq.num_computed)
-            self._observe(seq, hidden[row:row + na + 1], start)
+            self._observe(seq, hidden, range(row, row + na + 1), start)
             self.proposer.after_verify(self.states[seq.seq_id], na)
             self.commit(seq, commit, now)
         if mtp_accept_debug() and self.metrics.verifies % 200 < len(spec):

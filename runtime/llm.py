@@ -17,11 +17,17 @@ Prompt = str | list[int]
 SPEC_METHODS = ("none", "mtp", "ngram")
 
 
-def make_proposer(spec: str, model, runner: ModelRunner):
-    """The drafter for `spec`: the checkpoint's MTP layer, prompt lookup, or none."""
+def make_proposer(spec: str, model, runner):
+    """The drafter for `spec`: the checkpoint's MTP layer (sharded across EP ranks when the
+    runner drives a group), prompt lookup, or none."""
     if spec == "mtp":
         from speculative.mtp import MTPProposer
-        return MTPProposer(model, runner.cache)
+        if isinstance(runner, ModelRunner):
+            return MTPProposer(model, runner.cache)
+        from ep.shard import ShardedMTPProposer
+        if model.mtp is None:
+            raise ValueError("this checkpoint has no MTP layer: MTP speculation needs one")
+        return ShardedMTPProposer(runner)
     if spec == "ngram":
         from speculative.ngram import NgramProposer
         return NgramProposer()
@@ -43,8 +49,6 @@ class LLM:
         self.model_dir = model_dir
         self.group = None
         self.rank_weight_bytes: list[int] = []
-        if ep > 1 and spec == "mtp":
-            raise ValueError("--spec mtp with --ep > 1 needs the sharded MTP drafter, which is not built yet")
         if ep > 1 or comm is not None:
             runner = self._start_ep(model_dir, dtype, ep, moe_a2a, ep_timeout_s, kv_cache_tokens, comm)
         else:
@@ -56,7 +60,15 @@ class LLM:
         config = EngineConfig(kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
                               num_drafts=num_drafts if spec != "none" else 0)
-        self.engine = Engine(runner, self.tokenizer, config, make_proposer(spec, self.model, runner))
+        try:
+            proposer = make_proposer(spec, self.model, runner)
+        except BaseException:
+            if not isinstance(runner, ModelRunner):
+                runner.shutdown()
+            self.engine = None
+            self._stop_group()
+            raise
+        self.engine = Engine(runner, self.tokenizer, config, proposer)
 
     def _start_ep(self, model_dir: Path, dtype: str, ep: int, moe_a2a: str, timeout_s: float,
                   kv_cache_tokens: int, comm):

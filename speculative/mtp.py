@@ -16,7 +16,7 @@ import torch
 from runtime.attention import PagedAttention, SeqChunk, build_plan
 from runtime.kv_cache import PagedKVCache
 from runtime.model import Glm4MoeForCausalLM
-from speculative.proposer import DraftProposer, Drafts, ProposeRequest
+from speculative.proposer import DraftProposer, Drafts, ProposerState, ProposeRequest
 
 
 class MTPProposer(DraftProposer):
@@ -30,19 +30,41 @@ class MTPProposer(DraftProposer):
     def propose(self, req: ProposeRequest) -> Drafts:
         return self.propose_batch([req])[0]
 
-    @torch.inference_mode()
+    @staticmethod
+    def feed_tokens(req: ProposeRequest) -> list[int]:
+        """The committed tokens paired with the request's unfed hidden rows (position i + 1 for row i)."""
+        st = req.state
+        m = sum(h.shape[0] for h in st.pending_hidden)
+        return list(req.token_ids[st.fed_upto + 1:st.fed_upto + 1 + m])
+
     def propose_batch(self, reqs: list[ProposeRequest]) -> list[Drafts]:
-        out: list[Drafts] = [Drafts([], []) for _ in reqs]
-        live = [i for i, r in enumerate(reqs) if r.num_drafts > 0 and r.state.pending_hidden]
-        if not live:
+        flags = [r.num_drafts > 0 and bool(r.state.pending_hidden) for r in reqs]
+        live = [r for r, is_live in zip(reqs, flags) if is_live]
+        feeds = [self.feed_tokens(r) for r in live]
+        self.before_draft(live, feeds)
+        got = iter(self.draft([r.state for r in live], feeds, [r.num_drafts for r in live]))
+        return [next(got) if is_live else Drafts([], []) for is_live in flags]
+
+    def before_draft(self, live: list[ProposeRequest], feeds: list[list[int]]) -> None:
+        """Hook run just before drafting (the sharded drafter tells its workers here)."""
+
+    @torch.inference_mode()
+    def draft(self, states: list[ProposerState], feeds: list[list[int]], num_drafts: list[int]) -> list[Drafts]:
+        """Feed each state's unfed rows with their tokens, then draft. Every EP rank runs this with
+        the same arguments (the sharded drafter), so it must be deterministic given them."""
+        out: list[Drafts] = [Drafts([], []) for _ in states]
+        if not states:
             return out
+        live = list(range(len(states)))
         # Feed: every unseen committed row, one chunk per sequence.
         tokens, chunks, hiddens = [], [], []
         for i in live:
-            st = reqs[i].state
+            st = states[i]
             feed = torch.cat(st.pending_hidden) if len(st.pending_hidden) > 1 else st.pending_hidden[0]
             m = feed.shape[0]
-            tokens.extend(reqs[i].token_ids[st.fed_upto + 1:st.fed_upto + 1 + m])
+            if len(feeds[i]) != m:
+                raise ValueError(f"sequence {st.seq_id}: {m} unfed rows but {len(feeds[i])} feed tokens")
+            tokens.extend(feeds[i])
             chunks.append(SeqChunk(st.seq_id, st.fed_upto, m))
             hiddens.append(feed)
             st.fed_upto += m
@@ -50,20 +72,20 @@ class MTPProposer(DraftProposer):
         hidden, last = self._forward(tokens, torch.cat(hiddens), chunks)
         positions = [c.end - 1 for c in chunks]
         active = list(live)
-        for depth in range(max(reqs[i].num_drafts for i in live)):
+        for _ in range(max(num_drafts)):
             logits = self.model.mtp_logits(hidden[last]).float()
             probs = torch.softmax(logits, dim=-1)
             top_p, top_t = probs.max(dim=-1)
             for j, i in enumerate(active):
                 out[i].tokens.append(int(top_t[j]))
                 out[i].probs.append(float(top_p[j]))
-            keep = [j for j, i in enumerate(active) if len(out[i].tokens) < reqs[i].num_drafts]
+            keep = [j for j, i in enumerate(active) if len(out[i].tokens) < num_drafts[i]]
             if not keep:
                 break
             prev = hidden[last[keep]]
             active = [active[j] for j in keep]
             positions = [positions[j] + 1 for j in keep]
-            chunks = [SeqChunk(reqs[i].state.seq_id, p, 1) for i, p in zip(active, positions)]
+            chunks = [SeqChunk(states[i].seq_id, p, 1) for i, p in zip(active, positions)]
             hidden, last = self._forward([out[i].tokens[-1] for i in active], prev, chunks)
         return out
 

@@ -10,7 +10,7 @@ class NgramProposer(DraftProposer):
             raise ValueError(f"n-gram sizes {min_ngram}..{max_ngram} must satisfy 1 <= min <= max")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def observe_target(self, state: ProposerState, hidden, start: int) -> None:
+    def observe_target(self, state: ProposerState, hidden, rows: range, start: int) -> None:
         """Lookup needs only the tokens; hiddens are not kept."""
 
     def propose(self, req: ProposeRequest) -> Drafts:

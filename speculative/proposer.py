@@ -47,12 +47,13 @@ class DraftProposer(ABC):
     def alloc_state(self, seq_id: int) -> ProposerState:
         return ProposerState(seq_id=seq_id)
 
-    def observe_target(self, state: ProposerState, hidden: torch.Tensor, start: int) -> None:
-        """Target pre-norm hiddens [m, H] of committed positions start..start+m-1."""
+    def observe_target(self, state: ProposerState, hidden: torch.Tensor, rows: range, start: int) -> None:
+        """Rows `rows` of a target forward's pre-norm hidden [T, H] belong to committed positions
+        start..start+len(rows)-1 of `state`'s sequence."""
         pending_end = state.fed_upto + sum(h.shape[0] for h in state.pending_hidden)
         if start != pending_end:
             raise ValueError(f"sequence {state.seq_id}: hidden rows from {start}, expected {pending_end}")
-        state.pending_hidden.append(hidden)
+        state.pending_hidden.append(hidden[rows.start:rows.stop])
 
     @abstractmethod
     def propose(self, req: ProposeRequest) -> Drafts:

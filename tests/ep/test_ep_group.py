@@ -119,3 +119,20 @@ def test_killed_worker_ends_rank0_with_a_message(ckpt_plain):
         pytest.fail("rank 0 hung after its worker was killed")
     assert proc.returncode != 0
     assert "rank" in err and "Traceback" not in err, err[-2000:]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_sharded_drafter_equals_single_rank_drafter(ckpt_mtp, params):
+    """EP 2 with the sharded MTP drafter: the same drafts, acceptance and tokens as one rank, and
+    the same tokens as no speculation (lossless)."""
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=params.temperature, seed=params.seed)
+    plain = [o.token_ids for o in LLM(ckpt_mtp, dtype="float64").generate(PROMPTS, params)]
+    one = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3).generate(PROMPTS, params)
+    llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, ep=2)
+    try:
+        two = llm.generate(PROMPTS, params)
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in two] == [o.token_ids for o in one] == plain
+    assert [(o.drafted_tokens, o.accepted_tokens) for o in two] == [(o.drafted_tokens, o.accepted_tokens) for o in one]
+    assert sum(o.drafted_tokens for o in two) > 0

@@ -75,6 +75,22 @@ def test_refusals_name_the_problem():
 
 def test_forward_layout_is_checked():
     cmd = forward_command([], [(1, 0, 2)], [3, 4])
-    bad = Command(EP_CMD_FORWARD, NO_SLOT, (0, 1, 3, 5), cmd.bulk + [0, 0, 0])
+    bad = Command(EP_CMD_FORWARD, NO_SLOT, (0, 1, 3, 5, 0), cmd.bulk + [0, 0, 0])
     with pytest.raises(ProtocolError, match="does not match"):
         parse_forward(bad, vocab_size=10)
+
+
+def test_propose_batch_round_trip_and_refusals():
+    from ep.protocol import parse_propose_batch, propose_batch_command
+    cmd = propose_batch_command([(EP_CMD_SLOT_REWIND, 2, 9)], [(2, 0, 3, 7)], [(2, 3, [11, 12, 13]), (5, 1, [4])])
+    p = parse_propose_batch(roundtrip(cmd), vocab_size=20)
+    assert p.ops == [(EP_CMD_SLOT_REWIND, 2, 9)] and p.obs == [(2, 0, 3, 7)]
+    assert p.seqs == [(2, 3, [11, 12, 13]), (5, 1, [4])]
+    with pytest.raises(ProtocolError, match="token 13 outside the vocabulary of 13"):
+        parse_propose_batch(roundtrip(cmd), vocab_size=13)
+    bad = propose_batch_command([], [], [(2, 0, [1])])
+    with pytest.raises(ProtocolError, match="num_drafts 0 out of range"):
+        parse_propose_batch(roundtrip(bad), vocab_size=20)
+    short = Command(bad.code, bad.slot, (2, 0, 4, 0), bad.bulk)
+    with pytest.raises(ProtocolError, match="truncated payload at sequence 1"):
+        parse_propose_batch(short, vocab_size=20)
