@@ -91,6 +91,7 @@ def test_propose_batch_round_trip_and_refusals():
     bad = propose_batch_command([], [], [(2, 0, [1])])
     with pytest.raises(ProtocolError, match="num_drafts 0 out of range"):
         parse_propose_batch(roundtrip(bad), vocab_size=20)
-    short = Command(bad.code, bad.slot, (2, 0, 4, 0), bad.bulk)
+    good = propose_batch_command([], [], [(2, 1, [1])])
+    short = Command(good.code, good.slot, (2, 0, 4, 0), good.bulk)
     with pytest.raises(ProtocolError, match="truncated payload at sequence 1"):
         parse_propose_batch(short, vocab_size=20)
