@@ -186,7 +186,7 @@ class RoutedExperts(nn.Module):
                     continue
                 xs = x[tokens[start:start + n]]
                 gate, up = F.linear(xs, self.gate_up_proj[e]).chunk(2, dim=-1)
-                per_choice[slots[start:start + n]] = F.linear(F.silu(gate) * up, self.down_proj[e])
+                per_choice[slots[start:start + n]] = F.linear(F.silu(gate) * up, self.down_proj[e]).to(x.dtype)
                 start += n
         # Sum over the k choices in a fixed order: the result does not depend on the batch.
         return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
