@@ -29,6 +29,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default="none", choices=["none", "mtp", "ngram"],
                    help="speculative decoding: the checkpoint's MTP layer, prompt lookup, or none")
     p.add_argument("--num-drafts", type=int, default=3, help="draft tokens per sequence per step (0..16)")
+    p.add_argument("--spec-verify", default="exact", choices=["exact", "rejection"],
+                   help="exact: keyed target draws (same tokens as no speculation); rejection: rejection sampling")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (default 1, or torchrun's world size)")
     p.add_argument("--launcher", default="mp", choices=["mp"], help="how --ep > 1 starts its workers")
     p.add_argument("--moe-a2a", default="alltoall", choices=["alltoall", "allreduce"], help="MoE dispatch mode")
@@ -96,7 +98,7 @@ def make_llm(args: argparse.Namespace):
     from runtime import LLM
 
     common = dict(dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
-                  spec=args.spec, num_drafts=args.num_drafts, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout)
+                  spec=args.spec, num_drafts=args.num_drafts, spec_verify=args.spec_verify, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout)
     tr = torchrun_rank()
     if tr is not None:
         rank, world = tr

@@ -24,7 +24,8 @@ from runtime.tokenizer import Tokenizer, find_stop
 from speculative.knobs import mtp_accept_debug
 from speculative.metrics import AcceptanceMetrics
 from speculative.proposer import DraftProposer, Drafts, ProposerState, ProposeRequest
-from speculative.verify import committed_tokens, target_tokens
+from runtime.sampler import target_probs
+from speculative.verify import committed_tokens, rejection_tokens, target_tokens
 
 log = logging.getLogger("metrale.engine")
 
@@ -40,8 +41,11 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     num_drafts: int = 0          # draft tokens per sequence per step when a proposer is given
+    spec_verify: str = "exact"   # "exact": keyed target draws; "rejection": rejection sampling
 
     def __post_init__(self) -> None:
+        if self.spec_verify not in ("exact", "rejection"):
+            raise ValueError(f"spec_verify={self.spec_verify!r}: expected exact or rejection")
         if not 0 <= self.num_drafts <= 16:
             raise ValueError(f"num_drafts={self.num_drafts} must be in 0..16")
         if self.kv_cache_tokens < self.block_size:
@@ -196,9 +200,16 @@ class Engine:
         for item, d, row in spec:
             seq, k = item.seq, len(d.tokens)
             start = seq.num_computed
-            targets = target_tokens(logits[at:at + k + 1], seq.params, seq.seed, start + 1)
+            rows_logits = logits[at:at + k + 1]
             at += k + 1
-            na, commit = committed_tokens(d.tokens, targets)
+            if self.config.spec_verify == "rejection" and not seq.params.is_greedy:
+                # The drafters here are deterministic (top-1 or lookup): q is one-hot at each draft.
+                dists = [target_probs(r, seq.params) for r in rows_logits]
+                na, commit = rejection_tokens(d.tokens, None, dists, seq.seed, start + 1)
+                targets = commit + [-1] * (k + 1 - len(commit))
+            else:
+                targets = target_tokens(rows_logits, seq.params, seq.seed, start + 1)
+                na, commit = committed_tokens(d.tokens, targets)
             self.metrics.record(width, d.tokens, targets, na)
             seq.num_verifies += 1
             seq.drafted_tokens += k

@@ -37,3 +37,43 @@ def committed_tokens(drafts: list[int], targets: list[int]) -> tuple[int, list[i
         raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} target tokens, got {len(targets)}")
     na = accepted_prefix(drafts, targets)
     return na, drafts[:na] + [targets[na]]
+
+
+REJECTION_STREAM = 0x5EC0DE  # mixed into the seed: acceptance draws never reuse the sampling draws
+
+
+def rejection_tokens(drafts: list[int], draft_dists: list[torch.Tensor] | None, target_dists: list[torch.Tensor],
+                     seed: int, first_position: int) -> tuple[int, list[int]]:
+    """Standard speculative rejection sampling (Leviathan et al.; Chen et al.).
+
+    Draft i (at absolute position first_position + i) is accepted with probability
+    min(1, p_i(d_i) / q_i(d_i)); at the first rejection the token is resampled from
+    norm(max(0, p_i - q_i)); when every draft is accepted the bonus is drawn from p_K.
+    `target_dists` are the K+1 target distributions p_0..p_K [V]; `draft_dists` the drafter's
+    q_i [V], or None for a deterministic drafter (q_i one-hot at d_i). Draws are keyed by
+    (seed, position), so a request's outcome does not depend on its batch.
+    Returns (na, committed tokens).
+    """
+    from runtime.sampler import draw, position_generator
+    if len(target_dists) != len(drafts) + 1:
+        raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} target distributions")
+    out: list[int] = []
+    for i, d in enumerate(drafts):
+        pos = first_position + i
+        p = target_dists[i]
+        if draft_dists is None:
+            q = torch.zeros_like(p)
+            q[d] = 1.0
+        else:
+            q = draft_dists[i].to(p.dtype)
+        u = float(torch.rand(1, generator=position_generator(seed ^ REJECTION_STREAM, pos), dtype=torch.float64))
+        qd = float(q[d])
+        if qd > 0 and u < min(1.0, float(p[d]) / qd):
+            out.append(d)
+            continue
+        residual = torch.clamp(p - q, min=0.0)
+        total = float(residual.sum())
+        out.append(draw(residual / total if total > 0 else p, seed, pos))
+        return i, out
+    out.append(draw(target_dists[-1], seed, first_position + len(drafts)))
+    return len(drafts), out
