@@ -1,11 +1,33 @@
-"""The documented METRALE_* knobs (DESIGN §5.7), read once per process in this one module."""
+"""The documented METRALE_* knobs (DESIGN §5.7), read once per process in this one module.
+
+No other module reads the environment for behaviour. Each reader caches its first answer.
+"""
 from __future__ import annotations
 
 import os
 from functools import cache
+
+MAX_SHADOW_TOPK = 8
 
 
 @cache
 def mtp_accept_debug() -> bool:
     """METRALE_MTP_ACCEPT_DEBUG: on when set to any value; logs acceptance per width bucket."""
     return "METRALE_MTP_ACCEPT_DEBUG" in os.environ
+
+
+@cache
+def mtp_refeed_debug() -> bool:
+    """METRALE_MTP_REFEED_DEBUG=1: log a `hidden_fingerprint` of every target row fed to the drafter."""
+    return os.environ.get("METRALE_MTP_REFEED_DEBUG") == "1"
+
+
+@cache
+def shadow_topk() -> int:
+    """METRALE_MTP_SHADOW_TOPK=k: log the drafter's top-k candidates at each draft position without
+    changing selection. 0 (unset or unparseable) is off; k is capped at 8."""
+    try:
+        k = int(os.environ.get("METRALE_MTP_SHADOW_TOPK", "0").strip())
+    except ValueError:
+        return 0
+    return max(0, min(k, MAX_SHADOW_TOPK))

@@ -11,12 +11,18 @@ output and the previous draft. Draft rows past the committed ones are overwritte
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from runtime.attention import PagedAttention, SeqChunk, build_plan
 from runtime.kv_cache import PagedKVCache
 from runtime.model import Glm4MoeForCausalLM
+from speculative.fingerprint import hidden_fingerprint
+from speculative.knobs import mtp_refeed_debug, shadow_topk
 from speculative.proposer import DraftProposer, Drafts, ProposerState, ProposeRequest
+
+log = logging.getLogger("metrale.mtp")
 
 
 class MTPProposer(DraftProposer):
@@ -65,6 +71,10 @@ class MTPProposer(DraftProposer):
             if len(feeds[i]) != m:
                 raise ValueError(f"sequence {st.seq_id}: {m} unfed rows but {len(feeds[i])} feed tokens")
             tokens.extend(feeds[i])
+            if mtp_refeed_debug():
+                for r in range(m):
+                    log.info("mtp feed seq %d pos %d token %d hidden %016x", st.seq_id, st.fed_upto + r,
+                             feeds[i][r], hidden_fingerprint(feed[r]))
             chunks.append(SeqChunk(st.seq_id, st.fed_upto, m))
             hiddens.append(feed)
             st.fed_upto += m
@@ -76,6 +86,11 @@ class MTPProposer(DraftProposer):
             logits = self.model.mtp_logits(hidden[last]).float()
             probs = torch.softmax(logits, dim=-1)
             top_p, top_t = probs.max(dim=-1)
+            if shadow_topk():
+                cand_p, cand_t = probs.topk(shadow_topk(), dim=-1)
+                for j, i in enumerate(active):
+                    log.info("mtp shadow seq %d depth %d top%d %s", states[i].seq_id, len(out[i].tokens) + 1,
+                             shadow_topk(), list(zip(cand_t[j].tolist(), [round(x, 4) for x in cand_p[j].tolist()])))
             for j, i in enumerate(active):
                 out[i].tokens.append(int(top_t[j]))
                 out[i].probs.append(float(top_p[j]))

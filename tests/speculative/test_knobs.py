@@ -1,0 +1,43 @@
+"""The METRALE_* knobs, read once per process: each case runs in a fresh interpreter."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import run_env
+
+
+def read_in_subprocess(expr: str, env: dict[str, str]) -> str:
+    base = {k: v for k, v in run_env().items() if not k.startswith("METRALE_")}
+    code = f"import speculative.knobs as k; print({expr})"
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize("env, want", [({}, "0"), ({"METRALE_MTP_SHADOW_TOPK": "3"}, "3"),
+                                       ({"METRALE_MTP_SHADOW_TOPK": " 5 "}, "5"),
+                                       ({"METRALE_MTP_SHADOW_TOPK": "99"}, "8"),
+                                       ({"METRALE_MTP_SHADOW_TOPK": "-2"}, "0"),
+                                       ({"METRALE_MTP_SHADOW_TOPK": "many"}, "0")])
+def test_shadow_topk(env, want):
+    assert read_in_subprocess("k.shadow_topk()", env) == want
+
+
+@pytest.mark.parametrize("env, want", [({}, "False"), ({"METRALE_MTP_ACCEPT_DEBUG": ""}, "True"),
+                                       ({"METRALE_MTP_ACCEPT_DEBUG": "0"}, "True")])
+def test_accept_debug_is_on_when_present(env, want):
+    assert read_in_subprocess("k.mtp_accept_debug()", env) == want
+
+
+def test_refeed_debug_needs_1():
+    assert read_in_subprocess("k.mtp_refeed_debug()", {"METRALE_MTP_REFEED_DEBUG": "1"}) == "True"
+    assert read_in_subprocess("k.mtp_refeed_debug()", {"METRALE_MTP_REFEED_DEBUG": "yes"}) == "False"
+
+
+def test_read_once_per_process():
+    code = ("k.shadow_topk(), __import__('os').environ.__setitem__('METRALE_MTP_SHADOW_TOPK', '7'), "
+            "k.shadow_topk()")
+    assert read_in_subprocess(code, {"METRALE_MTP_SHADOW_TOPK": "2"}) == "2 None 2"
