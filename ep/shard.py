@@ -124,6 +124,17 @@ def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str) -> N
                              f"{HANDSHAKE_FIELDS.get(status >> 16, 'setting')} than rank 0")
 
 
+def gather_rank_info(comm: Communicator) -> list[dict]:
+    """Every rank's pid and host name (for /health), gathered once at start-up."""
+    import os
+    import socket
+    name = socket.gethostname().encode()[:64].ljust(64, b"\0")
+    row = torch.tensor([os.getpid(), *name], dtype=torch.int64)
+    rows = comm.all_gather(row[None])
+    return [{"rank": r, "pid": int(rows[r, 0]), "host": bytes(rows[r, 1:].tolist()).rstrip(b"\0").decode()}
+            for r in range(comm.world_size)]
+
+
 def gather_weight_bytes(comm: Communicator, runner: ModelRunner) -> list[int]:
     out = comm.all_gather(torch.tensor([weight_bytes(runner)], dtype=torch.int64))
     return out.tolist()

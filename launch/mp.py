@@ -36,6 +36,7 @@ def worker_main(rank: int, init_method: str, cfg: GroupConfig, model_dir_overrid
         worker_handshake(comm, model_dir, dtype)
         runner = load_shard(model_dir, dtype, comm, cfg.moe_a2a, cfg.kv_cache_tokens)
         gather_weight_bytes(comm, runner)
+        gather_rank_info(comm)
         worker_loop(runner, comm)
     except CommError as exc:
         print(f"metrale worker rank {rank}: {exc}", file=sys.stderr, flush=True)
@@ -71,6 +72,7 @@ class MPGroup:
         return [p.pid for p in self.procs]
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Wait up to `timeout_s` for the workers to leave (after SHUTDOWN), then kill the rest."""
         for p in self.procs:
             p.join(timeout=timeout_s)
             if p.is_alive():

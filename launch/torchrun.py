@@ -23,11 +23,12 @@ def join(rank: int, world: int, timeout_s: float) -> Communicator:
 
 
 def run_worker(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_cache_tokens: int) -> int:
-    from ep.shard import gather_weight_bytes, load_shard, worker_handshake, worker_loop
+    from ep.shard import gather_rank_info, gather_weight_bytes, load_shard, worker_handshake, worker_loop
     try:
         worker_handshake(comm, model_dir, dtype)
         runner = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens)
         gather_weight_bytes(comm, runner)
+        gather_rank_info(comm)
         worker_loop(runner, comm)
         return 0
     except CommError as exc:

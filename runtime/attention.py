@@ -59,38 +59,40 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
     b = len(chunks)
     q_max = max(c.num_tokens for c in chunks)
     k_max = max(c.end for c in chunks)
-    positions, slot_mapping = [], []
-    gather = torch.zeros(b, k_max, dtype=torch.long)
-    q_index = torch.zeros(b, q_max, dtype=torch.long)
-    valid = torch.zeros(b, q_max, dtype=torch.bool)
-    mask = torch.zeros(b, 1, q_max, k_max, dtype=torch.bool)
-    mask[:, :, :, 0] = True  # padding rows see one slot, so softmax never meets an all-masked row
-    last_rows = torch.empty(b, dtype=torch.long)
-    row = 0
+    if any(c.num_tokens < 1 for c in chunks):
+        raise ValueError(f"sequence {next(c.seq_id for c in chunks if c.num_tokens < 1)} has an empty chunk")
+    positions = torch.cat([torch.arange(c.start, c.end) for c in chunks]) if b > 1 else \
+        torch.arange(chunks[0].start, chunks[0].end)
+    ctxs = [cache.slots(c.seq_id, 0, c.end) for c in chunks]
+    slot_mapping = torch.cat([ctx[c.start:] for ctx, c in zip(ctxs, chunks)]) if b > 1 else ctxs[0][chunks[0].start:]
+    counts = torch.tensor([c.num_tokens for c in chunks])
+    ends = torch.tensor([c.end for c in chunks])
+    last_rows = torch.cumsum(counts, 0) - 1
+    if b == 1:
+        gather = ctxs[0][None]
+        q_index = torch.arange(q_max)[None]
+        valid = torch.ones(1, q_max, dtype=torch.bool)
+    else:
+        gather = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)          # [B, K], padding 0
+        offs = torch.arange(q_max)[None, :]
+        valid = offs < counts[:, None]                                              # [B, Q]
+        q_index = torch.where(valid, (last_rows - counts + 1)[:, None] + offs, 0)
+    # Row r of a chunk sits at position start + r and sees keys at positions <= it (causal);
+    # padding rows see key 0 only, so softmax never meets an all-masked row.
+    starts = ends - counts
+    row_pos = torch.where(valid, starts[:, None] + torch.arange(q_max)[None, :], 0)  # [B, Q]
+    mask = (torch.arange(k_max)[None, None, :] <= row_pos[:, :, None])[:, None]      # [B, 1, Q, K]
     for i, c in enumerate(chunks):
-        if c.num_tokens < 1:
-            raise ValueError(f"sequence {c.seq_id} has an empty chunk")
-        ctx = cache.slots(c.seq_id, 0, c.end)
-        gather[i, :c.end] = ctx
-        slot_mapping.append(ctx[c.start:])
-        pos = torch.arange(c.start, c.end)
-        positions.append(pos)
-        q_index[i, :c.num_tokens] = torch.arange(row, row + c.num_tokens)
-        valid[i, :c.num_tokens] = True
         if c.mask is not None:
             if tuple(c.mask.shape) != (c.num_tokens, c.end):
                 raise ValueError(f"sequence {c.seq_id}: mask shape {tuple(c.mask.shape)}, "
                                  f"expected {(c.num_tokens, c.end)}")
             mask[i, 0, :c.num_tokens, :c.end] = c.mask
-        else:
-            mask[i, 0, :c.num_tokens, :c.end] = torch.arange(c.end)[None, :] <= pos[:, None]
-        row += c.num_tokens
-        last_rows[i] = row - 1
     mode = "explicit"
     if b == 1 and chunks[0].mask is None:
         mode = "none" if chunks[0].num_tokens == 1 else ("causal" if chunks[0].start == 0 else "explicit")
-    return StepPlan(positions=torch.cat(positions), slot_mapping=torch.cat(slot_mapping), gather=gather,
-                    q_index=q_index, valid=valid, mask=mask, last_rows=last_rows, mask_mode=mode)
+    return StepPlan(positions=positions, slot_mapping=slot_mapping, gather=gather, q_index=q_index, valid=valid,
+                    mask=mask, last_rows=last_rows, mask_mode=mode)
 
 
 class PagedAttention:
@@ -106,11 +108,14 @@ class PagedAttention:
         self.cache.write(layer_idx, p.slot_mapping, k, v)
         keys = self.cache.k[layer_idx][p.gather].transpose(1, 2)    # [B, nkv, K, D]
         values = self.cache.v[layer_idx][p.gather].transpose(1, 2)
-        queries = q[p.q_index].transpose(1, 2)                      # [B, nh, Q, D]
+        single = p.gather.shape[0] == 1
+        queries = (q.transpose(0, 1)[None] if single else q[p.q_index].transpose(1, 2))  # [B, nh, Q, D]
         out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
                                              attn_mask=p.mask if p.mask_mode == "explicit" else None,
                                              is_causal=p.mask_mode == "causal", scale=scale,
                                              enable_gqa=keys.shape[1] != queries.shape[1])
+        if single:
+            return out[0].transpose(0, 1)                           # [T, nh, D]
         return out.transpose(1, 2)[p.valid]                          # [T, nh, D]
 
 

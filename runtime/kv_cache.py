@@ -30,6 +30,8 @@ class PagedKVCache:
         # the caches of other ranks can replay it: the allocator is deterministic, so the same
         # operations give the same block tables everywhere.
         self.journal: list[tuple[str, int, int]] | None = None
+        # Slot ids of every position a sequence's blocks cover, rebuilt when its table changes.
+        self._slot_cache: dict[int, torch.Tensor] = {}
 
     # --- accounting -------------------------------------------------------------------------
     @property
@@ -80,6 +82,8 @@ class PagedKVCache:
             self.journal.append(("rewind", seq_id, new_length))
         table = self._tables[seq_id]
         keep = -(-new_length // self.block_size)
+        if len(table) > keep:
+            self._slot_cache.pop(seq_id, None)
         while len(table) > keep:
             self._free.append(table.pop())
         self._lengths[seq_id] = new_length
@@ -87,6 +91,7 @@ class PagedKVCache:
     def free(self, seq_id: int) -> None:
         if self.journal is not None:
             self.journal.append(("free", seq_id, 0))
+        self._slot_cache.pop(seq_id, None)
         for block in reversed(self._tables.pop(seq_id, [])):
             self._free.append(block)
         self._lengths.pop(seq_id, None)
@@ -108,9 +113,13 @@ class PagedKVCache:
         if end > self._lengths.get(seq_id, 0):
             raise ValueError(f"positions up to {end} of sequence {seq_id} are not reserved "
                              f"(length {self._lengths.get(seq_id, 0)})")
-        table = torch.tensor(self._tables[seq_id], dtype=torch.long)
-        pos = torch.arange(start, end, dtype=torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        table = self._tables[seq_id]
+        cached = self._slot_cache.get(seq_id)
+        if cached is None or cached.shape[0] != len(table) * self.block_size:
+            blocks = torch.tensor(table, dtype=torch.long)
+            cached = (blocks[:, None] * self.block_size + torch.arange(self.block_size)[None, :]).reshape(-1)
+            self._slot_cache[seq_id] = cached
+        return cached[start:end]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [T, nkv, D] into `slots` [T] of cache layer `layer`."""

@@ -14,6 +14,12 @@ from runtime.tokenizer import Tokenizer
 from runtime.weights import load_model
 
 Prompt = str | list[int]
+
+
+def local_rank_info(rank: int) -> dict:
+    import os
+    import socket
+    return {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
 SPEC_METHODS = ("none", "mtp", "ngram")
 
 
@@ -49,6 +55,7 @@ class LLM:
         self.model_dir = model_dir
         self.group = None
         self.rank_weight_bytes: list[int] = []
+        self.rank_info: list[dict] = [local_rank_info(0)]
         if ep > 1 or comm is not None:
             runner = self._start_ep(model_dir, dtype, ep, moe_a2a, ep_timeout_s, kv_cache_tokens, comm)
         else:
@@ -72,7 +79,7 @@ class LLM:
 
     def _start_ep(self, model_dir: Path, dtype: str, ep: int, moe_a2a: str, timeout_s: float,
                   kv_cache_tokens: int, comm):
-        from ep.shard import DriverRunner, driver_handshake, gather_weight_bytes, load_shard
+        from ep.shard import DriverRunner, driver_handshake, gather_rank_info, gather_weight_bytes, load_shard
         if comm is None:
             from launch.mp import GroupConfig, MPGroup
             self.group = MPGroup(GroupConfig(model_dir=str(model_dir), dtype=dtype, ep=ep, moe_a2a=moe_a2a,
@@ -83,6 +90,7 @@ class LLM:
             driver_handshake(comm, model_dir, dtype)
             local = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens)
             self.rank_weight_bytes = gather_weight_bytes(comm, local)
+            self.rank_info = gather_rank_info(comm)
         except BaseException:
             self._stop_group()
             raise
@@ -120,18 +128,23 @@ class LLM:
         try:
             self.engine.run_to_completion()
         except BaseException:
-            self.shutdown()  # an EP error leaves the group unusable: end every rank now
+            self.shutdown(graceful=False)  # an EP error or Ctrl-C leaves the group unusable
             raise
         return [RequestOutput.of(i, s) for i, s in enumerate(seqs)]
 
-    def shutdown(self) -> None:
-        """End the EP workers (if any) and release the model and cache."""
-        from runtime.model_runner import ModelRunner as _Single
-        if self.engine is not None and not isinstance(self.engine.runner, _Single):
+    def shutdown(self, graceful: bool = True) -> None:
+        """End the EP workers (if any) and release the model and cache.
+
+        Graceful: send SHUTDOWN, then wait for the workers. After an error or an interrupt the
+        group may be stuck inside a collective, so the workers are ended without a command.
+        """
+        if graceful and self.engine is not None and not isinstance(self.engine.runner, ModelRunner):
             try:
                 self.engine.runner.shutdown()
-            except Exception:  # a broken group: the workers end on their own timeout
-                pass
-        self._stop_group()
+            except Exception:  # a broken group: fall through to ending the processes
+                graceful = False
+        if self.group is not None:
+            self.group.stop(timeout_s=10.0 if graceful else 0.0)
+            self.group = None
         self.engine = None
         self.model = None

@@ -65,7 +65,8 @@ class TextStream:
         return out
 
 
-def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics) -> Starlette:
+def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
+              ranks: list[dict] | None = None) -> Starlette:
     engine = aengine.engine
     tokenizer = engine.tokenizer
     hostname = socket.gethostname()
@@ -250,7 +251,7 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
     async def health(request: Request) -> Response:
         ok = aengine.error is None
         return JSONResponse({"status": "ok" if ok else "error", "model": config.served_model_name,
-                             "ranks": [{"rank": 0, "pid": os.getpid(), "host": hostname}]},
+                             "ranks": ranks or [{"rank": 0, "pid": os.getpid(), "host": hostname}]},
                             status_code=200 if ok else 503)
 
     async def prometheus(request: Request) -> Response:
@@ -275,7 +276,7 @@ def serve(llm, *, host: str, port: int, config: ServerConfig) -> None:
     import uvicorn
     metrics = ServerMetrics()
     aengine = AsyncEngine(llm.engine, on_step=metrics.observe_engine)
-    app = build_app(aengine, config, metrics)
+    app = build_app(aengine, config, metrics, ranks=llm.rank_info)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     finally:

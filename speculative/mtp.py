@@ -83,17 +83,18 @@ class MTPProposer(DraftProposer):
         positions = [c.end - 1 for c in chunks]
         active = list(live)
         for _ in range(max(num_drafts)):
-            logits = self.model.mtp_logits(hidden[last]).float()
-            probs = torch.softmax(logits, dim=-1)
-            top_p, top_t = probs.max(dim=-1)
+            logits = self.model.mtp_logits(hidden[last]).float()                 # [B, V]
+            top_l, top_t = logits.max(dim=-1)
+            top_p = torch.exp(top_l - torch.logsumexp(logits, dim=-1))           # top-1 probability
             if shadow_topk():
-                cand_p, cand_t = probs.topk(shadow_topk(), dim=-1)
+                cand_p, cand_t = torch.softmax(logits, dim=-1).topk(shadow_topk(), dim=-1)
                 for j, i in enumerate(active):
                     log.info("mtp shadow seq %d depth %d top%d %s", states[i].seq_id, len(out[i].tokens) + 1,
                              shadow_topk(), list(zip(cand_t[j].tolist(), [round(x, 4) for x in cand_p[j].tolist()])))
+            top_t, top_p = top_t.tolist(), top_p.tolist()
             for j, i in enumerate(active):
-                out[i].tokens.append(int(top_t[j]))
-                out[i].probs.append(float(top_p[j]))
+                out[i].tokens.append(top_t[j])
+                out[i].probs.append(top_p[j])
             keep = [j for j, i in enumerate(active) if len(out[i].tokens) < num_drafts[i]]
             if not keep:
                 break
