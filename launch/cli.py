@@ -29,6 +29,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", default="none", choices=["none", "mtp", "ngram"],
                    help="speculative decoding: the checkpoint's MTP layer, prompt lookup, or none")
     p.add_argument("--num-drafts", type=int, default=3, help="draft tokens per sequence per step (0..16)")
+    p.add_argument("--mtp-k-ladder", default=None,
+                   help="drafts by running width, n_max:drafts[,...] (default 4:3,8:3,16:1,32:1)")
+    p.add_argument("--mtp-max-seqs", type=int, default=None,
+                   help="speculate only while at most this many sequences run (1..128)")
+    p.add_argument("--draft-confidence-stop", type=float, default=None, metavar="TAU",
+                   help="stop extending a draft chain once a draft's top-1 probability is below TAU")
     p.add_argument("--spec-verify", default="exact", choices=["exact", "rejection"],
                    help="exact: keyed target draws (same tokens as no speculation); rejection: rejection sampling")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (default 1, or torchrun's world size)")
@@ -91,12 +97,33 @@ def read_prompts(path: Path) -> list[str | list[int]]:
     return prompts
 
 
+def publish_speculation_settings(args: argparse.Namespace) -> int:
+    """Publish the ladder, the width cap and the confidence stop once, at start-up; returns the cap."""
+    from runtime.config import load_behavior
+    from speculative.draft_stop import set_draft_confidence_stop
+    from speculative.ladder import mtp_ladder_disabled, resolve_mtp_max_seqs, set_mtp_k_ladder, set_mtp_max_seqs
+
+    if args.mtp_k_ladder is not None:
+        if args.mtp_k_ladder.strip() == "auto":
+            raise UsageError("--mtp-k-ladder auto (the online controller) is not built yet; give a ladder")
+        set_mtp_k_ladder(args.mtp_k_ladder)
+    model_default = load_behavior(args.model).get("mtp_max_seqs") if Path(args.model).is_dir() else None
+    if model_default is not None and not isinstance(model_default, int):
+        raise UsageError(f"metrale.toml [behavior] mtp_max_seqs={model_default!r} is not an integer")
+    cap, _ = resolve_mtp_max_seqs(args.mtp_max_seqs, model_default, mtp_ladder_disabled())
+    set_mtp_max_seqs(cap)
+    if args.draft_confidence_stop is not None:
+        set_draft_confidence_stop(args.draft_confidence_stop)
+    return cap
+
+
 def make_llm(args: argparse.Namespace):
     """The LLM of rank 0: single process, an mp group, or a torchrun group. None on torchrun
     worker ranks, which serve rank 0's commands until it shuts them down."""
     from launch.torchrun import join, run_worker, torchrun_rank
     from runtime import LLM
 
+    publish_speculation_settings(args)
     common = dict(dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
                   spec=args.spec, num_drafts=args.num_drafts, spec_verify=args.spec_verify, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout)
     tr = torchrun_rank()

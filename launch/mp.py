@@ -27,7 +27,7 @@ def worker_main(rank: int, init_method: str, cfg: GroupConfig, model_dir_overrid
                 dtype_override: str | None = None) -> None:
     """A spawned worker: join the group, load its shard, agree on the handshake, serve commands."""
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
-    from ep.shard import load_shard, gather_weight_bytes, worker_handshake, worker_loop
+    from ep.shard import gather_rank_info, gather_weight_bytes, load_shard, worker_handshake, worker_loop
     model_dir = model_dir_override or cfg.model_dir
     dtype = dtype_override or cfg.dtype
     comm = Communicator(rank=rank, world_size=cfg.ep, init_method=init_method, timeout_s=cfg.timeout_s)

@@ -97,7 +97,8 @@ class EngineArm:
         self.name = name
         spec, k = ENGINE_ARMS[name]
         self.llm = LLM(config.model, dtype=config.dtype, kv_cache_tokens=65536,
-                       max_num_seqs=max(config.concurrency), spec=spec, num_drafts=k, ep=config.ep)
+                       max_num_seqs=max(config.concurrency), spec=spec, num_drafts=k, ep=config.ep,
+                       draft_policy="fixed")
         self.comm = getattr(self.llm, "comm", None)
 
     def close(self) -> None:

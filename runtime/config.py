@@ -163,3 +163,19 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         if gen.get("eos_token_id") is not None:
             raw = {**raw, "eos_token_id": gen["eos_token_id"]}
     return ModelConfig.from_hf_dict(raw, source=str(path))
+
+
+def load_behavior(model_dir: str | Path) -> dict[str, Any]:
+    """The `[behavior]` table of the model folder's optional `metrale.toml` ({} when absent)."""
+    import tomllib
+    path = Path(model_dir) / "metrale.toml"
+    if not path.is_file():
+        return {}
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    behavior = data.get("behavior", {})
+    if not isinstance(behavior, dict):
+        raise ConfigError(f"{path}: [behavior] must be a table")
+    return behavior

@@ -22,6 +22,7 @@ from runtime.scheduler import Scheduled, Scheduler, SchedulerConfig
 from runtime.sequence import Sequence
 from runtime.tokenizer import Tokenizer, find_stop
 from speculative.knobs import mtp_accept_debug
+from speculative.ladder import mtp_ladder_drafts, mtp_max_seqs
 from speculative.metrics import AcceptanceMetrics
 from speculative.proposer import DraftProposer, Drafts, ProposerState, ProposeRequest
 from runtime.sampler import target_probs
@@ -42,8 +43,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     num_drafts: int = 0          # draft tokens per sequence per step when a proposer is given
     spec_verify: str = "exact"   # "exact": keyed target draws; "rejection": rejection sampling
+    draft_policy: str = "ladder"  # "ladder": drafts by running width (DESIGN §5.3); "fixed": always num_drafts
+    mtp_max_seqs: int | None = None  # width cap; None: the published cap (speculative.ladder.mtp_max_seqs)
 
     def __post_init__(self) -> None:
+        if self.draft_policy not in ("ladder", "fixed"):
+            raise ValueError(f"draft_policy={self.draft_policy!r}: expected ladder or fixed")
         if self.spec_verify not in ("exact", "rejection"):
             raise ValueError(f"spec_verify={self.spec_verify!r}: expected exact or rejection")
         if not 0 <= self.num_drafts <= 16:
@@ -63,6 +68,7 @@ class Engine:
         self.proposer = proposer if config.num_drafts > 0 else None
         self.states: dict[int, ProposerState] = {}
         self.metrics = AcceptanceMetrics()
+        self.width_cap = config.mtp_max_seqs if config.mtp_max_seqs is not None else mtp_max_seqs()
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                                    max_num_batched_tokens=config.max_num_batched_tokens),
                                    runner.cache, on_preempt=self._on_preempt)
@@ -167,10 +173,16 @@ class Engine:
 
     # --- speculation ----------------------------------------------------------------------
     def _drafts_for(self, seq: Sequence) -> int:
-        """Drafts for a decoding sequence this step: --num-drafts, clamped so that the committed
-        tokens (accepted drafts plus the bonus) never pass max_tokens or the context."""
+        """Drafts for a decoding sequence this step (the depth planner): the ladder's count for the
+        running width (capped by --num-drafts), none at all above the width cap, clamped so that the
+        committed tokens (accepted drafts plus the bonus) never pass max_tokens or the context."""
+        n_active = len(self.scheduler.running)
+        if n_active > self.width_cap:
+            return 0
+        k = (self.config.num_drafts if self.config.draft_policy == "fixed"
+             else mtp_ladder_drafts(n_active, self.config.num_drafts))
         room = min(seq.params.max_tokens - seq.num_output, self.max_model_len - len(seq.token_ids)) - 1
-        return max(0, min(self.config.num_drafts, room))
+        return max(0, min(k, room))
 
     def _propose(self, batch: list[Scheduled]) -> list[Drafts]:
         none = Drafts([], [])

@@ -45,7 +45,8 @@ class LLM:
 
     def __init__(self, model: str | Path, dtype: str = "float32", *, kv_cache_tokens: int = 32768,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, spec: str = "none",
-                 num_drafts: int = 3, spec_verify: str = "exact", ep: int = 1, moe_a2a: str = "alltoall", ep_timeout_s: float = 60.0,
+                 num_drafts: int = 3, spec_verify: str = "exact", draft_policy: str = "ladder",
+                 mtp_max_seqs: int | None = None, ep: int = 1, moe_a2a: str = "alltoall", ep_timeout_s: float = 60.0,
                  comm=None) -> None:
         """`ep` > 1 spawns ep - 1 workers (the mp launcher) unless `comm`, an already joined
         communicator of rank 0 (torchrun), is given."""
@@ -66,7 +67,8 @@ class LLM:
             raise ValueError(f"spec={spec!r} is not a speculation method (expected one of {', '.join(SPEC_METHODS)})")
         config = EngineConfig(kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
-                              num_drafts=num_drafts if spec != "none" else 0, spec_verify=spec_verify)
+                              num_drafts=num_drafts if spec != "none" else 0, spec_verify=spec_verify,
+                              draft_policy=draft_policy, mtp_max_seqs=mtp_max_seqs)
         try:
             proposer = make_proposer(spec, self.model, runner)
         except BaseException:

@@ -31,3 +31,15 @@ def shadow_topk() -> int:
     except ValueError:
         return 0
     return max(0, min(k, MAX_SHADOW_TOPK))
+
+
+@cache
+def mtp_k_ladder_env() -> str | None:
+    """METRALE_MTP_K_LADDER as given (None when absent); speculative.ladder parses it."""
+    return os.environ.get("METRALE_MTP_K_LADDER")
+
+
+@cache
+def mtp_no_k_ladder() -> bool:
+    """METRALE_NO_MTP_K_LADDER present, with any value ("0" too): the ladder is off."""
+    return "METRALE_NO_MTP_K_LADDER" in os.environ

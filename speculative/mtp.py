@@ -18,6 +18,7 @@ import torch
 from runtime.attention import PagedAttention, SeqChunk, build_plan
 from runtime.kv_cache import PagedKVCache
 from runtime.model import Glm4MoeForCausalLM
+from speculative.draft_stop import draft_confidence_stop
 from speculative.fingerprint import hidden_fingerprint
 from speculative.knobs import mtp_refeed_debug, shadow_topk
 from speculative.proposer import DraftProposer, Drafts, ProposerState, ProposeRequest
@@ -81,6 +82,7 @@ class MTPProposer(DraftProposer):
             st.pending_hidden.clear()
         hidden, last = self._forward(tokens, torch.cat(hiddens), chunks)
         positions = [c.end - 1 for c in chunks]
+        stop = draft_confidence_stop()
         active = list(live)
         for _ in range(max(num_drafts)):
             logits = self.model.mtp_logits(hidden[last]).float()                 # [B, V]
@@ -95,7 +97,9 @@ class MTPProposer(DraftProposer):
             for j, i in enumerate(active):
                 out[i].tokens.append(top_t[j])
                 out[i].probs.append(top_p[j])
-            keep = [j for j, i in enumerate(active) if len(out[i].tokens) < num_drafts[i]]
+            # The confidence stop: a chain whose last draft fell below TAU is not extended.
+            keep = [j for j, i in enumerate(active) if len(out[i].tokens) < num_drafts[i]
+                    and (stop is None or not top_p[j] < stop)]
             if not keep:
                 break
             prev = hidden[last[keep]]

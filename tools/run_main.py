@@ -1,7 +1,8 @@
 """`make run`: the project's main job on the embedded model.
 
-Generates continuations of a few held-out code prompts, once without speculation and once with
-MTP speculation (3 drafts), prints the text and the speed and acceptance of each side by side.
+Generates continuations of a few code prompts without speculation, with MTP speculation (3
+drafts), and with MTP speculation at EP 2 (the experts split over two processes, the sharded
+drafter), and prints the text and the speed and acceptance of each side by side.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def main() -> int:
     ap.add_argument("--model", default="models/tiny-glm-moe")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-drafts", type=int, default=3)
+    ap.add_argument("--ep", type=int, default=2, help="ranks for the EP arm (1 skips it)")
     args = ap.parse_args()
     if not Path(args.model).is_dir():
         print(f"make run: model folder {args.model!r} does not exist", file=sys.stderr)
@@ -34,9 +36,12 @@ def main() -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     rows = []
     texts = None
-    for label, spec in (("no speculation", "none"), (f"MTP, {args.num_drafts} drafts", "mtp")):
+    arms = [("no speculation", "none", 1), (f"MTP, {args.num_drafts} drafts", "mtp", 1)]
+    if args.ep > 1:
+        arms.append((f"EP {args.ep}, MTP {args.num_drafts}", "mtp", args.ep))
+    for label, spec, ep in arms:
         print(f"[{label}] loading {args.model} ...", flush=True)
-        llm = LLM(args.model, dtype="float32", spec=spec, num_drafts=args.num_drafts)
+        llm = LLM(args.model, dtype="float32", spec=spec, num_drafts=args.num_drafts, ep=ep)
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4))  # warm-up
         t0 = time.perf_counter()
         outs = llm.generate(PROMPTS, params)
@@ -56,11 +61,11 @@ def main() -> int:
         print("-" * 72)
         print(prompt + "\033[1m" + text + "\033[0m")
     print("-" * 72)
-    print(f"{'arm':<20} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'accept_len':>11}")
-    for label, tokens, wall, accept in rows:
-        print(f"{label:<20} {tokens:>7} {wall:>8.2f} {tokens / wall:>8.1f} {accept if accept is None else round(accept, 2)!s:>11}")
+    print(f"{'arm':<20} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'accept_len':>11} {'vs none':>8}")
     base = rows[0][1] / rows[0][2]
-    print(f"speedup of MTP over no speculation: {rows[1][1] / rows[1][2] / base:.2f}x")
+    for label, tokens, wall, accept in rows:
+        print(f"{label:<20} {tokens:>7} {wall:>8.2f} {tokens / wall:>8.1f} "
+              f"{accept if accept is None else round(accept, 2)!s:>11} {tokens / wall / base:>7.2f}x")
     return 0
 
 
