@@ -210,12 +210,14 @@ def plot(cells: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for arm in dict.fromkeys(c["arm"] for c in cells):
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, arm in enumerate(dict.fromkeys(c["arm"] for c in cells)):
         mine = sorted((c for c in cells if c["arm"] == arm), key=lambda c: c["concurrency"])
         xs = [c["concurrency"] for c in mine]
-        ax1.plot(xs, [c["tok_s"] for c in mine], marker="o", label=arm)
+        color = colors[i % len(colors)]  # the same arm has the same colour in both panels
+        ax1.plot(xs, [c["tok_s"] for c in mine], marker="o", label=arm, color=color)
         if any(c["accept_len"] is not None for c in mine):
-            ax2.plot(xs, [c["accept_len"] or float("nan") for c in mine], marker="o", label=arm)
+            ax2.plot(xs, [c["accept_len"] or float("nan") for c in mine], marker="o", label=arm, color=color)
     for ax, label in ((ax1, "output tokens/s"), (ax2, "accept_len (1 + mean accepted)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
@@ -228,6 +230,13 @@ def plot(cells: list[dict], path: Path, title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def replot(json_path: Path, png_path: Path) -> None:
+    """Draw a PNG again from a recorded JSON."""
+    record = json.loads(Path(json_path).read_text())
+    p = record["params"]
+    plot(record["cells"], Path(png_path), f"{Path(record['model']).name} ({p['dtype']}, ep {p['ep']})")
 
 
 def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path | None = None) -> dict:

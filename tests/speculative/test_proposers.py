@@ -34,7 +34,7 @@ class ScriptedProposer(DraftProposer):
 
 
 def with_proposer(path, proposer, k):
-    llm = LLM(path, dtype="float64", kv_cache_tokens=4096, spec="ngram", num_drafts=k)
+    llm = LLM(path, dtype="float64", kv_cache_tokens=4096, spec="ngram", num_drafts=k, draft_policy="fixed")
     llm.engine.proposer = proposer
     return llm
 
