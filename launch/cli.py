@@ -149,7 +149,7 @@ def make_llm(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
-    from runtime import LLM, SamplingParams
+    from runtime import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
@@ -185,7 +185,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from runtime import LLM
     from runtime.server import ServerConfig, load_chat_template, serve
 
     if not 0 < args.port < 65536:

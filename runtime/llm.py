@@ -4,7 +4,6 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
-import torch
 
 from runtime.engine import Engine, EngineConfig
 from runtime.model_runner import ModelRunner

@@ -4,7 +4,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import traceback
 
-import pytest
 import torch
 
 from ep.comm import free_port
