@@ -24,8 +24,9 @@ EP_CMD_SLOT_RESERVE = 0xFFFFFFFB  # grow slot to `length` tokens
 EP_CMD_SLOT_REWIND = 0xFFFFFFFA   # shrink slot to `length` tokens
 EP_CMD_SLOT_FREE = 0xFFFFFFF9     # release slot (length unused)
 EP_CMD_MTP_PROPOSE = 0xFFFFFFF5   # last_token, position, num_drafts (exactly three words)
-EP_CMD_MTP_PROPOSE_BATCH = 0xFFFFFFF4  # num_seqs, num_obs, bulk_len, num_ops | bulk: ops, obs, then
-#                                        per sequence (slot, num_drafts, m, m feed tokens)
+EP_CMD_MTP_PROPOSE_BATCH = 0xFFFFFFF4  # num_seqs, num_obs, bulk_len, num_ops, stop_bits | bulk: ops, obs,
+#                                        then per sequence (slot, num_drafts, m, m feed tokens);
+#                                        stop_bits: the confidence stop TAU as float32 bits, 0 for none
 # An observation (slot, row, count, position) says: rows row..row+count-1 of the last target
 # forward's hidden are the committed positions position.. of that slot (the drafter's input).
 
@@ -68,6 +69,7 @@ class ForwardPayload:
 
 @dataclass(frozen=True, slots=True)
 class ProposePayload:
+    stop: float | None
     ops: list[tuple[int, int, int]]
     obs: list[Observation]
     seqs: list[tuple[int, int, list[int]]]   # (slot, num_drafts, feed tokens)
@@ -112,7 +114,7 @@ def decode(header: list[int], bulk: list[int]) -> Command:
     if len(bulk) != want:
         raise ProtocolError(f"{COMMANDS[code]}: truncated payload, {len(bulk)} of {want} bulk words")
     nparams = {EP_CMD_SHUTDOWN: 0, EP_CMD_HANDSHAKE: 5, EP_CMD_FORWARD: 5, EP_CMD_LOGITS: 2,
-               EP_CMD_MTP_PROPOSE: 3, EP_CMD_MTP_PROPOSE_BATCH: 4}[code]
+               EP_CMD_MTP_PROPOSE: 3, EP_CMD_MTP_PROPOSE_BATCH: 5}[code]
     return Command(code=code, slot=slot, params=tuple(header[2:2 + nparams]), bulk=list(bulk))
 
 
@@ -165,16 +167,30 @@ def parse_forward(cmd: Command, *, vocab_size: int) -> ForwardPayload:
     return ForwardPayload(ops=ops, chunks=chunks, tokens=tokens, obs=obs)
 
 
+def float_bits(x: float | None) -> int:
+    import struct
+    return 0 if x is None else struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def bits_float(bits: int) -> float | None:
+    import struct
+    return None if bits == 0 else struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
 def propose_batch_command(ops: list[tuple[int, int, int]], obs: list[Observation],
-                          seqs: list[tuple[int, int, list[int]]]) -> Command:
+                          seqs: list[tuple[int, int, list[int]]], stop: float | None = None) -> Command:
     bulk = [w for op in ops for w in op] + [w for o in obs for w in o]
     for slot, num_drafts, feed in seqs:
         bulk += [slot, num_drafts, len(feed), *feed]
-    return Command(EP_CMD_MTP_PROPOSE_BATCH, NO_SLOT, (len(seqs), len(obs), len(bulk), len(ops)), bulk)
+    return Command(EP_CMD_MTP_PROPOSE_BATCH, NO_SLOT, (len(seqs), len(obs), len(bulk), len(ops), float_bits(stop)),
+                   bulk)
 
 
 def parse_propose_batch(cmd: Command, *, vocab_size: int) -> ProposePayload:
-    num_seqs, num_obs, n, num_ops = cmd.params
+    num_seqs, num_obs, n, num_ops, stop_bits = cmd.params
+    stop = bits_float(stop_bits)
+    if stop is not None and not 0.0 < stop < 1.0:
+        raise ProtocolError(f"MTP_PROPOSE_BATCH: confidence stop {stop} outside (0, 1)")
     b = cmd.bulk
     if 3 * num_ops + 4 * num_obs > n:
         raise ProtocolError(f"MTP_PROPOSE_BATCH: {num_ops} ops and {num_obs} observations do not fit {n} bulk words")
@@ -200,7 +216,7 @@ def parse_propose_batch(cmd: Command, *, vocab_size: int) -> ProposePayload:
         off += 3 + m
     if off != n:
         raise ProtocolError(f"MTP_PROPOSE_BATCH: {n - off} trailing bulk words")
-    return ProposePayload(ops=ops, obs=obs, seqs=seqs)
+    return ProposePayload(stop=stop, ops=ops, obs=obs, seqs=seqs)
 
 
 def mtp_propose_command(slot: int, last_token: int, position: int, num_drafts: int) -> Command:

@@ -184,8 +184,8 @@ class ShardedMTPProposer(MTPProposer):
 
     needs_comm = True
 
-    def __init__(self, driver: DriverRunner) -> None:
-        super().__init__(driver.model, driver.cache)
+    def __init__(self, driver: DriverRunner, confidence_stop: float | None = None) -> None:
+        super().__init__(driver.model, driver.cache, confidence_stop)
         self.driver = driver
 
     def observe_target(self, state: ProposerState, hidden: torch.Tensor, rows: range, start: int) -> None:
@@ -195,7 +195,8 @@ class ShardedMTPProposer(MTPProposer):
     def before_draft(self, live: list[ProposeRequest], feeds: list[list[int]]) -> None:
         obs = self.driver.take_obs()  # before the ops: they index the last forward, whose rows
         send_command(self.driver.comm, propose_batch_command(  # a FREE among the ops may drop
-            self.driver.take_ops(), obs, [(r.state.seq_id, r.num_drafts, f) for r, f in zip(live, feeds)]))
+            self.driver.take_ops(), obs, [(r.state.seq_id, r.num_drafts, f) for r, f in zip(live, feeds)],
+            self.confidence_stop))
 
 
 class DrafterMirror:
@@ -212,9 +213,9 @@ class DrafterMirror:
             state = self.states.setdefault(slot, ProposerState(seq_id=slot))
             self.drafter.observe_target(state, hidden, range(row, row + count), position)
 
-    def draft(self, seqs: list[tuple[int, int, list[int]]]) -> None:
+    def draft(self, seqs: list[tuple[int, int, list[int]]], stop: float | None) -> None:
         states = [self.states[slot] for slot, _, _ in seqs]
-        self.drafter.draft(states, [f for _, _, f in seqs], [k for _, k, _ in seqs])
+        self.drafter.draft(states, [f for _, _, f in seqs], [k for _, k, _ in seqs], stop)
 
 
 def worker_loop(runner: ModelRunner, comm: Communicator) -> None:
@@ -265,6 +266,6 @@ def worker_loop(runner: ModelRunner, comm: Communicator) -> None:
                 runner.cache.replay(OP_NAMES[code], slot, length)
                 if code == EP_CMD_SLOT_FREE:
                     mirror.states.pop(slot, None)
-            mirror.draft(payload.seqs)
+            mirror.draft(payload.seqs, payload.stop)
         else:
             runner.logits(last_hidden, cmd.bulk)

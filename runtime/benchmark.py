@@ -23,13 +23,11 @@ from runtime.corpus import heldout_prompts
 from runtime.sampler import SamplingParams
 
 # Arms that other parts of the project provide; each is refused by name until it exists.
-PLANNED_ARMS = {
-    "ladder": "the K-versus-width ladder", "ladder+stop": "the confidence stop", "auto": "the auto ladder",
-    "tree": "tree speculation",
-}
-# Engine arms: name -> (speculation method, drafts per step).
-ENGINE_ARMS = {"none": ("none", 0), "k1": ("mtp", 1), "k2": ("mtp", 2), "k3": ("mtp", 3), "k4": ("mtp", 4),
-               "ngram": ("ngram", 3)}
+PLANNED_ARMS = {"auto": "the auto ladder (online controller)", "tree": "tree speculation"}
+# Engine arms: name -> (speculation method, most drafts per step, draft policy, confidence stop TAU).
+ENGINE_ARMS = {"none": ("none", 0, "fixed", None), "k1": ("mtp", 1, "fixed", None), "k2": ("mtp", 2, "fixed", None),
+               "k3": ("mtp", 3, "fixed", None), "k4": ("mtp", 4, "fixed", None), "ngram": ("ngram", 3, "fixed", None),
+               "ladder": ("mtp", 3, "ladder", None), "ladder+stop": ("mtp", 3, "ladder", 0.5)}
 BUILT_ARMS = (*ENGINE_ARMS, "hf")
 
 
@@ -95,10 +93,10 @@ class EngineArm:
     def __init__(self, name: str, config: BenchConfig) -> None:
         from runtime.llm import LLM
         self.name = name
-        spec, k = ENGINE_ARMS[name]
+        spec, k, policy, tau = ENGINE_ARMS[name]
         self.llm = LLM(config.model, dtype=config.dtype, kv_cache_tokens=65536,
                        max_num_seqs=max(config.concurrency), spec=spec, num_drafts=k, ep=config.ep,
-                       draft_policy="fixed")
+                       draft_policy=policy, draft_confidence_stop=tau)
         self.comm = getattr(self.llm, "comm", None)
 
     def close(self) -> None:

@@ -22,17 +22,17 @@ def local_rank_info(rank: int) -> dict:
 SPEC_METHODS = ("none", "mtp", "ngram")
 
 
-def make_proposer(spec: str, model, runner):
+def make_proposer(spec: str, model, runner, confidence_stop: float | None = None):
     """The drafter for `spec`: the checkpoint's MTP layer (sharded across EP ranks when the
     runner drives a group), prompt lookup, or none."""
     if spec == "mtp":
         from speculative.mtp import MTPProposer
         if isinstance(runner, ModelRunner):
-            return MTPProposer(model, runner.cache)
+            return MTPProposer(model, runner.cache, confidence_stop)
         from ep.shard import ShardedMTPProposer
         if model.mtp is None:
             raise ValueError("this checkpoint has no MTP layer: MTP speculation needs one")
-        return ShardedMTPProposer(runner)
+        return ShardedMTPProposer(runner, confidence_stop)
     if spec == "ngram":
         from speculative.ngram import NgramProposer
         return NgramProposer()
@@ -45,7 +45,7 @@ class LLM:
     def __init__(self, model: str | Path, dtype: str = "float32", *, kv_cache_tokens: int = 32768,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, spec: str = "none",
                  num_drafts: int = 3, spec_verify: str = "exact", draft_policy: str = "ladder",
-                 mtp_max_seqs: int | None = None, ep: int = 1, moe_a2a: str = "alltoall", ep_timeout_s: float = 60.0,
+                 mtp_max_seqs: int | None = None, draft_confidence_stop: float | None = None, ep: int = 1, moe_a2a: str = "alltoall", ep_timeout_s: float = 60.0,
                  comm=None) -> None:
         """`ep` > 1 spawns ep - 1 workers (the mp launcher) unless `comm`, an already joined
         communicator of rank 0 (torchrun), is given."""
@@ -69,7 +69,7 @@ class LLM:
                               num_drafts=num_drafts if spec != "none" else 0, spec_verify=spec_verify,
                               draft_policy=draft_policy, mtp_max_seqs=mtp_max_seqs)
         try:
-            proposer = make_proposer(spec, self.model, runner)
+            proposer = make_proposer(spec, self.model, runner, draft_confidence_stop)
         except BaseException:
             if not isinstance(runner, ModelRunner):
                 runner.shutdown()

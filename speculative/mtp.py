@@ -12,6 +12,7 @@ output and the previous draft. Draft rows past the committed ones are overwritte
 from __future__ import annotations
 
 import logging
+import struct
 
 import torch
 
@@ -27,12 +28,16 @@ log = logging.getLogger("metrale.mtp")
 
 
 class MTPProposer(DraftProposer):
-    def __init__(self, model: Glm4MoeForCausalLM, cache: PagedKVCache) -> None:
+    def __init__(self, model: Glm4MoeForCausalLM, cache: PagedKVCache, confidence_stop: float | None = None) -> None:
+        """`confidence_stop`: TAU of the confidence stop (None: the published one, if any)."""
         if model.mtp is None:
             raise ValueError("this checkpoint has no MTP layer (no model.layers.{num_hidden_layers}.* tensors): "
                              "MTP speculation needs one")
         self.model = model
         self.cache = cache
+        tau = confidence_stop if confidence_stop is not None else draft_confidence_stop()
+        # Rounded to float32: the value EP workers receive on the wire, so every rank decides alike.
+        self.confidence_stop = None if tau is None else struct.unpack("<f", struct.pack("<f", tau))[0]
 
     def propose(self, req: ProposeRequest) -> Drafts:
         return self.propose_batch([req])[0]
@@ -49,16 +54,18 @@ class MTPProposer(DraftProposer):
         live = [r for r, is_live in zip(reqs, flags) if is_live]
         feeds = [self.feed_tokens(r) for r in live]
         self.before_draft(live, feeds)
-        got = iter(self.draft([r.state for r in live], feeds, [r.num_drafts for r in live]))
+        got = iter(self.draft([r.state for r in live], feeds, [r.num_drafts for r in live], self.confidence_stop))
         return [next(got) if is_live else Drafts([], []) for is_live in flags]
 
     def before_draft(self, live: list[ProposeRequest], feeds: list[list[int]]) -> None:
         """Hook run just before drafting (the sharded drafter tells its workers here)."""
 
     @torch.inference_mode()
-    def draft(self, states: list[ProposerState], feeds: list[list[int]], num_drafts: list[int]) -> list[Drafts]:
-        """Feed each state's unfed rows with their tokens, then draft. Every EP rank runs this with
-        the same arguments (the sharded drafter), so it must be deterministic given them."""
+    def draft(self, states: list[ProposerState], feeds: list[list[int]], num_drafts: list[int],
+              stop: float | None = None) -> list[Drafts]:
+        """Feed each state's unfed rows with their tokens, then draft; a chain whose last draft's
+        top-1 probability is below `stop` is not extended. Every EP rank runs this with the same
+        arguments (the sharded drafter), so it must be deterministic given them."""
         out: list[Drafts] = [Drafts([], []) for _ in states]
         if not states:
             return out
@@ -82,7 +89,6 @@ class MTPProposer(DraftProposer):
             st.pending_hidden.clear()
         hidden, last = self._forward(tokens, torch.cat(hiddens), chunks)
         positions = [c.end - 1 for c in chunks]
-        stop = draft_confidence_stop()
         active = list(live)
         for _ in range(max(num_drafts)):
             logits = self.model.mtp_logits(hidden[last]).float()                 # [B, V]

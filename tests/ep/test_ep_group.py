@@ -121,14 +121,14 @@ def test_killed_worker_ends_rank0_with_a_message(ckpt_plain):
     assert "rank" in err and "Traceback" not in err, err[-2000:]
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_sharded_drafter_equals_single_rank_drafter(ckpt_mtp, params):
-    """EP 2 with the sharded MTP drafter: the same drafts, acceptance and tokens as one rank, and
-    the same tokens as no speculation (lossless)."""
+@pytest.mark.parametrize("params, stop", [(GREEDY, None), (SEEDED, 0.3)], ids=["greedy", "seeded-stop"])
+def test_sharded_drafter_equals_single_rank_drafter(ckpt_mtp, params, stop):
+    """EP 2 with the sharded MTP drafter (and the confidence stop, carried in the command): the
+    same drafts, acceptance and tokens as one rank, and the same tokens as no speculation."""
     params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=params.temperature, seed=params.seed)
     plain = [o.token_ids for o in LLM(ckpt_mtp, dtype="float64").generate(PROMPTS, params)]
-    one = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3).generate(PROMPTS, params)
-    llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, ep=2)
+    one = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, draft_confidence_stop=stop).generate(PROMPTS, params)
+    llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, ep=2, draft_confidence_stop=stop)
     try:
         two = llm.generate(PROMPTS, params)
     finally:

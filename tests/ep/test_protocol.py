@@ -82,9 +82,9 @@ def test_forward_layout_is_checked():
 
 def test_propose_batch_round_trip_and_refusals():
     from ep.protocol import parse_propose_batch, propose_batch_command
-    cmd = propose_batch_command([(EP_CMD_SLOT_REWIND, 2, 9)], [(2, 0, 3, 7)], [(2, 3, [11, 12, 13]), (5, 1, [4])])
+    cmd = propose_batch_command([(EP_CMD_SLOT_REWIND, 2, 9)], [(2, 0, 3, 7)], [(2, 3, [11, 12, 13]), (5, 1, [4])], 0.5)
     p = parse_propose_batch(roundtrip(cmd), vocab_size=20)
-    assert p.ops == [(EP_CMD_SLOT_REWIND, 2, 9)] and p.obs == [(2, 0, 3, 7)]
+    assert p.ops == [(EP_CMD_SLOT_REWIND, 2, 9)] and p.obs == [(2, 0, 3, 7)] and p.stop == 0.5
     assert p.seqs == [(2, 3, [11, 12, 13]), (5, 1, [4])]
     with pytest.raises(ProtocolError, match="token 13 outside the vocabulary of 13"):
         parse_propose_batch(roundtrip(cmd), vocab_size=13)
@@ -92,6 +92,6 @@ def test_propose_batch_round_trip_and_refusals():
     with pytest.raises(ProtocolError, match="num_drafts 0 out of range"):
         parse_propose_batch(roundtrip(bad), vocab_size=20)
     good = propose_batch_command([], [], [(2, 1, [1])])
-    short = Command(good.code, good.slot, (2, 0, 4, 0), good.bulk)
+    short = Command(good.code, good.slot, (2, 0, 4, 0, 0), good.bulk)
     with pytest.raises(ProtocolError, match="truncated payload at sequence 1"):
         parse_propose_batch(short, vocab_size=20)

@@ -34,6 +34,18 @@ def test_same_tokens_with_and_without_speculation(plain, ckpt_mtp, spec, k, para
         assert o.accepted_tokens <= o.drafted_tokens <= k * o.num_verifies
 
 
+@pytest.mark.parametrize("params", PARAMS[:2], ids=["greedy", "seeded"])
+def test_lossless_with_the_ladder_and_the_confidence_stop(plain, ckpt_mtp, params):
+    want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    llm = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=4096, spec="mtp", num_drafts=4, draft_policy="ladder",
+              draft_confidence_stop=0.3)
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == want
+    m = llm.engine.metrics
+    # The stop ends chains early: fewer drafts than 3 (the ladder's count at width 4) per verify.
+    assert 0 < m.drafted_tokens < 3 * m.verifies
+
+
 def test_mtp_drafts_are_accepted_sometimes_and_rejected_sometimes(ckpt_mtp):
     llm = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=4096, spec="mtp", num_drafts=3)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))
