@@ -103,9 +103,7 @@ def publish_speculation_settings(args: argparse.Namespace) -> int:
     from speculative.draft_stop import set_draft_confidence_stop
     from speculative.ladder import mtp_ladder_disabled, resolve_mtp_max_seqs, set_mtp_k_ladder, set_mtp_max_seqs
 
-    if args.mtp_k_ladder is not None:
-        if args.mtp_k_ladder.strip() == "auto":
-            raise UsageError("--mtp-k-ladder auto (the online controller) is not built yet; give a ladder")
+    if args.mtp_k_ladder is not None and args.mtp_k_ladder.strip() != "auto":
         set_mtp_k_ladder(args.mtp_k_ladder)
     model_default = load_behavior(args.model).get("mtp_max_seqs") if Path(args.model).is_dir() else None
     if model_default is not None and not isinstance(model_default, int):
@@ -124,7 +122,8 @@ def make_llm(args: argparse.Namespace):
     from runtime import LLM
 
     publish_speculation_settings(args)
-    common = dict(dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
+    policy = "auto" if args.mtp_k_ladder is not None and args.mtp_k_ladder.strip() == "auto" else "ladder"
+    common = dict(draft_policy=policy, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
                   spec=args.spec, num_drafts=args.num_drafts, spec_verify=args.spec_verify, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout)
     tr = torchrun_rank()
     if tr is not None:

@@ -23,11 +23,12 @@ from runtime.corpus import heldout_prompts
 from runtime.sampler import SamplingParams
 
 # Arms that other parts of the project provide; each is refused by name until it exists.
-PLANNED_ARMS = {"auto": "the auto ladder (online controller)", "tree": "tree speculation"}
+PLANNED_ARMS = {"tree": "tree speculation"}
 # Engine arms: name -> (speculation method, most drafts per step, draft policy, confidence stop TAU).
 ENGINE_ARMS = {"none": ("none", 0, "fixed", None), "k1": ("mtp", 1, "fixed", None), "k2": ("mtp", 2, "fixed", None),
                "k3": ("mtp", 3, "fixed", None), "k4": ("mtp", 4, "fixed", None), "ngram": ("ngram", 3, "fixed", None),
-               "ladder": ("mtp", 3, "ladder", None), "ladder+stop": ("mtp", 3, "ladder", 0.5)}
+               "ladder": ("mtp", 3, "ladder", None), "ladder+stop": ("mtp", 3, "ladder", 0.5),
+               "auto": ("mtp", 3, "auto", None)}
 BUILT_ARMS = (*ENGINE_ARMS, "hf")
 
 

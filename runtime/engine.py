@@ -22,7 +22,8 @@ from runtime.scheduler import Scheduled, Scheduler, SchedulerConfig
 from runtime.sequence import Sequence
 from runtime.tokenizer import Tokenizer, find_stop
 from speculative.knobs import mtp_accept_debug
-from speculative.ladder import mtp_ladder_drafts, mtp_max_seqs
+from speculative.auto_depth import AutoDepthController
+from speculative.ladder import mtp_ladder_drafts, mtp_ladder_pinned, mtp_max_seqs
 from speculative.metrics import AcceptanceMetrics
 from speculative.proposer import DraftProposer, Drafts, ProposerState, ProposeRequest
 from runtime.sampler import target_probs
@@ -43,12 +44,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     num_drafts: int = 0          # draft tokens per sequence per step when a proposer is given
     spec_verify: str = "exact"   # "exact": keyed target draws; "rejection": rejection sampling
-    draft_policy: str = "ladder"  # "ladder": drafts by running width (DESIGN §5.3); "fixed": always num_drafts
+    draft_policy: str = "ladder"  # "ladder": by running width (DESIGN §5.3); "fixed": num_drafts; "auto": online
     mtp_max_seqs: int | None = None  # width cap; None: the published cap (speculative.ladder.mtp_max_seqs)
 
     def __post_init__(self) -> None:
-        if self.draft_policy not in ("ladder", "fixed"):
-            raise ValueError(f"draft_policy={self.draft_policy!r}: expected ladder or fixed")
+        if self.draft_policy not in ("ladder", "fixed", "auto"):
+            raise ValueError(f"draft_policy={self.draft_policy!r}: expected ladder, fixed or auto")
         if self.spec_verify not in ("exact", "rejection"):
             raise ValueError(f"spec_verify={self.spec_verify!r}: expected exact or rejection")
         if not 0 <= self.num_drafts <= 16:
@@ -69,6 +70,13 @@ class Engine:
         self.states: dict[int, ProposerState] = {}
         self.metrics = AcceptanceMetrics()
         self.width_cap = config.mtp_max_seqs if config.mtp_max_seqs is not None else mtp_max_seqs()
+        # A pinned ladder (--mtp-k-ladder or METRALE_MTP_K_LADDER) turns the controller off.
+        self.auto = (AutoDepthController(config.num_drafts)
+                     if config.draft_policy == "auto" and self.proposer is not None and not mtp_ladder_pinned()
+                     else None)
+        self._step_depth: int | None = None
+        self._step_width = 0
+        self._len_before = 0
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                                    max_num_batched_tokens=config.max_num_batched_tokens),
                                    runner.cache, on_preempt=self._on_preempt)
@@ -128,6 +136,8 @@ class Engine:
         their pending token, followed by drafts when a proposer is set, verified in the same
         forward. Prefill rows and accepted rows are handed to the proposer as target hiddens.
         """
+        t0 = time.perf_counter()
+        self._step_depth = None
         batch = self.scheduler.schedule(self._drafts_for if self.proposer is not None else None)
         if not batch:
             if self.scheduler.waiting:
@@ -141,6 +151,7 @@ class Engine:
             tokens.extend(seq.token_ids[seq.num_computed:seq.num_computed + item.num_tokens])
             tokens.extend(d.tokens)
             chunks.append(SeqChunk(seq.seq_id, seq.num_computed, item.num_tokens + len(d.tokens)))
+        self._len_before = sum(len(item.seq.token_ids) for item in batch)
         hidden, plan = self.runner.forward(tokens, chunks)
         self.num_steps += 1
         row = 0
@@ -169,6 +180,10 @@ class Engine:
         if spec:
             self._verify(spec, hidden, len(batch), now)
             done.extend(item.seq for item, _, _ in spec)
+        if self.auto is not None and self._step_depth is not None and all(i.num_tokens == 1 for i in batch):
+            # A pure decode step: what it committed and what it cost, for the controller.
+            committed = sum(len(item.seq.token_ids) for item in batch) - self._len_before
+            self.auto.record(self._step_width, self._step_depth, time.perf_counter() - t0, committed)
         return done
 
     # --- speculation ----------------------------------------------------------------------
@@ -179,8 +194,15 @@ class Engine:
         n_active = len(self.scheduler.running)
         if n_active > self.width_cap:
             return 0
-        k = (self.config.num_drafts if self.config.draft_policy == "fixed"
-             else mtp_ladder_drafts(n_active, self.config.num_drafts))
+        if self.auto is not None:
+            if self._step_depth is None:  # one depth for the whole step
+                self._step_depth = self.auto.depth_for(n_active)
+                self._step_width = n_active
+            k = self._step_depth
+        elif self.config.draft_policy == "fixed":
+            k = self.config.num_drafts
+        else:
+            k = mtp_ladder_drafts(n_active, self.config.num_drafts)
         room = min(seq.params.max_tokens - seq.num_output, self.max_model_len - len(seq.token_ids)) - 1
         return max(0, min(k, room))
 
