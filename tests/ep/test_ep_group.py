@@ -97,9 +97,12 @@ def children_of(pid: int) -> list[int]:
     return kids
 
 
-def test_killed_worker_ends_rank0_with_a_message(ckpt_plain):
-    proc = subprocess.Popen(metrale_cmd("generate", "--model", str(ckpt_plain), "--prompt", "x", "--max-tokens", "200",
-                                        "--ignore-eos", "--ep", "2", "--ep-timeout", "20", "--kv-cache-tokens", "1024"),
+def test_killed_worker_ends_rank0_with_a_message():
+    # The embedded model at EP 2 makes 1000 tokens last far longer than loading: the kill lands
+    # in mid-generation.
+    model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
+    proc = subprocess.Popen(metrale_cmd("generate", "--model", str(model), "--prompt", "x", "--max-tokens", "1000",
+                                        "--ignore-eos", "--ep", "2", "--ep-timeout", "20", "--kv-cache-tokens", "2048"),
                             env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     worker = None
     deadline = time.time() + 60
@@ -110,7 +113,7 @@ def test_killed_worker_ends_rank0_with_a_message(ckpt_plain):
             worker = workers[-1]
         time.sleep(0.2)
     assert worker is not None, "no worker process appeared"
-    time.sleep(3)  # into loading and generation
+    time.sleep(6)  # past loading, into generation
     os.kill(worker, signal.SIGKILL)
     try:
         _, err = proc.communicate(timeout=60)
