@@ -8,6 +8,7 @@ problem; the worker reports it and stays in step.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 PROTOCOL_VERSION = 1
@@ -168,12 +169,10 @@ def parse_forward(cmd: Command, *, vocab_size: int) -> ForwardPayload:
 
 
 def float_bits(x: float | None) -> int:
-    import struct
     return 0 if x is None else struct.unpack("<I", struct.pack("<f", x))[0]
 
 
 def bits_float(bits: int) -> float | None:
-    import struct
     return None if bits == 0 else struct.unpack("<f", struct.pack("<I", bits))[0]
 
 

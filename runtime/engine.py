@@ -151,7 +151,8 @@ class Engine:
             tokens.extend(seq.token_ids[seq.num_computed:seq.num_computed + item.num_tokens])
             tokens.extend(d.tokens)
             chunks.append(SeqChunk(seq.seq_id, seq.num_computed, item.num_tokens + len(d.tokens)))
-        self._len_before = sum(len(item.seq.token_ids) for item in batch)
+        if self.auto is not None:
+            self._len_before = sum(len(item.seq.token_ids) for item in batch)
         hidden, plan = self.runner.forward(tokens, chunks)
         self.num_steps += 1
         row = 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.sampler import SamplingParams, sample_rows
+from runtime.sampler import SamplingParams, draw, position_generator, sample_rows
 
 
 def target_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> list[int]:
@@ -54,7 +54,6 @@ def rejection_tokens(drafts: list[int], draft_dists: list[torch.Tensor] | None, 
     (seed, position), so a request's outcome does not depend on its batch.
     Returns (na, committed tokens).
     """
-    from runtime.sampler import draw, position_generator
     if len(target_dists) != len(drafts) + 1:
         raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} target distributions")
     out: list[int] = []
