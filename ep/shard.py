@@ -218,6 +218,14 @@ class DrafterMirror:
         self.drafter.draft(states, [f for _, _, f in seqs], [k for _, k, _ in seqs], stop)
 
 
+def apply_slot_ops(runner: ModelRunner, mirror: DrafterMirror, ops: list[tuple[int, int, int]]) -> None:
+    """Replay rank 0's cache operations; a freed slot also drops its drafter state."""
+    for code, slot, length in ops:
+        runner.cache.replay(OP_NAMES[code], slot, length)
+        if code == EP_CMD_SLOT_FREE:
+            mirror.states.pop(slot, None)
+
+
 def worker_loop(runner: ModelRunner, comm: Communicator) -> None:
     """Ranks above 0: execute rank 0's commands until SHUTDOWN. A refused command is skipped by
     every rank together; a broken link raises `CommError` and ends the worker."""
@@ -254,18 +262,12 @@ def worker_loop(runner: ModelRunner, comm: Communicator) -> None:
             return
         if cmd.code == EP_CMD_FORWARD:
             mirror.observe(payload.obs, last_hidden)   # they index the previous forward
-            for code, slot, length in payload.ops:
-                runner.cache.replay(OP_NAMES[code], slot, length)
-                if code == EP_CMD_SLOT_FREE:
-                    mirror.states.pop(slot, None)
+            apply_slot_ops(runner, mirror, payload.ops)
             chunks = [SeqChunk(s, start, n) for s, start, n in payload.chunks]
             last_hidden, _ = runner.forward(payload.tokens, chunks)
         elif cmd.code == EP_CMD_MTP_PROPOSE_BATCH:
             mirror.observe(payload.obs, last_hidden)
-            for code, slot, length in payload.ops:
-                runner.cache.replay(OP_NAMES[code], slot, length)
-                if code == EP_CMD_SLOT_FREE:
-                    mirror.states.pop(slot, None)
+            apply_slot_ops(runner, mirror, payload.ops)
             mirror.draft(payload.seqs, payload.stop)
         else:
             runner.logits(last_hidden, cmd.bulk)

@@ -11,13 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from speculative.ladder import mtp_ladder_drafts
-
-
-def width_band(n_active: int) -> int:
-    b = 1
-    while b < n_active:
-        b *= 2
-    return b
+from speculative.metrics import width_bucket as width_band
 
 
 @dataclass(slots=True)
