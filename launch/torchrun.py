@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import sys
 
-from ep.comm import CommError, Communicator
+from ep.comm import Communicator
+from launch.worker import serve_rank
 
 
 def torchrun_rank() -> tuple[int, int] | None:
@@ -23,19 +24,7 @@ def join(rank: int, world: int, timeout_s: float) -> Communicator:
 
 
 def run_worker(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_cache_tokens: int) -> int:
-    from ep.shard import gather_rank_info, gather_weight_bytes, load_shard, worker_handshake, worker_loop
-    try:
-        worker_handshake(comm, model_dir, dtype)
-        runner = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens)
-        gather_weight_bytes(comm, runner)
-        gather_rank_info(comm)
-        worker_loop(runner, comm)
-        return 0
-    except CommError as exc:
-        print(f"metrale worker rank {comm.rank}: {exc}", file=sys.stderr, flush=True)
-        return 3
-    except Exception as exc:
-        print(f"metrale worker rank {comm.rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        comm.close()
+    code, message = serve_rank(comm, model_dir, dtype, moe_a2a, kv_cache_tokens)
+    if message:
+        print(message, file=sys.stderr, flush=True)
+    return code

@@ -19,7 +19,7 @@ from runtime.config import ModelConfig
 from runtime.model_runner import ModelRunner
 from runtime.sampler import SamplingParams, sample_rows
 from runtime.scheduler import Scheduled, Scheduler, SchedulerConfig
-from runtime.sequence import Sequence
+from runtime.sequence import Sequence, SequenceStatus
 from runtime.tokenizer import Tokenizer, find_stop
 from speculative.knobs import mtp_accept_debug
 from speculative.auto_depth import AutoDepthController
@@ -124,6 +124,28 @@ class Engine:
     def _on_preempt(self, seq: Sequence) -> None:
         if seq.seq_id in self.states:
             self.proposer.reset_state(self.states[seq.seq_id])
+
+    def reset(self, runner: ModelRunner, proposer: DraftProposer | None) -> list[Sequence]:
+        """Continue on a fresh runner (a restarted EP group: empty caches, reloaded weights).
+
+        Every unfinished sequence is queued again, in arrival order, to recompute its prompt plus
+        the tokens it has already committed; nothing committed is lost or changed, and sampling
+        keyed by (seed, position) gives the same next tokens. Returns those sequences.
+        """
+        unfinished = sorted([*self.scheduler.running, *self.scheduler.waiting], key=lambda s: s.seq_id)
+        self.runner = runner
+        self.proposer = proposer if self.config.num_drafts > 0 else None
+        self.states = {}
+        preemptions = self.scheduler.num_preemptions
+        self.scheduler = Scheduler(self.scheduler.config, runner.cache, on_preempt=self._on_preempt)
+        self.scheduler.num_preemptions = preemptions
+        for seq in unfinished:
+            seq.num_computed = 0
+            seq.status = SequenceStatus.WAITING
+            self.scheduler.add(seq)
+            if self.proposer is not None:
+                self.states[seq.seq_id] = self.proposer.alloc_state(seq.seq_id)
+        return unfinished
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -20,6 +20,21 @@ def local_rank_info(rank: int) -> dict:
     import socket
     return {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
 SPEC_METHODS = ("none", "mtp", "ngram")
+LAUNCHERS = ("ray", "mp")
+
+
+def start_group(launcher: str, model_dir: Path, dtype: str, ep: int, moe_a2a: str, timeout_s: float,
+                kv_cache_tokens: int, ray_options=None, worker_overrides: dict[int, dict] | None = None):
+    """Start the worker ranks of an EP group with `launcher`; returns the group (its `comm` is rank 0's)."""
+    from launch.worker import GroupConfig
+    cfg = GroupConfig(model_dir=str(model_dir), dtype=dtype, ep=ep, moe_a2a=moe_a2a,
+                      kv_cache_tokens=kv_cache_tokens, timeout_s=timeout_s)
+    if launcher == "mp":
+        from launch.mp import MPGroup
+        return MPGroup(cfg, worker_overrides)
+    from launch.ray_group import RayGroup, RayOptions
+    return RayGroup(cfg, ray_options or RayOptions(), worker_overrides)
+
 
 
 def make_proposer(spec: str, model, runner, confidence_stop: float | None = None):
@@ -45,25 +60,39 @@ class LLM:
     def __init__(self, model: str | Path, dtype: str = "float32", *, kv_cache_tokens: int = 32768,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, spec: str = "none",
                  num_drafts: int = 3, spec_verify: str = "exact", draft_policy: str = "ladder",
-                 mtp_max_seqs: int | None = None, draft_confidence_stop: float | None = None, ep: int = 1, moe_a2a: str = "alltoall", ep_timeout_s: float = 60.0,
+                 mtp_max_seqs: int | None = None, draft_confidence_stop: float | None = None, ep: int = 1,
+                 moe_a2a: str = "alltoall", ep_timeout_s: float = 60.0, launcher: str = "ray",
+                 ray_options=None, max_restarts: int = 3, worker_overrides: dict[int, dict] | None = None,
                  comm=None) -> None:
-        """`ep` > 1 spawns ep - 1 workers (the mp launcher) unless `comm`, an already joined
-        communicator of rank 0 (torchrun), is given."""
+        """`ep` > 1 starts ep - 1 worker ranks with `launcher` ("ray": Ray actors in a placement
+        group, `ray_options` a `launch.ray_group.RayOptions`; "mp": spawned processes) and
+        supervises them: a dead rank restarts the group up to `max_restarts` times. `comm`, an
+        already joined communicator of rank 0 (torchrun), replaces the launcher (no restarts)."""
         model_dir = Path(model)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model folder {str(model_dir)!r} does not exist")
+        if launcher not in LAUNCHERS:
+            raise ValueError(f"launcher={launcher!r}: expected one of {', '.join(LAUNCHERS)}")
+        if spec not in SPEC_METHODS:
+            raise ValueError(f"spec={spec!r} is not a speculation method (expected one of {', '.join(SPEC_METHODS)})")
         self.model_dir = model_dir
+        self.dtype, self.moe_a2a, self.kv_cache_tokens = dtype, moe_a2a, kv_cache_tokens
+        self.spec, self.draft_confidence_stop = spec, draft_confidence_stop
         self.group = None
+        self.engine = None
+        self.supervisor = None
         self.rank_weight_bytes: list[int] = []
         self.rank_info: list[dict] = [local_rank_info(0)]
         if ep > 1 or comm is not None:
-            runner = self._start_ep(model_dir, dtype, ep, moe_a2a, ep_timeout_s, kv_cache_tokens, comm)
+            if comm is None:
+                self.group = start_group(launcher, model_dir, dtype, ep, moe_a2a, ep_timeout_s, kv_cache_tokens,
+                                         ray_options, worker_overrides)
+                comm = self.group.comm
+            runner = self._join_group(comm)
         else:
             runner = ModelRunner(load_model(model_dir, dtype), kv_cache_tokens=kv_cache_tokens)
         self.model = runner.model
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-        if spec not in SPEC_METHODS:
-            raise ValueError(f"spec={spec!r} is not a speculation method (expected one of {', '.join(SPEC_METHODS)})")
         config = EngineConfig(kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
                               num_drafts=num_drafts if spec != "none" else 0, spec_verify=spec_verify,
@@ -73,33 +102,46 @@ class LLM:
         except BaseException:
             if not isinstance(runner, ModelRunner):
                 runner.shutdown()
-            self.engine = None
             self._stop_group()
             raise
         self.engine = Engine(runner, self.tokenizer, config, proposer)
+        if self.group is not None:
+            from launch.supervisor import Supervisor
+            self.supervisor = Supervisor(self, max_restarts)
 
-    def _start_ep(self, model_dir: Path, dtype: str, ep: int, moe_a2a: str, timeout_s: float,
-                  kv_cache_tokens: int, comm):
+    def _join_group(self, comm):
+        """Rank 0's part of starting a group: handshake, its shard, every rank's pid and node."""
         from ep.shard import DriverRunner, driver_handshake, gather_rank_info, gather_weight_bytes, load_shard
-        if comm is None:
-            from launch.mp import GroupConfig, MPGroup
-            self.group = MPGroup(GroupConfig(model_dir=str(model_dir), dtype=dtype, ep=ep, moe_a2a=moe_a2a,
-                                             kv_cache_tokens=kv_cache_tokens, timeout_s=timeout_s))
-            comm = self.group.comm
         self.comm = comm
         try:
-            driver_handshake(comm, model_dir, dtype)
-            local = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens)
+            driver_handshake(comm, self.model_dir, self.dtype)
+            local = load_shard(self.model_dir, self.dtype, comm, self.moe_a2a, self.kv_cache_tokens)
             self.rank_weight_bytes = gather_weight_bytes(comm, local)
-            self.rank_info = gather_rank_info(comm)
-        except BaseException:
+            info = gather_rank_info(comm)
+        except BaseException as exc:
+            report = self.group.failure_report() if self.group is not None else ""
             self._stop_group()
+            if report:
+                raise RuntimeError(f"the EP group did not start: {report}") from exc
             raise
+        nodes = self.group.nodes() if self.group is not None else [r["host"] for r in info]
+        self.rank_info = [{**r, "node": node} for r, node in zip(info, nodes)]
         return DriverRunner(local, comm)
 
-    def _stop_group(self) -> None:
+    def restart_group(self) -> None:
+        """Stop every rank, start a fresh group, reload the weights, give the engine the new
+        runner (which queues every unfinished request again)."""
+        self.group.stop(timeout_s=0)
+        self.group.start()
+        runner = self._join_group(self.group.comm)
+        proposer = make_proposer(self.spec, runner.model, runner, self.draft_confidence_stop)
+        self.model = runner.model
+        self.engine.reset(runner, proposer)
+
+    def _stop_group(self, timeout_s: float = 0.0) -> None:
         if self.group is not None:
-            self.group.stop()
+            self.group.stop(timeout_s=timeout_s)
+            self.group.close()
             self.group = None
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -127,11 +169,27 @@ class LLM:
                 self.engine.abort(s)
             raise
         try:
-            self.engine.run_to_completion()
+            self._run_to_completion()
         except BaseException:
             self.shutdown(graceful=False)  # an EP error or Ctrl-C leaves the group unusable
             raise
         return [RequestOutput.of(i, s) for i, s in enumerate(seqs)]
+
+    def _run_to_completion(self) -> None:
+        """Step until every request is done; with a supervised group, a dead rank restarts it."""
+        import torch
+        sup = self.supervisor
+        with torch.inference_mode():
+            while self.engine.has_unfinished():
+                why = sup.pending() if sup is not None else None
+                if why is not None:
+                    sup.recover(why)
+                try:
+                    self.engine.step()
+                except Exception as exc:
+                    if sup is None or not sup.handles(exc):
+                        raise
+                    sup.recover(sup.reason(exc))
 
     def shutdown(self, graceful: bool = True) -> None:
         """End the EP workers (if any) and release the model and cache.
@@ -144,8 +202,6 @@ class LLM:
                 self.engine.runner.shutdown()
             except Exception:  # a broken group: fall through to ending the processes
                 graceful = False
-        if self.group is not None:
-            self.group.stop(timeout_s=10.0 if graceful else 0.0)
-            self.group = None
+        self._stop_group(timeout_s=10.0 if graceful else 0.0)
         self.engine = None
         self.model = None
