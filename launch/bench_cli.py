@@ -13,6 +13,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--concurrency", default=None, help="comma list, e.g. 1,2,4,8,16,32")
     b.add_argument("--arms", default="none", help="comma list of arms: none, hf, k1, k2, k3, ...")
     b.add_argument("--ep", type=int, default=1)
+    b.add_argument("--launcher", default="mp", choices=["mp", "ray"],
+                   help="how --ep > 1 starts its ranks (each arm starts its own group; start-up is not measured)")
     b.add_argument("--max-tokens", type=int, default=None, help="output tokens per request")
     b.add_argument("--requests", type=int, default=None, help="requests per cell (default: 2 x concurrency, >= 4)")
     b.add_argument("--json-out", type=Path, default=None)
@@ -28,7 +30,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"--concurrency {conc!r} is not a comma list of integers") from None
     config = BenchConfig(model=args.model, dtype=args.dtype, arms=tuple(a.strip() for a in args.arms.split(",")),
-                         concurrency=tuple(levels), ep=args.ep,
+                         concurrency=tuple(levels), ep=args.ep, launcher=args.launcher,
                          max_tokens=args.max_tokens or (48 if args.quick else 128),
                          requests=args.requests, quick=args.quick)
     run_bench(config, json_out=args.json_out, plot_out=args.plot_out)

@@ -38,7 +38,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-verify", default="exact", choices=["exact", "rejection"],
                    help="exact: keyed target draws (same tokens as no speculation); rejection: rejection sampling")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (default 1, or torchrun's world size)")
-    p.add_argument("--launcher", default="mp", choices=["mp"], help="how --ep > 1 starts its workers")
+    p.add_argument("--launcher", default="ray", choices=["ray", "mp"],
+                   help="how --ep > 1 starts its worker ranks: Ray actors (default) or spawned processes")
+    p.add_argument("--ray-address", default=None,
+                   help="a running Ray cluster (default: RAY_ADDRESS, else a local Ray started here)")
+    p.add_argument("--placement-strategy", default="PACK", choices=["PACK", "SPREAD", "STRICT_SPREAD"],
+                   help="how Ray places the ranks' bundles over nodes")
+    p.add_argument("--ray-temp-dir", default=None, help="where a local Ray keeps its logs and temp files")
+    p.add_argument("--ray-usage-stats", action="store_true", help="let Ray send usage statistics (off by default)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="restarts of the EP group after a rank dies before giving up (0: none)")
     p.add_argument("--moe-a2a", default="alltoall", choices=["alltoall", "allreduce"], help="MoE dispatch mode")
     p.add_argument("--ep-timeout", type=float, default=60.0, help="seconds before a collective is declared dead")
 
@@ -142,7 +151,13 @@ def make_llm(args: argparse.Namespace):
     ep = args.ep or 1
     if ep < 1:
         raise UsageError(f"--ep {ep} must be at least 1")
-    return LLM(model=args.model, ep=ep, **common)
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts {args.max_restarts} must be at least 0")
+    from launch.ray_group import RayOptions
+    ray_options = RayOptions(address=args.ray_address, placement_strategy=args.placement_strategy,
+                             temp_dir=args.ray_temp_dir, usage_stats=args.ray_usage_stats)
+    return LLM(model=args.model, ep=ep, launcher=args.launcher, ray_options=ray_options,
+               max_restarts=args.max_restarts, **common)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -193,9 +208,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     name = args.served_model_name or Path(args.model).resolve().name
     print(f"metrale serve: {name} on http://{args.host}:{args.port} (spec {args.spec})", file=sys.stderr, flush=True)
-    serve(llm, host=args.host, port=args.port,
-          config=ServerConfig(served_model_name=name, api_key=args.api_key,
-                              chat_template=load_chat_template(Path(args.model))))
+    try:
+        serve(llm, host=args.host, port=args.port,
+              config=ServerConfig(served_model_name=name, api_key=args.api_key,
+                                  chat_template=load_chat_template(Path(args.model))))
+    finally:
+        llm.shutdown(graceful=llm.supervisor is None or llm.supervisor.pending() is None)
     return 0
 
 
@@ -203,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from ep.comm import CommError
     from ep.shard import CommandRefused, HandshakeError
+    from launch.supervisor import GroupFailed
+    from launch.worker import GroupStartError
     from runtime.config import ConfigError
     from runtime.engine import RequestError
     from runtime.weights import CheckpointError
@@ -214,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         from launch.bench_cli import cmd_bench
         return cmd_bench(args)
     except (UsageError, RequestError, ConfigError, CheckpointError, FileNotFoundError, ValueError,
-            CommError, HandshakeError, CommandRefused) as exc:
+            CommError, HandshakeError, CommandRefused, GroupFailed, GroupStartError) as exc:
         print(f"metrale {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

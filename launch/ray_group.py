@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ep.comm import Communicator, free_port
-from launch.worker import GroupConfig, serve_rank
+from launch.worker import GroupConfig, GroupStartError, serve_rank
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD")
 
@@ -106,7 +106,7 @@ class RayGroup:
         if not ready:
             ray.util.remove_placement_group(self.pg)
             self._disconnect()
-            raise RuntimeError(f"Ray could not place {cfg.ep} bundles of {unit} with strategy "
+            raise GroupStartError(f"Ray could not place {cfg.ep} bundles of {unit} with strategy "
                                f"{opts.placement_strategy} within {opts.start_timeout_s:.0f} s "
                                f"(cluster resources: {ray.cluster_resources()})")
         try:
@@ -129,7 +129,7 @@ class RayGroup:
         try:
             self.infos = ray.get([a.info.remote() for a in self.actors], timeout=self.opts.start_timeout_s)
         except Exception as exc:
-            raise RuntimeError(f"Ray could not start the worker ranks: {type(exc).__name__}: "
+            raise GroupStartError(f"Ray could not start the worker ranks: {type(exc).__name__}: "
                                f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
         init_method = f"tcp://{self.driver_ip}:{free_port()}"
         self.calls = []

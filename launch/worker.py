@@ -6,6 +6,10 @@ from dataclasses import dataclass
 from ep.comm import CommError, Communicator
 
 
+class GroupStartError(RuntimeError):
+    """An EP group could not start: no room for its ranks, or a rank failed while joining."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GroupConfig:
     """What a launcher needs to start the worker ranks of one EP group."""

@@ -37,9 +37,12 @@ class RequestHandle:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_step: Callable[[Engine], None] | None = None) -> None:
+    def __init__(self, engine: Engine, on_step: Callable[[Engine], None] | None = None, supervisor=None) -> None:
+        """`supervisor` (a `launch.supervisor.Supervisor`): restart a failed EP group and carry
+        on; the engine object stays, its requests continue where they were."""
         self.engine = engine
         self.on_step = on_step
+        self.supervisor = supervisor
         self._inbox: queue.Queue = queue.Queue()
         self._handles: dict[int, RequestHandle] = {}
         self._stop = threading.Event()
@@ -92,21 +95,42 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
+    def _recover(self, reason: str) -> None:
+        """Restart the group; then tell every request where it stands (a step that failed half
+        way may have committed tokens or finished requests nobody has heard of yet)."""
+        self.supervisor.recover(reason)
+        for seq_id, handle in list(self._handles.items()):
+            self._notify(handle, Update(handle.seq.num_output, handle.seq.is_finished))
+            if handle.seq.is_finished:
+                del self._handles[seq_id]
+
+    def _step(self) -> None:
+        sup = self.supervisor
+        why = sup.pending() if sup is not None else None
+        if why is not None:  # the watchdog saw a rank die (also while idle)
+            self._recover(why)
+        if not self.engine.has_unfinished():
+            return
+        try:
+            done = self.engine.step()
+        except Exception as exc:
+            if sup is None or not sup.handles(exc):
+                raise
+            self._recover(sup.reason(exc))
+            return
+        for seq in done:
+            handle = self._handles.get(seq.seq_id)
+            if handle is None:
+                continue
+            self._notify(handle, Update(seq.num_output, seq.is_finished))
+            if seq.is_finished:
+                del self._handles[seq.seq_id]
+
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_unfinished())
-                if not self.engine.has_unfinished():
-                    if self.on_step is not None:  # aborts change the batch without a step
-                        self.on_step(self.engine)
-                    continue
-                for seq in self.engine.step():
-                    handle = self._handles.get(seq.seq_id)
-                    if handle is None:
-                        continue
-                    self._notify(handle, Update(seq.num_output, seq.is_finished))
-                    if seq.is_finished:
-                        del self._handles[seq.seq_id]
+                self._step()  # also after aborts, which change the batch without a step
                 if self.on_step is not None:
                     self.on_step(self.engine)
         except BaseException as exc:  # a broken engine fails every waiting request, loudly

@@ -39,6 +39,7 @@ class BenchConfig:
     arms: tuple[str, ...] = ("none",)
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     ep: int = 1
+    launcher: str = "mp"   # how ep > 1 starts its ranks; start-up is not part of any figure
     max_tokens: int = 128
     requests: int | None = None
     quick: bool = False
@@ -97,7 +98,7 @@ class EngineArm:
         spec, k, policy, tau = ENGINE_ARMS[name]
         self.llm = LLM(config.model, dtype=config.dtype, kv_cache_tokens=65536,
                        max_num_seqs=max(config.concurrency), spec=spec, num_drafts=k, ep=config.ep,
-                       draft_policy=policy, draft_confidence_stop=tau)
+                       launcher=config.launcher, draft_policy=policy, draft_confidence_stop=tau)
         self.comm = getattr(self.llm, "comm", None)
 
     def close(self) -> None:

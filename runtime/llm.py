@@ -122,7 +122,8 @@ class LLM:
             report = self.group.failure_report() if self.group is not None else ""
             self._stop_group()
             if report:
-                raise RuntimeError(f"the EP group did not start: {report}") from exc
+                from launch.worker import GroupStartError
+                raise GroupStartError(f"the EP group did not start: {report}") from exc
             raise
         nodes = self.group.nodes() if self.group is not None else [r["host"] for r in info]
         self.rank_info = [{**r, "node": node} for r, node in zip(info, nodes)]

@@ -13,6 +13,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +67,7 @@ class TextStream:
 
 
 def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
-              ranks: list[dict] | None = None) -> Starlette:
+              ranks: Callable[[], list[dict]] | None = None) -> Starlette:
     engine = aengine.engine
     tokenizer = engine.tokenizer
     hostname = socket.gethostname()
@@ -251,7 +252,8 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
     async def health(request: Request) -> Response:
         ok = aengine.error is None
         return JSONResponse({"status": "ok" if ok else "error", "model": config.served_model_name,
-                             "ranks": ranks or [{"rank": 0, "pid": os.getpid(), "host": hostname}]},
+                             "ranks": ranks() if ranks is not None else
+                                       [{"rank": 0, "pid": os.getpid(), "host": hostname, "node": hostname}]},
                             status_code=200 if ok else 503)
 
     async def prometheus(request: Request) -> Response:
@@ -275,8 +277,15 @@ def serve(llm, *, host: str, port: int, config: ServerConfig) -> None:
     """Run the server until interrupted; the engine thread stops with it."""
     import uvicorn
     metrics = ServerMetrics()
-    aengine = AsyncEngine(llm.engine, on_step=metrics.observe_engine)
-    app = build_app(aengine, config, metrics, ranks=llm.rank_info)
+    sup = llm.supervisor
+
+    def observe(engine) -> None:
+        metrics.observe_engine(engine)
+        if sup is not None:
+            metrics.observe_supervisor(sup)
+
+    aengine = AsyncEngine(llm.engine, on_step=observe, supervisor=sup)
+    app = build_app(aengine, config, metrics, ranks=lambda: llm.rank_info)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     finally:

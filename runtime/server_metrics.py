@@ -34,6 +34,19 @@ class ServerMetrics:
                                        "Drafts equal to the target's token, by draft position", ["position"],
                                        registry=r)
 
+        self.restarts = Counter("metrale_restarts", "Restarts of the EP group after a rank died", registry=r)
+        self.recovery_seconds = Gauge("metrale_last_recovery_seconds",
+                                      "Seconds the last restart of the EP group took", registry=r)
+        self._restarts_seen = 0
+
+    def observe_supervisor(self, sup) -> None:
+        """Called on the engine thread; `sup` is the LLM's `launch.supervisor.Supervisor`."""
+        if sup.restarts > self._restarts_seen:
+            self.restarts.inc(sup.restarts - self._restarts_seen)
+            self._restarts_seen = sup.restarts
+        if sup.last_recovery_s is not None:
+            self.recovery_seconds.set(sup.last_recovery_s)
+
     def observe_engine(self, engine: Engine) -> None:
         """Called on the engine thread after every step."""
         sched = engine.scheduler

@@ -38,7 +38,7 @@ def main() -> int:
     texts = None
     arms = [("no speculation", "none", 1), (f"MTP, {args.num_drafts} drafts", "mtp", 1)]
     if args.ep > 1:
-        arms.append((f"EP {args.ep}, MTP {args.num_drafts}", "mtp", args.ep))
+        arms.append((f"EP {args.ep} (Ray), MTP {args.num_drafts}", "mtp", args.ep))
     for label, spec, ep in arms:
         print(f"[{label}] loading {args.model} ...", flush=True)
         llm = LLM(args.model, dtype="float32", spec=spec, num_drafts=args.num_drafts, ep=ep)

@@ -45,7 +45,7 @@ def test_ep_tokens_equal_one_rank_in_float64(request, ep, mode, which):
     path = request.getfixturevalue(which)
     single = LLM(path, dtype="float64", kv_cache_tokens=2048)
     want = (outputs(single, GREEDY), outputs(single, SEEDED))
-    llm = LLM(path, dtype="float64", kv_cache_tokens=2048, ep=ep, moe_a2a=mode, ep_timeout_s=60)
+    llm = LLM(path, dtype="float64", kv_cache_tokens=2048, ep=ep, moe_a2a=mode, ep_timeout_s=60, launcher="mp")
     try:
         assert outputs(llm, GREEDY) == want[0]
         assert outputs(llm, SEEDED) == want[1]
@@ -61,7 +61,7 @@ def test_ep_logits_within_1e5_in_float32(request, ep, mode, which):
     path = request.getfixturevalue(which)
     ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
     want = prefill_logits(LLM(path, dtype="float32", kv_cache_tokens=1024), ids)
-    llm = LLM(path, dtype="float32", kv_cache_tokens=1024, ep=ep, moe_a2a=mode)
+    llm = LLM(path, dtype="float32", kv_cache_tokens=1024, ep=ep, moe_a2a=mode, launcher="mp")
     try:
         got = prefill_logits(llm, ids)
         assert got.shape == want.shape
@@ -102,7 +102,8 @@ def test_killed_worker_ends_rank0_with_a_message():
     # in mid-generation.
     model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
     proc = subprocess.Popen(metrale_cmd("generate", "--model", str(model), "--prompt", "x", "--max-tokens", "1000",
-                                        "--ignore-eos", "--ep", "2", "--ep-timeout", "20", "--kv-cache-tokens", "2048"),
+                                        "--ignore-eos", "--ep", "2", "--launcher", "mp", "--max-restarts", "0",
+                                        "--ep-timeout", "20", "--kv-cache-tokens", "2048"),
                             env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     worker = None
     deadline = time.time() + 60
@@ -131,7 +132,8 @@ def test_sharded_drafter_equals_single_rank_drafter(ckpt_mtp, params, stop):
     params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=params.temperature, seed=params.seed)
     plain = [o.token_ids for o in LLM(ckpt_mtp, dtype="float64").generate(PROMPTS, params)]
     one = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, draft_confidence_stop=stop).generate(PROMPTS, params)
-    llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, ep=2, draft_confidence_stop=stop)
+    llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, ep=2, draft_confidence_stop=stop,
+              launcher="mp")
     try:
         two = llm.generate(PROMPTS, params)
     finally:
