@@ -33,6 +33,21 @@ class PagedKVCache:
         # Slot ids of every position a sequence's blocks cover, rebuilt when its table changes.
         self._slot_cache: dict[int, torch.Tensor] = {}
 
+    def shared_plane(self, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype) -> "PagedKVCache":
+        """A cache with its own key/value tensors but this cache's blocks, tables and lengths
+        (the same objects): every reserve, rewind and free here applies there and back. Rank 0's
+        drafter of its own (full attention heads) keeps its rows in one."""
+        other = PagedKVCache(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                             num_blocks=1, block_size=self.block_size, dtype=dtype)
+        num_slots = self.num_blocks * self.block_size
+        other.num_blocks = self.num_blocks
+        other.k = torch.zeros(num_layers, num_slots, num_kv_heads, head_dim, dtype=dtype)
+        other.v = torch.zeros_like(other.k)
+        other._free, other._tables, other._lengths = self._free, self._tables, self._lengths
+        other._slot_cache = self._slot_cache
+        return other
+
     # --- accounting -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:

@@ -37,16 +37,22 @@ def start_group(launcher: str, model_dir: Path, dtype: str, ep: int, moe_a2a: st
 
 
 
-def make_proposer(spec: str, model, runner, confidence_stop: float | None = None):
+def make_proposer(spec: str, model, runner, confidence_stop: float | None = None, model_dir: Path | None = None,
+                  dtype: str = "float32"):
     """The drafter for `spec`: the checkpoint's MTP layer (sharded across EP ranks when the
-    runner drives a group), prompt lookup, or none."""
+    runner drives a group, or rank 0's own under METRALE_NO_MTP_EP_PROPOSE=1), prompt lookup, or none."""
     if spec == "mtp":
         from speculative.mtp import MTPProposer
         if isinstance(runner, ModelRunner):
             return MTPProposer(model, runner.cache, confidence_stop)
-        from ep.shard import ShardedMTPProposer
         if model.mtp is None:
             raise ValueError("this checkpoint has no MTP layer: MTP speculation needs one")
+        from speculative.knobs import mtp_ep_propose_enabled
+        if not mtp_ep_propose_enabled():
+            from ep.local_drafter import load_local_drafter
+            return load_local_drafter(model_dir, dtype, runner.comm.rank, runner.comm.world_size, runner.cache,
+                                      confidence_stop)
+        from ep.shard import ShardedMTPProposer
         return ShardedMTPProposer(runner, confidence_stop)
     if spec == "ngram":
         from speculative.ngram import NgramProposer
@@ -98,12 +104,15 @@ class LLM:
                               num_drafts=num_drafts if spec != "none" else 0, spec_verify=spec_verify,
                               draft_policy=draft_policy, mtp_max_seqs=mtp_max_seqs)
         try:
-            proposer = make_proposer(spec, self.model, runner, draft_confidence_stop)
+            proposer = make_proposer(spec, self.model, runner, draft_confidence_stop, model_dir, dtype)
         except BaseException:
             if not isinstance(runner, ModelRunner):
                 runner.shutdown()
             self._stop_group()
             raise
+        drafter = getattr(proposer, "model", None)
+        if drafter is not None and drafter is not self.model and self.rank_weight_bytes:  # rank 0's own drafter
+            self.rank_weight_bytes[0] += sum(p.numel() * p.element_size() for p in drafter.parameters())
         self.engine = Engine(runner, self.tokenizer, config, proposer)
         if self.group is not None:
             from launch.supervisor import Supervisor
@@ -135,7 +144,8 @@ class LLM:
         self.group.stop(timeout_s=0)
         self.group.start()
         runner = self._join_group(self.group.comm)
-        proposer = make_proposer(self.spec, runner.model, runner, self.draft_confidence_stop)
+        proposer = make_proposer(self.spec, runner.model, runner, self.draft_confidence_stop, self.model_dir,
+                                 self.dtype)
         self.model = runner.model
         self.engine.reset(runner, proposer)
 

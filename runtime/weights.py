@@ -99,8 +99,12 @@ ShardSpecs = dict[str, tuple[int, int, int]]  # param -> (dim, start, stop) of t
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
                expert_range: range | None = None,
-               transform: Callable[[Glm4MoeForCausalLM], ShardSpecs] | None = None) -> Glm4MoeForCausalLM:
+               transform: Callable[[Glm4MoeForCausalLM], ShardSpecs] | None = None,
+               mtp_only: bool = False) -> Glm4MoeForCausalLM:
     """Build the model and fill it from the checkpoint.
+
+    `mtp_only`: no target layers (a drafter on its own): embeddings, final norm, head and the MTP
+    layer; the target layers' tensors are never read.
 
     `expert_range` restricts the routed experts read (global ids, the same for every layer);
     None reads all. `transform` runs on the meta-device model before any weight exists (the EP
@@ -128,6 +132,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
     with torch.device("meta"):
         model = Glm4MoeForCausalLM(cfg, mtp_own_embed=f"{mtp_prefix}embed_tokens.weight" in files,
                                    mtp_own_head=f"{mtp_prefix}shared_head.head.weight" in files)
+    if mtp_only:
+        if model.mtp is None:
+            raise CheckpointError(f"checkpoint {model_dir} has no MTP layer to load on its own")
+        model.layers = torch.nn.ModuleList()
     _shrink_experts(model, len(experts), experts.start)
     specs = transform(model) if transform is not None else {}
     model.to_empty(device="cpu")
@@ -140,10 +148,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
         handles = {p: stack.enter_context(safe_open(str(p), "pt")) for p in set(files.values())}
         for hf_name, path in sorted(files.items()):
             target = map_name(hf_name, cfg)
+            if mtp_only and target is not None and target.param.startswith("layers."):
+                continue  # a target layer: not part of a drafter on its own
             if target is None or target.param not in params:
                 raise CheckpointError(f"unexpected tensor {hf_name!r} in {path.name}: the model has no place for it")
             if target.expert is not None and target.expert not in experts:
                 continue  # another rank's expert: never read
+            if mtp_only and target.param.startswith("layers."):
+                continue
             dest = params[target.param]
             if target.expert is not None:
                 dest = dest[target.expert - experts.start]

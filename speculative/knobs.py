@@ -43,3 +43,52 @@ def mtp_k_ladder_env() -> str | None:
 def mtp_no_k_ladder() -> bool:
     """METRALE_NO_MTP_K_LADDER present, with any value ("0" too): the ladder is off."""
     return "METRALE_NO_MTP_K_LADDER" in os.environ
+
+
+@cache
+def mtp_ep_propose_enabled() -> bool:
+    """The sharded drafter: at EP > 1 every rank runs each propose with rank 0 (it sends the
+    propose command first). METRALE_NO_MTP_EP_PROPOSE=1 turns it off: rank 0 drafts alone with
+    its own share of the drafter's routed experts and no command is sent."""
+    return os.environ.get("METRALE_NO_MTP_EP_PROPOSE") != "1"
+
+
+def mtp_multi_seq_mode() -> bool:
+    """True when the width cap (the most sequences that speculate together) is above one. Not
+    cached: the cap is published at start-up (speculative.ladder.set_mtp_max_seqs)."""
+    from speculative.ladder import mtp_max_seqs
+    return mtp_max_seqs() > 1
+
+
+@cache
+def _catchup_env() -> bool:
+    return os.environ.get("METRALE_MTP_CATCHUP") == "1"
+
+
+@cache
+def _refeed_accepted_env() -> bool:
+    return os.environ.get("METRALE_MTP_REFEED_ACCEPTED") == "1"
+
+
+def mtp_catchup_enabled() -> bool:
+    """METRALE_MTP_CATCHUP=1, and not in multi-sequence mode: before a propose the drafter is fed
+    the ring of target hiddens it has not seen, keyed by position."""
+    return _catchup_env() and not mtp_multi_seq_mode()
+
+
+def mtp_refeed_accepted_enabled() -> bool:
+    """METRALE_MTP_REFEED_ACCEPTED=1 with the ring (catch-up) on: after a verify the accepted
+    positions' target hiddens go into the ring, rewriting the drafter rows it wrote from its own
+    outputs. Off in multi-sequence mode."""
+    return _refeed_accepted_env() and mtp_catchup_enabled()
+
+
+@cache
+def mtp_refeed_shift() -> int:
+    """METRALE_MTP_REFEED_SHIFT: offset added to every re-fed ring label (the token paired with a
+    re-fed hidden), clamped to [-4, 4]; 0 when unset or unparseable. For testing the mapping."""
+    try:
+        shift = int(os.environ.get("METRALE_MTP_REFEED_SHIFT", "0").strip())
+    except ValueError:
+        return 0
+    return max(-4, min(4, shift))

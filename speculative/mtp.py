@@ -21,7 +21,7 @@ from runtime.kv_cache import PagedKVCache
 from runtime.model import Glm4MoeForCausalLM
 from speculative.draft_stop import draft_confidence_stop
 from speculative.fingerprint import hidden_fingerprint
-from speculative.knobs import mtp_refeed_debug, shadow_topk
+from speculative.knobs import mtp_catchup_enabled, mtp_refeed_debug, mtp_refeed_shift, shadow_topk
 from speculative.proposer import DraftProposer, Drafts, ProposerState, ProposeRequest
 
 log = logging.getLogger("metrale.mtp")
@@ -44,10 +44,16 @@ class MTPProposer(DraftProposer):
 
     @staticmethod
     def feed_tokens(req: ProposeRequest) -> list[int]:
-        """The committed tokens paired with the request's unfed hidden rows (position i + 1 for row i)."""
+        """The committed tokens paired with the request's unfed hidden rows (position i + 1 for row
+        i). With the catch-up ring on, METRALE_MTP_REFEED_SHIFT moves every label by its offset
+        (clamped to the committed tokens), to test that mapping by acceptance."""
         st = req.state
         m = sum(h.shape[0] for h in st.pending_hidden)
-        return list(req.token_ids[st.fed_upto + 1:st.fed_upto + 1 + m])
+        shift = mtp_refeed_shift() if mtp_catchup_enabled() else 0
+        if shift == 0:
+            return list(req.token_ids[st.fed_upto + 1:st.fed_upto + 1 + m])
+        last = len(req.token_ids) - 1
+        return [req.token_ids[min(max(i + shift, 0), last)] for i in range(st.fed_upto + 1, st.fed_upto + 1 + m)]
 
     def propose_batch(self, reqs: list[ProposeRequest]) -> list[Drafts]:
         flags = [r.num_drafts > 0 and bool(r.state.pending_hidden) for r in reqs]

@@ -41,3 +41,35 @@ def test_read_once_per_process():
     code = ("k.shadow_topk(), __import__('os').environ.__setitem__('METRALE_MTP_SHADOW_TOPK', '7'), "
             "k.shadow_topk()")
     assert read_in_subprocess(code, {"METRALE_MTP_SHADOW_TOPK": "2"}) == "2 None 2"
+
+
+@pytest.mark.parametrize("env, want", [({}, "0"), ({"METRALE_MTP_REFEED_SHIFT": "2"}, "2"),
+                                       ({"METRALE_MTP_REFEED_SHIFT": " -1 "}, "-1"),
+                                       ({"METRALE_MTP_REFEED_SHIFT": "9"}, "4"),
+                                       ({"METRALE_MTP_REFEED_SHIFT": "-9"}, "-4"),
+                                       ({"METRALE_MTP_REFEED_SHIFT": "one"}, "0")])
+def test_refeed_shift_clamped(env, want):
+    assert read_in_subprocess("k.mtp_refeed_shift()", env) == want
+
+
+@pytest.mark.parametrize("env, want", [({}, "True"), ({"METRALE_NO_MTP_EP_PROPOSE": "1"}, "False"),
+                                       ({"METRALE_NO_MTP_EP_PROPOSE": "0"}, "True")])
+def test_ep_propose_on_unless_no_is_1(env, want):
+    assert read_in_subprocess("k.mtp_ep_propose_enabled()", env) == want
+
+
+CATCHUP = {"METRALE_MTP_CATCHUP": "1", "METRALE_MTP_REFEED_ACCEPTED": "1"}
+
+
+@pytest.mark.parametrize("env, cap, want", [
+    ({}, 1, "False False False"),
+    (CATCHUP, 1, "False True True"),                                  # one sequence: the ring is on
+    ({"METRALE_MTP_REFEED_ACCEPTED": "1"}, 1, "False False False"),   # refeed needs the ring
+    (CATCHUP, 4, "True False False"),                                 # multi-sequence mode: both off
+    ({"METRALE_MTP_CATCHUP": "yes"}, 1, "False False False"),
+])
+def test_catchup_and_refeed_off_in_multi_seq_mode(env, cap, want):
+    expr = (f"(__import__('speculative.ladder').ladder.set_mtp_max_seqs({cap}), k.mtp_multi_seq_mode(), "
+            "k.mtp_catchup_enabled(), k.mtp_refeed_accepted_enabled())[1:]")
+    got = read_in_subprocess(expr, env)
+    assert got.strip("()").replace(",", "") == want
