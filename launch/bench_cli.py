@@ -17,6 +17,8 @@ def add_bench_parser(sub) -> None:
                    help="how --ep > 1 starts its ranks (each arm starts its own group; start-up is not measured)")
     b.add_argument("--max-tokens", type=int, default=None, help="output tokens per request")
     b.add_argument("--requests", type=int, default=None, help="requests per cell (default: 2 x concurrency, >= 4)")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="runs per cell, arms taking turns; the cell is the median run")
     b.add_argument("--json-out", type=Path, default=None)
     b.add_argument("--plot-out", type=Path, default=None)
 
@@ -32,6 +34,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = BenchConfig(model=args.model, dtype=args.dtype, arms=tuple(a.strip() for a in args.arms.split(",")),
                          concurrency=tuple(levels), ep=args.ep, launcher=args.launcher,
                          max_tokens=args.max_tokens or (48 if args.quick else 128),
-                         requests=args.requests, quick=args.quick)
+                         requests=args.requests, repeats=args.repeats, quick=args.quick)
     run_bench(config, json_out=args.json_out, plot_out=args.plot_out)
     return 0

@@ -42,6 +42,7 @@ class BenchConfig:
     launcher: str = "mp"   # how ep > 1 starts its ranks; start-up is not part of any figure
     max_tokens: int = 128
     requests: int | None = None
+    repeats: int = 1       # runs per cell; the arms take turns, and the median run is the cell
     quick: bool = False
     num_prompts: int = 64
 
@@ -55,6 +56,8 @@ class BenchConfig:
             raise ValueError(f"--ep {self.ep} must be at least 1")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency levels {self.concurrency} must be positive")
+        if self.repeats < 1:
+            raise ValueError(f"--repeats {self.repeats} must be at least 1")
         if self.max_tokens < 2:
             raise ValueError(f"max_tokens={self.max_tokens} must be at least 2 (TPOT needs two tokens)")
 
@@ -239,23 +242,47 @@ def replot(json_path: Path, png_path: Path) -> None:
     plot(record["cells"], Path(png_path), f"{Path(record['model']).name} ({p['dtype']}, ep {p['ep']})")
 
 
+def median_cell(runs: list[dict]) -> dict:
+    """The run with the median tokens/s (the lower middle one for an even count), with every
+    run's tokens/s beside it."""
+    ranked = sorted(runs, key=lambda c: c["tok_s"])
+    cell = dict(ranked[(len(ranked) - 1) // 2])
+    cell["tok_s_runs"] = [r["tok_s"] for r in runs]
+    return cell
+
+
 def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path | None = None) -> dict:
     prompts = bench_prompts(config)
     print(f"bench: {len(prompts)} held-out prompts, arms {','.join(config.arms)}, concurrency "
           f"{','.join(map(str, config.concurrency))}, {config.max_tokens} tokens per request", flush=True)
+    # Every arm is loaded first and the arms take turns at each concurrency (in a rotating order
+    # when repeated), so a slow spell of the machine falls on all of them alike.
+    arms = {name: build_arm(name, config) for name in config.arms}
     cells: list[dict] = []
-    for arm_name in config.arms:
-        arm = build_arm(arm_name, config)
-        arm.run(prompts[:2], 2, 2, 4, config.ep)  # warm-up, not recorded
+    try:
+        for arm in arms.values():
+            arm.run(prompts[:2], 2, 2, 4, config.ep)  # warm-up, not recorded
         for c in config.concurrency:
-            cell = arm.run(prompts, c, config.num_requests(c), config.max_tokens, config.ep)
-            cells.append(cell)
-            print(f"  {arm_name:>10} c={c:<3} {cell['tok_s']:9.1f} tok/s  accept_len {cell['accept_len']}",
-                  flush=True)
-        arm.close()
+            runs: dict[str, list[dict]] = {name: [] for name in arms}
+            for r in range(config.repeats):
+                names = list(arms)
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    runs[name].append(arms[name].run(prompts, c, config.num_requests(c), config.max_tokens, config.ep))
+            for name in arms:
+                cell = median_cell(runs[name])
+                cells.append(cell)
+                print(f"  {name:>11} c={c:<3} {cell['tok_s']:9.1f} tok/s  accept_len {cell['accept_len']}"
+                      + (f"  runs {cell['tok_s_runs']}" if config.repeats > 1 else ""), flush=True)
+    finally:
+        for arm in arms.values():
+            arm.close()
     base = {c["concurrency"]: c["tok_s"] for c in cells if c["arm"] == config.arms[0]}
+    fixed = [a for a in ("none", "k1", "k2", "k3") if a in arms]
     for c in cells:
         c["tok_s_ratio_vs_" + config.arms[0]] = round(c["tok_s"] / base[c["concurrency"]], 3)
+        if fixed and c["arm"] not in fixed:  # DESIGN §5.3's comparison: the best fixed depth here
+            best = max(x["tok_s"] for x in cells if x["concurrency"] == c["concurrency"] and x["arm"] in fixed)
+            c["tok_s_ratio_vs_best_fixed"] = round(c["tok_s"] / best, 3)
     record = {"model": str(config.model), "git_sha": git_sha(),
               "recorded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": machine(), "params": asdict(config), "cells": cells}
