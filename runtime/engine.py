@@ -76,7 +76,6 @@ class Engine:
                      else None)
         self._step_depth: int | None = None
         self._step_width = 0
-        self._len_before = 0
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                                    max_num_batched_tokens=config.max_num_batched_tokens),
                                    runner.cache, on_preempt=self._on_preempt)
@@ -173,8 +172,6 @@ class Engine:
             tokens.extend(seq.token_ids[seq.num_computed:seq.num_computed + item.num_tokens])
             tokens.extend(d.tokens)
             chunks.append(SeqChunk(seq.seq_id, seq.num_computed, item.num_tokens + len(d.tokens)))
-        if self.auto is not None:
-            self._len_before = sum(len(item.seq.token_ids) for item in batch)
         hidden, plan = self.runner.forward(tokens, chunks)
         self.num_steps += 1
         row = 0
@@ -204,9 +201,8 @@ class Engine:
             self._verify(spec, hidden, len(batch), now)
             done.extend(item.seq for item, _, _ in spec)
         if self.auto is not None and self._step_depth is not None and all(i.num_tokens == 1 for i in batch):
-            # A pure decode step: what it committed and what it cost, for the controller.
-            committed = sum(len(item.seq.token_ids) for item in batch) - self._len_before
-            self.auto.record(self._step_width, self._step_depth, time.perf_counter() - t0, committed)
+            # A pure decode step: what it cost at this width and depth, for the controller.
+            self.auto.record(self._step_width, self._step_depth, time.perf_counter() - t0)
         return done
 
     # --- speculation ----------------------------------------------------------------------
@@ -268,6 +264,8 @@ class Engine:
                 targets = target_tokens(rows_logits, seq.params, seq.seed, start + 1)
                 na, commit = committed_tokens(d.tokens, targets)
             self.metrics.record(width, d.tokens, targets, na)
+            if self.auto is not None:
+                self.auto.observe_verify(k, na)
             seq.num_verifies += 1
             seq.drafted_tokens += k
             seq.accepted_tokens += na

@@ -1,10 +1,16 @@
 """`--mtp-k-ladder auto`: an online controller that picks the draft depth per width band.
 
-For each width band (1, 2, 4, ... sequences) it keeps a moving average of committed tokens per
-second for every depth it has tried (depth 0 is plain decoding, so speculation that does not pay
-is switched off). It serves the band's current depth, probes a neighbouring or untried depth
-every `probe_every` steps of that band, and switches only when another depth beats the current
-one by more than `hysteresis`. Starts from the static ladder's choice.
+It measures two things apart, because their product is what a step earns and each alone is far
+less noisy than tokens per step:
+- the drafter's acceptance at each draft position i, pooled over every verify: a_i, the share
+  of chains that reached draft i and had it accepted;
+- per width band (1, 2, 4, ... sequences), the cost in seconds of a pure decode step at each
+  depth it has run, depth 0 being plain decoding.
+The expected committed tokens per sequence at depth d are 1 + sum_{i<=d} prod_{j<=i} a_j, and the
+depth served is the one with the most expected tokens per second of step. Depths with fewer than
+`min_samples` cost samples are probed (one step each) every `probe_every` steps of the band, and
+known ones are re-probed in turn so their costs stay current; the band switches only when
+another depth beats its current one by more than `hysteresis`. Starts from the static ladder.
 """
 from __future__ import annotations
 
@@ -13,24 +19,29 @@ from dataclasses import dataclass, field
 from speculative.ladder import mtp_ladder_drafts
 from speculative.metrics import width_bucket as width_band
 
+__all__ = ["AutoDepthController", "width_band"]
+
 
 @dataclass(slots=True)
 class _Band:
     current: int
-    rate: dict[int, float] = field(default_factory=dict)     # depth -> EMA of tokens/s
+    cost: dict[int, float] = field(default_factory=dict)     # depth -> EMA of seconds per step
     samples: dict[int, int] = field(default_factory=dict)
     steps: int = 0
+    probes: int = 0
 
 
 class AutoDepthController:
     def __init__(self, max_depth: int, *, probe_every: int = 16, hysteresis: float = 0.05,
-                 min_samples: int = 3, smoothing: float = 0.25) -> None:
+                 min_samples: int = 3, smoothing: float = 0.1) -> None:
         if max_depth < 0:
             raise ValueError(f"max_depth={max_depth} must be non-negative")
         self.max_depth = max_depth
         self.probe_every, self.hysteresis = probe_every, hysteresis
         self.min_samples, self.smoothing = min_samples, smoothing
         self.bands: dict[int, _Band] = {}
+        self.reached = [0] * max_depth     # chains that drafted position i (0-based) with 0..i-1 accepted
+        self.accepted = [0] * max_depth    # ... and had draft i accepted
 
     def _band(self, n_active: int) -> _Band:
         key = width_band(n_active)
@@ -38,32 +49,55 @@ class AutoDepthController:
             self.bands[key] = _Band(current=mtp_ladder_drafts(n_active, self.max_depth))
         return self.bands[key]
 
+    # --- measurements ---------------------------------------------------------------------
+    def observe_verify(self, num_drafts: int, num_accepted: int) -> None:
+        """One sequence's verify: `num_accepted` of its `num_drafts` drafts were accepted."""
+        for i in range(min(num_accepted + 1, num_drafts, self.max_depth)):
+            self.reached[i] += 1
+            self.accepted[i] += i < num_accepted
+
+    def record(self, n_active: int, depth: int, seconds: float) -> None:
+        """One pure decode step at width `n_active` and `depth` took `seconds`."""
+        if seconds <= 0:
+            return
+        band = self._band(n_active)
+        old = band.cost.get(depth)
+        band.cost[depth] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+        band.samples[depth] = band.samples.get(depth, 0) + 1
+        rates = {d: self.expected_tokens(d) / c for d, c in band.cost.items() if band.samples[d] >= self.min_samples}
+        if band.current in rates:
+            best = max(rates, key=rates.get)
+            if rates[best] > rates[band.current] * (1 + self.hysteresis):
+                band.current = best
+
+    # --- decisions ------------------------------------------------------------------------
+    def acceptance(self) -> list[float]:
+        """a_i per draft position, with one accepted and one rejected chain as a prior."""
+        return [(a + 1) / (r + 2) for a, r in zip(self.accepted, self.reached)]
+
+    def expected_tokens(self, depth: int) -> float:
+        """Expected committed tokens per sequence for a step at `depth`: the bonus plus the
+        chance of reaching and keeping each draft."""
+        total, chain = 1.0, 1.0
+        for a in self.acceptance()[:depth]:
+            chain *= a
+            total += chain
+        return total
+
     def depth_for(self, n_active: int) -> int:
         """The depth to run this step at width `n_active` (a probe now and then)."""
         band = self._band(n_active)
         band.steps += 1
         if band.steps % self.probe_every:
             return band.current
-        candidates = [d for d in range(self.max_depth + 1) if band.samples.get(d, 0) < self.min_samples]
-        if not candidates:
-            candidates = [d for d in (band.current - 1, band.current + 1) if 0 <= d <= self.max_depth]
-        return min(candidates, key=lambda d: (band.samples.get(d, 0), abs(d - band.current)))
+        band.probes += 1
+        unknown = [d for d in range(self.max_depth + 1) if band.samples.get(d, 0) < self.min_samples]
+        if unknown:
+            return min(unknown, key=lambda d: (band.samples.get(d, 0), abs(d - band.current)))
+        others = [d for d in range(self.max_depth + 1) if d != band.current]
+        return others[band.probes % len(others)] if others else band.current
 
-    def record(self, n_active: int, depth: int, seconds: float, tokens: int) -> None:
-        """One decode step at `depth`: it took `seconds` and committed `tokens` in all."""
-        if seconds <= 0:
-            return
-        band = self._band(n_active)
-        rate = tokens / seconds
-        old = band.rate.get(depth)
-        band.rate[depth] = rate if old is None else (1 - self.smoothing) * old + self.smoothing * rate
-        band.samples[depth] = band.samples.get(depth, 0) + 1
-        ready = {d: r for d, r in band.rate.items() if band.samples[d] >= self.min_samples}
-        if band.current in ready and ready:
-            best = max(ready, key=ready.get)
-            if ready[best] > ready[band.current] * (1 + self.hysteresis):
-                band.current = best
-
-    def summary(self) -> dict[int, dict]:
-        return {w: {"depth": b.current, "rates": {d: round(r, 1) for d, r in sorted(b.rate.items())}}
-                for w, b in sorted(self.bands.items())}
+    def summary(self) -> dict:
+        return {"acceptance": [round(a, 3) for a in self.acceptance()],
+                "bands": {w: {"depth": b.current, "cost_ms": {d: round(1000 * c, 2) for d, c in sorted(b.cost.items())}}
+                          for w, b in sorted(self.bands.items())}}

@@ -1,17 +1,29 @@
-"""The auto depth controller on synthetic step costs: it finds the best depth per width band,
-including no speculation, follows a change, and does not flap."""
+"""The auto depth controller on synthetic costs and acceptance: it finds the best depth per width
+band, including no speculation, follows a change, does not flap, and stays lossless in the engine."""
 from __future__ import annotations
+
+import random
+
+import pytest
 
 from speculative.auto_depth import AutoDepthController, width_band
 
 
-def simulate(ctrl: AutoDepthController, n_active: int, rate_of, steps: int) -> list[int]:
+def simulate(ctrl: AutoDepthController, n_active: int, cost_of, accept: list[float], steps: int,
+             seed: int = 0) -> list[int]:
+    """`steps` decode steps: each costs cost_of(depth) seconds; each of the n sequences' chains
+    keeps draft i with probability accept[i] while the earlier ones were kept."""
+    rng = random.Random(seed)
     chosen = []
     for _ in range(steps):
         d = ctrl.depth_for(n_active)
         chosen.append(d)
-        tokens = n_active * 10
-        ctrl.record(n_active, d, tokens / rate_of(d), tokens)
+        for _ in range(n_active if d else 0):
+            na = 0
+            while na < d and rng.random() < accept[na]:
+                na += 1
+            ctrl.observe_verify(d, na)
+        ctrl.record(n_active, d, cost_of(d))
     return chosen
 
 
@@ -19,37 +31,57 @@ def test_width_bands():
     assert [width_band(n) for n in (1, 2, 3, 4, 5, 8, 9, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 64]
 
 
+def test_expected_tokens_from_acceptance():
+    ctrl = AutoDepthController(3)
+    for _ in range(8):
+        ctrl.observe_verify(3, 3)
+    for _ in range(2):
+        ctrl.observe_verify(3, 0)
+    a = ctrl.acceptance()                      # (8 + 1) / (10 + 2) at position 0, then 9 / 10
+    assert a == pytest.approx([0.75, 0.9, 0.9])
+    assert ctrl.expected_tokens(0) == 1.0
+    assert ctrl.expected_tokens(2) == pytest.approx(1 + 0.75 + 0.75 * 0.9)
+
+
 def test_finds_the_best_depth_and_stays():
-    rates = {0: 100.0, 1: 130.0, 2: 150.0, 3: 120.0}
+    # tokens per second of step: d0 1/10, d1 1.8/12, d2 2.36/13 (best), d3 2.64/16
+    costs = {0: 0.010, 1: 0.012, 2: 0.013, 3: 0.016}
     ctrl = AutoDepthController(3, probe_every=4)
-    chosen = simulate(ctrl, 1, rates.get, 400)
+    chosen = simulate(ctrl, 1, costs.get, [0.8, 0.7, 0.5], 600)
     assert ctrl.bands[1].current == 2
-    tail = chosen[-100:]
-    assert tail.count(2) >= 70  # mostly the best depth; the rest are probes
+    assert chosen[-100:].count(2) >= 70  # mostly the best depth; the rest are probes
 
 
 def test_turns_speculation_off_when_it_does_not_pay():
-    rates = {0: 900.0, 1: 750.0, 2: 700.0, 3: 650.0}
+    costs = {0: 0.010, 1: 0.020, 2: 0.030, 3: 0.040}
     ctrl = AutoDepthController(3, probe_every=4)
-    simulate(ctrl, 32, rates.get, 400)
+    simulate(ctrl, 32, costs.get, [0.8, 0.7, 0.5], 400)
     assert ctrl.bands[32].current == 0
 
 
 def test_follows_a_change_and_bands_are_independent():
     ctrl = AutoDepthController(3, probe_every=4)
-    simulate(ctrl, 2, {0: 100.0, 1: 200.0, 2: 120.0, 3: 110.0}.get, 300)
+    simulate(ctrl, 2, {0: 0.010, 1: 0.011, 2: 0.020, 3: 0.030}.get, [0.8, 0.7, 0.5], 300)
     assert ctrl.bands[2].current == 1
-    simulate(ctrl, 2, {0: 100.0, 1: 120.0, 2: 220.0, 3: 130.0}.get, 600)
+    simulate(ctrl, 2, {0: 0.010, 1: 0.011, 2: 0.012, 3: 0.030}.get, [0.8, 0.7, 0.5], 600, seed=1)
     assert ctrl.bands[2].current == 2
-    simulate(ctrl, 16, {0: 500.0, 1: 400.0, 2: 300.0, 3: 200.0}.get, 300)
+    simulate(ctrl, 16, {0: 0.010, 1: 0.030, 2: 0.040, 3: 0.050}.get, [0.8, 0.7, 0.5], 300, seed=2)
     assert ctrl.bands[16].current == 0 and ctrl.bands[2].current == 2
 
 
 def test_hysteresis_keeps_a_near_tie():
+    # Acceptance already well measured; every other depth earns 2% more per second than the
+    # start depth: not worth a switch.
     ctrl = AutoDepthController(3, probe_every=4, hysteresis=0.05)
+    for i in range(3):
+        ctrl.reached[i], ctrl.accepted[i] = 100_000, 50_000
     start = ctrl._band(1).current
-    simulate(ctrl, 1, lambda d: 100.0 + (2.0 if d != start else 0.0), 200)
-    assert ctrl.bands[1].current == start   # 2% better is not worth a switch
+    cost = {d: ctrl.expected_tokens(d) / (100.0 * (1.02 if d != start else 1.0)) for d in range(4)}
+    simulate(ctrl, 1, cost.get, [0.5, 0.5, 0.5], 300)
+    assert ctrl.bands[1].current == start
+    cost[0] = ctrl.expected_tokens(0) / 110.0   # 10% better: switch
+    simulate(ctrl, 1, cost.get, [0.5, 0.5, 0.5], 300)
+    assert ctrl.bands[1].current == 0
 
 
 def test_engine_auto_policy_is_lossless(ckpt_mtp):
@@ -60,4 +92,5 @@ def test_engine_auto_policy_is_lossless(ckpt_mtp):
     plain = [o.token_ids for o in LLM(ckpt_mtp, dtype="float64").generate(prompts, params)]
     llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, draft_policy="auto")
     assert [o.token_ids for o in llm.generate(prompts, params)] == plain
-    assert llm.engine.auto is not None and llm.engine.auto.bands  # it measured something
+    auto = llm.engine.auto
+    assert auto is not None and auto.bands and sum(auto.reached) > 0  # it measured costs and acceptance
