@@ -141,3 +141,33 @@ def test_sharded_drafter_equals_single_rank_drafter(ckpt_mtp, params, stop):
     assert [o.token_ids for o in two] == [o.token_ids for o in one] == plain
     assert [(o.drafted_tokens, o.accepted_tokens) for o in two] == [(o.drafted_tokens, o.accepted_tokens) for o in one]
     assert sum(o.drafted_tokens for o in two) > 0
+
+
+def test_mp_group_restarts_after_a_killed_worker_and_loses_nothing(ckpt_mtp):
+    """The supervisor behind both launchers: a worker SIGKILLed in mid-generation is replaced, the
+    requests continue from what they committed, and the tokens equal an undisturbed run's."""
+    import threading
+    prompts = [[5, 17, 200, 3], [9, 9, 9, 100]]
+    params = [GREEDY, SEEDED]
+    long = [SamplingParams(max_tokens=60, ignore_eos=True),
+            SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.8, seed=5)]
+    one = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, spec="mtp", num_drafts=2)
+    want = [o.token_ids for o in one.generate(prompts, long)]
+    llm = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, spec="mtp", num_drafts=2, ep=2, launcher="mp",
+              ep_timeout_s=30, max_restarts=1)
+    try:
+        first = llm.group.pids[0]
+        seqs = [llm.engine.add_request(p, sp) for p, sp in zip(prompts, long)]
+        runner = threading.Thread(target=llm._run_to_completion)
+        runner.start()
+        while seqs[0].num_output < 10 and runner.is_alive():
+            time.sleep(0.01)
+        os.kill(first, signal.SIGKILL)
+        runner.join(timeout=120)
+        assert not runner.is_alive()
+        assert [s.output_ids for s in seqs] == want
+        assert llm.supervisor.restarts == 1 and llm.group.pids[0] != first
+        assert [o.token_ids for o in llm.generate(prompts, params)] == \
+            [o.token_ids for o in one.generate(prompts, params)]  # the new group serves on
+    finally:
+        llm.shutdown()
