@@ -140,6 +140,7 @@ class EngineArm:
         cell["step_ms"] = round(1000 * wall / steps, 3)
         if self.tree_shape is not None:
             cell["tree_shape"] = self.tree_shape
+            cell["hedges_taken"] = m.hedges_taken
         hits, misses = plans.hits - hits0, plans.misses - misses0
         cell["plan_cache"] = {"hits": hits, "misses": misses,
                               "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None}

@@ -115,6 +115,7 @@ class Verifier:
         na = len(path)
         observed = [range(row, row + na + 1)]
         if path and path[-1] > len(d.tokens):   # a hedge: its keys/values go to its depth's place
+            self.engine.metrics.hedges_taken += 1
             self.engine.runner.cache.move(seq.seq_id, start + path[-1], start + na)
             observed = [range(row, row + na), range(row + path[-1], row + path[-1] + 1)]
         self._keep(item, d, width, targets, na, n - 1, hidden, observed, [rows[r][0] for r in path] + [bonus], now)

@@ -51,6 +51,7 @@ def test_tree_equals_no_speculation(plain, ckpt_mtp, shape, params):
     moves = check_lossless(llm, want, params, shape)
     if params is GREEDY:
         assert moves, "no hedge was ever taken: the test would not see a wrong move"
+        assert llm.engine.metrics.hedges_taken == len(moves)
         assert all(1 <= src - dst <= 6 for _, src, dst in moves)
 
 
