@@ -11,19 +11,23 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER_WORDS = 8
 NO_SLOT = 0xFFFFFFFF
 MAX_SLOT = 1 << 30
 
 EP_CMD_SHUTDOWN = 0xFFFFFFFF      # no payload
 EP_CMD_HANDSHAKE = 0xFFFFFFFE     # version, world_size, fingerprint_lo, fingerprint_hi, dtype_code
-EP_CMD_FORWARD = 0xFFFFFFFD       # num_ops, num_chunks, num_tokens, bulk_len, num_obs | bulk: ops, chunks, tokens, obs
+EP_CMD_FORWARD = 0xFFFFFFFD       # num_ops, num_chunks, num_tokens, bulk_len, num_obs, num_tree_words
+#                                   | bulk: ops, chunks, tokens, obs, trees
+# A tree (a chunk with a tree mask) travels as (chunk index, parent row of each of its rows), the
+# root's parent NO_PARENT; the rows' mask and positions follow from the parents (speculative.tree_shape).
 EP_CMD_LOGITS = 0xFFFFFFFC        # num_rows, bulk_len | bulk: row indices into the last forward's rows
 # KV-cache slot operations; they travel as (code, slot, length) triples in a FORWARD's op list.
 EP_CMD_SLOT_RESERVE = 0xFFFFFFFB  # grow slot to `length` tokens
 EP_CMD_SLOT_REWIND = 0xFFFFFFFA   # shrink slot to `length` tokens
 EP_CMD_SLOT_FREE = 0xFFFFFFF9     # release slot (length unused)
+EP_CMD_SLOT_MOVE = 0xFFFFFFF8     # copy one row's keys/values back (length: runtime.kv_cache.pack_move(src, dst))
 EP_CMD_MTP_PROPOSE = 0xFFFFFFF5   # last_token, position, num_drafts (exactly three words)
 EP_CMD_MTP_PROPOSE_BATCH = 0xFFFFFFF4  # num_seqs, num_obs, bulk_len, num_ops, stop_bits | bulk: ops, obs,
 #                                        then per sequence (slot, num_drafts, m, m feed tokens);
@@ -34,10 +38,11 @@ EP_CMD_MTP_PROPOSE_BATCH = 0xFFFFFFF4  # num_seqs, num_obs, bulk_len, num_ops, s
 COMMANDS = {
     EP_CMD_SHUTDOWN: "SHUTDOWN", EP_CMD_HANDSHAKE: "HANDSHAKE", EP_CMD_FORWARD: "FORWARD",
     EP_CMD_LOGITS: "LOGITS", EP_CMD_SLOT_RESERVE: "SLOT_RESERVE", EP_CMD_SLOT_REWIND: "SLOT_REWIND",
-    EP_CMD_SLOT_FREE: "SLOT_FREE", EP_CMD_MTP_PROPOSE: "MTP_PROPOSE",
+    EP_CMD_SLOT_FREE: "SLOT_FREE", EP_CMD_SLOT_MOVE: "SLOT_MOVE", EP_CMD_MTP_PROPOSE: "MTP_PROPOSE",
     EP_CMD_MTP_PROPOSE_BATCH: "MTP_PROPOSE_BATCH",
 }
-SLOT_OPS = (EP_CMD_SLOT_RESERVE, EP_CMD_SLOT_REWIND, EP_CMD_SLOT_FREE)
+SLOT_OPS = (EP_CMD_SLOT_RESERVE, EP_CMD_SLOT_REWIND, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE)
+NO_PARENT = 0xFFFFFFFF
 DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float64": 3}
 
 
@@ -66,6 +71,7 @@ class ForwardPayload:
     chunks: list[tuple[int, int, int]]       # (slot, start, num_tokens)
     tokens: list[int]
     obs: list[Observation]
+    trees: dict[int, list[int]] = field(default_factory=dict)   # chunk index -> parent rows (root: -1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,15 +120,21 @@ def decode(header: list[int], bulk: list[int]) -> Command:
     want = bulk_len(header)
     if len(bulk) != want:
         raise ProtocolError(f"{COMMANDS[code]}: truncated payload, {len(bulk)} of {want} bulk words")
-    nparams = {EP_CMD_SHUTDOWN: 0, EP_CMD_HANDSHAKE: 5, EP_CMD_FORWARD: 5, EP_CMD_LOGITS: 2,
+    nparams = {EP_CMD_SHUTDOWN: 0, EP_CMD_HANDSHAKE: 5, EP_CMD_FORWARD: 6, EP_CMD_LOGITS: 2,
                EP_CMD_MTP_PROPOSE: 3, EP_CMD_MTP_PROPOSE_BATCH: 5}[code]
     return Command(code=code, slot=slot, params=tuple(header[2:2 + nparams]), bulk=list(bulk))
 
 
 def forward_command(ops: list[tuple[int, int, int]], chunks: list[tuple[int, int, int]],
-                    tokens: list[int], obs: list[Observation] = ()) -> Command:
+                    tokens: list[int], obs: list[Observation] = (), trees: dict[int, list[int]] | None = None,
+                    ) -> Command:
+    """`trees`: chunk index -> the parent row of each of its rows (-1 for the root)."""
+    tree_words = [w for i, parents in sorted((trees or {}).items())
+                  for w in (i, *(NO_PARENT if p < 0 else p for p in parents))]
     bulk = [w for op in ops for w in op] + [w for c in chunks for w in c] + list(tokens) + [w for o in obs for w in o]
-    return Command(EP_CMD_FORWARD, NO_SLOT, (len(ops), len(chunks), len(tokens), len(bulk), len(obs)), bulk)
+    bulk += tree_words
+    return Command(EP_CMD_FORWARD, NO_SLOT, (len(ops), len(chunks), len(tokens), len(bulk), len(obs),
+                                             len(tree_words)), bulk)
 
 
 def _check_ops(ops: list[tuple[int, int, int]], what: str) -> None:
@@ -143,10 +155,10 @@ def _check_obs(obs: list[Observation], what: str) -> None:
 
 def parse_forward(cmd: Command, *, vocab_size: int) -> ForwardPayload:
     """Check and unpack a FORWARD: op codes, slots, chunk sizes and token ids must be valid."""
-    num_ops, num_chunks, num_tokens, n, num_obs = cmd.params
-    if n != 3 * num_ops + 3 * num_chunks + num_tokens + 4 * num_obs:
+    num_ops, num_chunks, num_tokens, n, num_obs, num_tree_words = cmd.params
+    if n != 3 * num_ops + 3 * num_chunks + num_tokens + 4 * num_obs + num_tree_words:
         raise ProtocolError(f"FORWARD: layout {num_ops} ops, {num_chunks} chunks, {num_tokens} tokens, "
-                            f"{num_obs} observations does not match {n} bulk words")
+                            f"{num_obs} observations, {num_tree_words} tree words does not match {n} bulk words")
     b = cmd.bulk
     ops = [tuple(b[3 * i:3 * i + 3]) for i in range(num_ops)]
     off = 3 * num_ops
@@ -155,6 +167,7 @@ def parse_forward(cmd: Command, *, vocab_size: int) -> ForwardPayload:
     tokens = b[off:off + num_tokens]
     off += num_tokens
     obs = [tuple(b[off + 4 * i:off + 4 * i + 4]) for i in range(num_obs)]
+    trees = _parse_trees(b[off + 4 * num_obs:], chunks)
     _check_obs(obs, "FORWARD")
     _check_ops(ops, "FORWARD")
     if sum(c[2] for c in chunks) != num_tokens or any(c[2] == 0 for c in chunks):
@@ -165,7 +178,28 @@ def parse_forward(cmd: Command, *, vocab_size: int) -> ForwardPayload:
     bad = next((t for t in tokens if t >= vocab_size), None)
     if bad is not None:
         raise ProtocolError(f"FORWARD: token {bad} outside the vocabulary of {vocab_size}")
-    return ForwardPayload(ops=ops, chunks=chunks, tokens=tokens, obs=obs)
+    return ForwardPayload(ops=ops, chunks=chunks, tokens=tokens, obs=obs, trees=trees)
+
+
+def _parse_trees(words: list[int], chunks: list[tuple[int, int, int]]) -> dict[int, list[int]]:
+    """(chunk index, parents...) records -> {chunk index: parents}; row 0 alone is the root and
+    every other row's parent comes before it."""
+    trees: dict[int, list[int]] = {}
+    off = 0
+    while off < len(words):
+        i = words[off]
+        if i >= len(chunks) or i in trees:
+            raise ProtocolError(f"FORWARD: tree for chunk {i} (of {len(chunks)}) is out of range or repeated")
+        n = chunks[i][2]
+        raw = words[off + 1:off + 1 + n]
+        if len(raw) != n:
+            raise ProtocolError(f"FORWARD: truncated tree of chunk {i} ({len(raw)} of {n} parents)")
+        parents = [-1 if p == NO_PARENT else p for p in raw]
+        if parents[0] != -1 or any(not 0 <= p < r for r, p in enumerate(parents) if r):
+            raise ProtocolError(f"FORWARD: chunk {i} parents {parents[:8]} are not a tree rooted at row 0")
+        trees[i] = parents
+        off += 1 + n
+    return trees
 
 
 def float_bits(x: float | None) -> int:

@@ -17,7 +17,8 @@ import torch
 from ep.comm import Communicator, u32_to_words, words_to_u32
 from ep.parallel import parallelize
 from ep.protocol import (DTYPE_CODES, EP_CMD_FORWARD, EP_CMD_HANDSHAKE, EP_CMD_LOGITS, EP_CMD_MTP_PROPOSE_BATCH,
-                         EP_CMD_SHUTDOWN, EP_CMD_SLOT_FREE, EP_CMD_SLOT_RESERVE, EP_CMD_SLOT_REWIND, HEADER_WORDS,
+                         EP_CMD_SHUTDOWN, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE, EP_CMD_SLOT_RESERVE,
+                         EP_CMD_SLOT_REWIND, HEADER_WORDS,
                          NO_SLOT, PROTOCOL_VERSION, Command, Observation, ProtocolError, bulk_len, decode, encode,
                          forward_command, parse_forward, parse_propose_batch, propose_batch_command)
 from ep.topology import EPTopology
@@ -26,11 +27,13 @@ from runtime.model_runner import ModelRunner
 from runtime.weights import checkpoint_files, load_model
 from speculative.mtp import MTPProposer
 from speculative.proposer import ProposerState, ProposeRequest
+from speculative.tree_shape import ancestor_mask, parents_of_mask, row_depths, tree_mask
 
 log = logging.getLogger("metrale.ep")
 
 MAX_BULK_WORDS = 1 << 24
-OP_CODES = {"reserve": EP_CMD_SLOT_RESERVE, "rewind": EP_CMD_SLOT_REWIND, "free": EP_CMD_SLOT_FREE}
+OP_CODES = {"reserve": EP_CMD_SLOT_RESERVE, "rewind": EP_CMD_SLOT_REWIND, "free": EP_CMD_SLOT_FREE,
+            "move": EP_CMD_SLOT_MOVE}
 OP_NAMES = {v: k for k, v in OP_CODES.items()}
 HANDSHAKE_FIELDS = {1: "protocol version", 2: "world size", 3: "model fingerprint", 4: "dtype"}
 
@@ -163,11 +166,10 @@ class DriverRunner:
         return ops
 
     def forward(self, tokens: list[int], chunks: list[SeqChunk]):
-        if any(c.mask is not None for c in chunks):
-            raise ValueError("custom attention masks are not carried to EP workers")
+        trees = {i: tree_parents(c) for i, c in enumerate(chunks) if c.mask is not None}
         ops = self.take_ops()
         send_command(self.comm, forward_command(ops, [(c.seq_id, c.start, c.num_tokens) for c in chunks], tokens,
-                                                self.take_obs()))
+                                                self.take_obs(), trees))
         return self.local.forward(tokens, chunks)
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -176,6 +178,24 @@ class DriverRunner:
 
     def shutdown(self) -> None:
         send_command(self.comm, Command(EP_CMD_SHUTDOWN))
+
+
+def tree_parents(chunk: SeqChunk) -> list[int]:
+    """The parent rows that carry a chunk's mask and positions to the workers; only tree masks
+    (the committed context plus ancestors, each row at start + its depth) can travel."""
+    parents = parents_of_mask(chunk.mask, chunk.start)
+    if parents is None:
+        raise ValueError(f"sequence {chunk.seq_id}: only tree attention masks are carried to EP workers")
+    positions = chunk.positions if chunk.positions is not None else torch.arange(chunk.start, chunk.end)
+    if positions.tolist() != [chunk.start + d for d in row_depths(parents)]:
+        raise ValueError(f"sequence {chunk.seq_id}: tree rows must sit at start + depth, got {positions.tolist()}")
+    return parents
+
+
+def tree_chunk(slot: int, start: int, parents: list[int]) -> SeqChunk:
+    """A worker's chunk rebuilt from the parent rows rank 0 sent."""
+    positions = torch.tensor([start + d for d in row_depths(parents)], dtype=torch.long)
+    return SeqChunk(slot, start, len(parents), tree_mask(start, ancestor_mask(parents)), positions)
 
 
 class ShardedMTPProposer(MTPProposer):
@@ -263,7 +283,8 @@ def worker_loop(runner: ModelRunner, comm: Communicator) -> None:
         if cmd.code == EP_CMD_FORWARD:
             mirror.observe(payload.obs, last_hidden)   # they index the previous forward
             apply_slot_ops(runner, mirror, payload.ops)
-            chunks = [SeqChunk(s, start, n) for s, start, n in payload.chunks]
+            chunks = [tree_chunk(s, start, payload.trees[i]) if i in payload.trees else SeqChunk(s, start, n)
+                      for i, (s, start, n) in enumerate(payload.chunks)]
             last_hidden, _ = runner.forward(payload.tokens, chunks)
         elif cmd.code == EP_CMD_MTP_PROPOSE_BATCH:
             mirror.observe(payload.obs, last_hidden)

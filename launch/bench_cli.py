@@ -11,7 +11,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     b.add_argument("--quick", action="store_true", help="small sweep that finishes in a few minutes")
     b.add_argument("--concurrency", default=None, help="comma list, e.g. 1,2,4,8,16,32")
-    b.add_argument("--arms", default="none", help="comma list of arms: none, hf, k1, k2, k3, ...")
+    b.add_argument("--arms", default="none", help="comma list of arms: none, hf, k1, k2, k3, ..., tree")
+    b.add_argument("--tree-shape", default=None, metavar="COUNTS", help="the draft tree of arm tree, e.g. 1,2,2")
     b.add_argument("--ep", type=int, default=1)
     b.add_argument("--launcher", default="mp", choices=["mp", "ray"],
                    help="how --ep > 1 starts its ranks (each arm starts its own group; start-up is not measured)")
@@ -34,6 +35,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = BenchConfig(model=args.model, dtype=args.dtype, arms=tuple(a.strip() for a in args.arms.split(",")),
                          concurrency=tuple(levels), ep=args.ep, launcher=args.launcher,
                          max_tokens=args.max_tokens or (48 if args.quick else 128),
-                         requests=args.requests, repeats=args.repeats, quick=args.quick)
+                         requests=args.requests, repeats=args.repeats, quick=args.quick,
+                         tree_shape=args.tree_shape)
     run_bench(config, json_out=args.json_out, plot_out=args.plot_out)
     return 0

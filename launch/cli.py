@@ -35,6 +35,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="speculate only while at most this many sequences run (1..128)")
     p.add_argument("--draft-confidence-stop", type=float, default=None, metavar="TAU",
                    help="stop extending a draft chain once a draft's top-1 probability is below TAU")
+    p.add_argument("--tree-shape", default=None, metavar="COUNTS",
+                   help="draft trees with --spec mtp: candidates per depth, e.g. 1,2,2 (each 1..4, at most 7 nodes)")
     p.add_argument("--spec-verify", default="exact", choices=["exact", "rejection"],
                    help="exact: keyed target draws (same tokens as no speculation); rejection: rejection sampling")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (default 1, or torchrun's world size)")
@@ -131,9 +133,18 @@ def make_llm(args: argparse.Namespace):
     from runtime import LLM
 
     publish_speculation_settings(args)
+    if args.tree_shape is not None:
+        from speculative.tree_shape import TreeShape
+        TreeShape.parse(args.tree_shape)   # a bad shape is refused before anything loads
+        if args.spec != "mtp":
+            raise UsageError(f"--tree-shape {args.tree_shape} needs --spec mtp (hedges are the drafter's next-best "
+                             "tokens)")
+        if args.spec_verify != "exact":
+            raise UsageError(f"--tree-shape verifies with keyed target draws only, not --spec-verify {args.spec_verify}")
     policy = "auto" if args.mtp_k_ladder is not None and args.mtp_k_ladder.strip() == "auto" else "ladder"
     common = dict(draft_policy=policy, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
-                  spec=args.spec, num_drafts=args.num_drafts, spec_verify=args.spec_verify, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout)
+                  spec=args.spec, num_drafts=args.num_drafts, spec_verify=args.spec_verify, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout,
+                  tree_shape=args.tree_shape)
     tr = torchrun_rank()
     if tr is not None:
         rank, world = tr

@@ -21,13 +21,16 @@ from runtime.kv_cache import PagedKVCache
 class SeqChunk:
     """One sequence's rows in a step: positions start..start+num_tokens-1.
 
-    `mask`, when given, is [num_tokens, start + num_tokens] bool: which context positions each row
-    may see (tree verification); None means causal.
+    `mask`, when given, is [num_tokens, start + num_tokens] bool: which cache rows of the sequence
+    each row may see (tree verification); None means causal. `positions`, when given, is
+    [num_tokens] the rotary position of each row (a tree row sits at start + its depth, while its
+    keys/values still go to cache row start + its index); None means start..end-1.
     """
     seq_id: int
     start: int
     num_tokens: int
     mask: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
     @property
     def end(self) -> int:
@@ -61,8 +64,12 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
     k_max = max(c.end for c in chunks)
     if any(c.num_tokens < 1 for c in chunks):
         raise ValueError(f"sequence {next(c.seq_id for c in chunks if c.num_tokens < 1)} has an empty chunk")
-    positions = torch.cat([torch.arange(c.start, c.end) for c in chunks]) if b > 1 else \
-        torch.arange(chunks[0].start, chunks[0].end)
+    for c in chunks:
+        if c.positions is not None and tuple(c.positions.shape) != (c.num_tokens,):
+            raise ValueError(f"sequence {c.seq_id}: positions shape {tuple(c.positions.shape)}, "
+                             f"expected {(c.num_tokens,)}")
+    spans = [torch.arange(c.start, c.end) if c.positions is None else c.positions for c in chunks]
+    positions = torch.cat(spans) if b > 1 else spans[0]
     ctxs = [cache.slots(c.seq_id, 0, c.end) for c in chunks]
     slot_mapping = torch.cat([ctx[c.start:] for ctx, c in zip(ctxs, chunks)]) if b > 1 else ctxs[0][chunks[0].start:]
     counts = torch.tensor([c.num_tokens for c in chunks])

@@ -22,13 +22,12 @@ import torch
 from runtime.corpus import heldout_prompts
 from runtime.sampler import SamplingParams
 
-# Arms that other parts of the project provide; each is refused by name until it exists.
-PLANNED_ARMS = {"tree": "tree speculation"}
 # Engine arms: name -> (speculation method, most drafts per step, draft policy, confidence stop TAU).
+# Arm tree drafts trees of the shape --tree-shape gives (its policy and depth come from the shape).
 ENGINE_ARMS = {"none": ("none", 0, "fixed", None), "k1": ("mtp", 1, "fixed", None), "k2": ("mtp", 2, "fixed", None),
                "k3": ("mtp", 3, "fixed", None), "k4": ("mtp", 4, "fixed", None), "ngram": ("ngram", 3, "fixed", None),
                "ladder": ("mtp", 3, "ladder", None), "ladder+stop": ("mtp", 3, "ladder", 0.5),
-               "auto": ("mtp", 3, "auto", None)}
+               "auto": ("mtp", 3, "auto", None), "tree": ("mtp", 3, "fixed", None)}
 BUILT_ARMS = (*ENGINE_ARMS, "hf")
 
 
@@ -45,11 +44,15 @@ class BenchConfig:
     repeats: int = 1       # runs per cell; the arms take turns, and the median run is the cell
     quick: bool = False
     num_prompts: int = 64
+    tree_shape: str | None = None
 
     def __post_init__(self) -> None:
+        from speculative.tree_shape import TreeShape
+        if "tree" in self.arms and self.tree_shape is None:
+            raise ValueError("bench arm 'tree' needs --tree-shape, e.g. 1,2,2")
+        if self.tree_shape is not None:
+            TreeShape.parse(self.tree_shape)
         for arm in self.arms:
-            if arm in PLANNED_ARMS:
-                raise ValueError(f"bench arm {arm!r} needs {PLANNED_ARMS[arm]}, which is not built yet")
             if arm not in BUILT_ARMS:
                 raise ValueError(f"unknown bench arm {arm!r} (built: {', '.join(BUILT_ARMS)})")
         if self.ep < 1:
@@ -101,7 +104,9 @@ class EngineArm:
         spec, k, policy, tau = ENGINE_ARMS[name]
         self.llm = LLM(config.model, dtype=config.dtype, kv_cache_tokens=65536,
                        max_num_seqs=max(config.concurrency), spec=spec, num_drafts=k, ep=config.ep,
-                       launcher=config.launcher, draft_policy=policy, draft_confidence_stop=tau)
+                       launcher=config.launcher, draft_policy=policy, draft_confidence_stop=tau,
+                       tree_shape=config.tree_shape if name == "tree" else None)
+        self.tree_shape = config.tree_shape if name == "tree" else None
         self.comm = getattr(self.llm, "comm", None)
 
     def close(self) -> None:
@@ -113,6 +118,8 @@ class EngineArm:
         engine.metrics = AcceptanceMetrics()
         comm0 = self.comm.comm_seconds if self.comm is not None else 0.0
         steps0 = engine.num_steps
+        plans = engine.verifier.plans
+        hits0, misses0 = plans.hits, plans.misses
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         inflight, done = [], []
         submitted = 0
@@ -135,6 +142,12 @@ class EngineArm:
                      accepted=m.accepted_tokens, p1=_round(m.positional(0)), p2_uncond=_round(m.positional(1)))
         steps = max(1, engine.num_steps - steps0)
         cell["step_ms"] = round(1000 * wall / steps, 3)
+        if self.tree_shape is not None:
+            cell["tree_shape"] = self.tree_shape
+            cell["hedges_taken"] = m.hedges_taken
+        hits, misses = plans.hits - hits0, plans.misses - misses0
+        cell["plan_cache"] = {"hits": hits, "misses": misses,
+                              "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None}
         if self.comm is not None:  # rank 0's time inside collectives (includes waiting for peers)
             comm_s = self.comm.comm_seconds - comm0
             cell["comm_ms_per_step"] = round(1000 * comm_s / steps, 3)
@@ -196,6 +209,13 @@ def git_sha() -> str | None:
 def machine() -> dict:
     return {"platform": platform.platform(), "processor": platform.machine(), "cpus": torch.get_num_threads(),
             "python": sys.version.split()[0], "torch": torch.__version__}
+
+
+def verify_key_settings() -> dict:
+    """The canonical-order knobs this process read (METRALE_CANONICAL_KEY_MIN_WIDTH, ..._NO_CANONICAL_...)."""
+    from speculative import knobs
+    return {"canonical_key_min_width": knobs.canonical_key_min_width(),
+            "no_canonical_verify_key": knobs.no_canonical_verify_key()}
 
 
 def print_table(cells: list[dict]) -> None:
@@ -271,8 +291,9 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
             for name in arms:
                 cell = median_cell(runs[name])
                 cells.append(cell)
-                print(f"  {name:>11} c={c:<3} {cell['tok_s']:9.1f} tok/s  accept_len {cell['accept_len']}"
-                      + (f"  runs {cell['tok_s_runs']}" if config.repeats > 1 else ""), flush=True)
+                rate = cell.get("plan_cache", {}).get("hit_rate")
+                print(f"  {name:>11} c={c:<3} {cell['tok_s']:9.1f} tok/s  accept_len {cell['accept_len']}  "
+                      f"plan hits {rate}" + (f"  runs {cell['tok_s_runs']}" if config.repeats > 1 else ""), flush=True)
     finally:
         for arm in arms.values():
             arm.close()
@@ -285,7 +306,7 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
             c["tok_s_ratio_vs_best_fixed"] = round(c["tok_s"] / best, 3)
     record = {"model": str(config.model), "git_sha": git_sha(),
               "recorded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), "params": asdict(config), "cells": cells}
+              "machine": machine(), "params": asdict(config), "verify_key": verify_key_settings(), "cells": cells}
     print_table(cells)
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)

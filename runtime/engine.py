@@ -21,13 +21,12 @@ from runtime.sampler import SamplingParams, sample_rows
 from runtime.scheduler import Scheduled, Scheduler, SchedulerConfig
 from runtime.sequence import Sequence, SequenceStatus
 from runtime.tokenizer import Tokenizer, find_stop
-from speculative.knobs import mtp_accept_debug
+from runtime.verifier import Verifier
 from speculative.auto_depth import AutoDepthController
 from speculative.ladder import mtp_ladder_drafts, mtp_ladder_pinned, mtp_max_seqs
 from speculative.metrics import AcceptanceMetrics
 from speculative.proposer import DraftProposer, Drafts, ProposerState, ProposeRequest
-from runtime.sampler import target_probs
-from speculative.verify import committed_tokens, rejection_tokens, target_tokens
+from speculative.tree_shape import TreeShape
 
 log = logging.getLogger("metrale.engine")
 
@@ -46,8 +45,12 @@ class EngineConfig:
     spec_verify: str = "exact"   # "exact": keyed target draws; "rejection": rejection sampling
     draft_policy: str = "ladder"  # "ladder": by running width (DESIGN §5.3); "fixed": num_drafts; "auto": online
     mtp_max_seqs: int | None = None  # width cap; None: the published cap (speculative.ladder.mtp_max_seqs)
+    tree_shape: TreeShape | None = None  # draft trees (spine plus hedges) instead of chains; beats draft_policy
 
     def __post_init__(self) -> None:
+        if self.tree_shape is not None and self.spec_verify != "exact":
+            raise ValueError(f"tree speculation verifies with keyed target draws only, not spec_verify="
+                             f"{self.spec_verify!r}")
         if self.draft_policy not in ("ladder", "fixed", "auto"):
             raise ValueError(f"draft_policy={self.draft_policy!r}: expected ladder, fixed or auto")
         if self.spec_verify not in ("exact", "rejection"):
@@ -71,9 +74,11 @@ class Engine:
         self.metrics = AcceptanceMetrics()
         self.width_cap = config.mtp_max_seqs if config.mtp_max_seqs is not None else mtp_max_seqs()
         # A pinned ladder (--mtp-k-ladder or METRALE_MTP_K_LADDER) turns the controller off.
+        self.tree = config.tree_shape if self.proposer is not None else None
         self.auto = (AutoDepthController(config.num_drafts)
                      if config.draft_policy == "auto" and self.proposer is not None and not mtp_ladder_pinned()
-                     else None)
+                     and self.tree is None else None)
+        self.verifier = Verifier(self, self.tree)
         self._step_depth: int | None = None
         self._step_width = 0
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=config.max_num_seqs,
@@ -116,11 +121,13 @@ class Engine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
+        self.verifier.plans.drop_slot(seq.seq_id)
         state = self.states.pop(seq.seq_id, None)
         if state is not None:
             self.proposer.free_state(state)
 
     def _on_preempt(self, seq: Sequence) -> None:
+        self.verifier.plans.drop_slot(seq.seq_id)
         if seq.seq_id in self.states:
             self.proposer.reset_state(self.states[seq.seq_id])
 
@@ -164,15 +171,19 @@ class Engine:
             if self.scheduler.waiting:
                 raise RuntimeError("the KV cache cannot hold the next waiting request even when empty")
             return []
-        drafts = self._propose(batch)
+        batch, drafts, vplan = self.verifier.dispatch(batch, self._propose(batch))
         tokens: list[int] = []
         chunks: list[SeqChunk] = []
-        for item, d in zip(batch, drafts):
+        for i, (item, d) in enumerate(zip(batch, drafts)):
             seq = item.seq
+            if d.tokens:  # verifying sequences come first, in the plan's order
+                rows, chunk = self.verifier.rows(item, d, vplan.seqs[i])
+                tokens.extend(rows)
+                chunks.append(chunk)
+                continue
             tokens.extend(seq.token_ids[seq.num_computed:seq.num_computed + item.num_tokens])
-            tokens.extend(d.tokens)
-            chunks.append(SeqChunk(seq.seq_id, seq.num_computed, item.num_tokens + len(d.tokens)))
-        hidden, plan = self.runner.forward(tokens, chunks)
+            chunks.append(SeqChunk(seq.seq_id, seq.num_computed, item.num_tokens))
+        hidden, _ = self.runner.forward(tokens, chunks)
         self.num_steps += 1
         row = 0
         plain: list[tuple[Sequence, int]] = []       # (sequence, hidden row of its last token)
@@ -182,7 +193,7 @@ class Engine:
                 spec.append((item, d, row))
             else:
                 seq = item.seq
-                self._observe(seq, hidden, range(row, row + item.num_tokens), seq.num_computed)
+                self.observe_target(seq, hidden, range(row, row + item.num_tokens), seq.num_computed)
                 seq.num_computed += item.num_tokens
                 if seq.num_pending == 0:
                     plain.append((seq, row + item.num_tokens - 1))
@@ -198,7 +209,7 @@ class Engine:
                 self.commit(seq, [tok], now)
             done.extend(seqs)
         if spec:
-            self._verify(spec, hidden, len(batch), now)
+            self.verifier.verify(spec, vplan, hidden, len(batch), now)
             done.extend(item.seq for item, _, _ in spec)
         if self.auto is not None and self._step_depth is not None and all(i.num_tokens == 1 for i in batch):
             # A pure decode step: what it cost at this width and depth, for the controller.
@@ -213,6 +224,9 @@ class Engine:
         n_active = len(self.scheduler.running)
         if n_active > self.width_cap:
             return 0
+        room = min(seq.params.max_tokens - seq.num_output, self.max_model_len - len(seq.token_ids)) - 1
+        if self.tree is not None:  # draft rows of the whole tree, cut to the depths that fit
+            return self.tree.nodes_at(max(0, min(self.tree.spine_len, room)))
         if self.auto is not None:
             if self._step_depth is None:  # one depth for the whole step
                 self._step_depth = self.auto.depth_for(n_active)
@@ -222,61 +236,32 @@ class Engine:
             k = self.config.num_drafts
         else:
             k = mtp_ladder_drafts(n_active, self.config.num_drafts)
-        room = min(seq.params.max_tokens - seq.num_output, self.max_model_len - len(seq.token_ids)) - 1
         return max(0, min(k, room))
 
     def _propose(self, batch: list[Scheduled]) -> list[Drafts]:
         none = Drafts([], [])
         if self.proposer is None:
             return [none] * len(batch)
-        idx = [i for i, item in enumerate(batch) if item.num_drafts > 0]
-        reqs = [ProposeRequest(self.states[batch[i].seq.seq_id], batch[i].seq.token_ids, batch[i].num_drafts)
+        idx = [i for i, item in enumerate(batch) if self._depth(item) > 0]
+        reqs = [ProposeRequest(self.states[batch[i].seq.seq_id], batch[i].seq.token_ids, self._depth(batch[i]),
+                               self.tree.counts[:self._depth(batch[i])] if self.tree is not None else ())
                 for i in idx]
         got = self.proposer.propose_batch(reqs) if reqs else []
         if got is None:
             got = [self.proposer.propose(r) for r in reqs]
         out = [none] * len(batch)
         for i, d in zip(idx, got):
-            n = min(len(d.tokens), batch[i].num_drafts)
-            out[i] = Drafts(d.tokens[:n], d.probs[:n])
+            out[i] = d.cut(self._depth(batch[i]))
         return out
 
-    def _observe(self, seq: Sequence, hidden: torch.Tensor, rows: range, start: int) -> None:
+    def _depth(self, item: Scheduled) -> int:
+        """Draft depth of a scheduled sequence: its draft rows, or the deepest tree cut they hold."""
+        return item.num_drafts if self.tree is None else self.tree.depth_for_nodes(item.num_drafts)
+
+    def observe_target(self, seq: Sequence, hidden: torch.Tensor, rows: range, start: int) -> None:
+        """Hand rows of a target forward (committed positions from `start`) to the drafter."""
         if self.proposer is not None and seq.seq_id in self.states:
             self.proposer.observe_target(self.states[seq.seq_id], hidden, rows, start)
-
-    def _verify(self, spec: list[tuple[Scheduled, Drafts, int]], hidden: torch.Tensor, width: int,
-                now: float) -> None:
-        rows = [i for _, d, r in spec for i in range(r, r + 1 + len(d.tokens))]
-        logits = self.runner.logits(hidden, rows)
-        at = 0
-        for item, d, row in spec:
-            seq, k = item.seq, len(d.tokens)
-            start = seq.num_computed
-            rows_logits = logits[at:at + k + 1]
-            at += k + 1
-            if self.config.spec_verify == "rejection" and not seq.params.is_greedy:
-                # The drafters here are deterministic (top-1 or lookup): q is one-hot at each draft.
-                dists = [target_probs(r, seq.params) for r in rows_logits]
-                na, commit = rejection_tokens(d.tokens, None, dists, seq.seed, start + 1)
-                targets = commit + [-1] * (k + 1 - len(commit))
-            else:
-                targets = target_tokens(rows_logits, seq.params, seq.seed, start + 1)
-                na, commit = committed_tokens(d.tokens, targets)
-            self.metrics.record(width, d.tokens, targets, na)
-            if self.auto is not None:
-                self.auto.observe_verify(k, na)
-            seq.num_verifies += 1
-            seq.drafted_tokens += k
-            seq.accepted_tokens += na
-            # Rows 0..na had committed inputs (the pending token and the accepted drafts).
-            seq.num_computed = start + na + 1
-            self.runner.cache.rewind(seq.seq_id, seq.num_computed)
-            self._observe(seq, hidden, range(row, row + na + 1), start)
-            self.proposer.after_verify(self.states[seq.seq_id], na)
-            self.commit(seq, commit, now)
-        if mtp_accept_debug() and self.metrics.verifies % 200 < len(spec):
-            log.info("mtp accept: %s", self.metrics.summary())
 
     def commit(self, seq: Sequence, new_tokens: list[int], now: float) -> None:
         """Append tokens to a sequence, stopping at EOS, a stop string, max_tokens or the context."""

@@ -9,6 +9,24 @@ from __future__ import annotations
 import torch
 
 
+MOVE_SHIFT = 3
+MAX_MOVE_DISTANCE = (1 << MOVE_SHIFT) - 1   # tree verify rows lie at most 7 rows past their place
+
+
+def pack_move(src: int, dst: int) -> int:
+    """A move's two positions in one journal word: dst << 3 | (src - dst), src - dst in 1..7."""
+    if not 1 <= src - dst <= MAX_MOVE_DISTANCE or dst < 0:
+        raise ValueError(f"cannot move a row from position {src} to {dst}: only 1..{MAX_MOVE_DISTANCE} "
+                         "rows back are journaled")
+    return dst << MOVE_SHIFT | (src - dst)
+
+
+def unpack_move(word: int) -> tuple[int, int]:
+    """(src, dst) of a packed move."""
+    dst = word >> MOVE_SHIFT
+    return dst + (word & MAX_MOVE_DISTANCE), dst
+
+
 class CacheFullError(RuntimeError):
     """Raised when a reservation does not fit; the scheduler checks `can_reserve` first."""
 
@@ -26,7 +44,8 @@ class PagedKVCache:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
-        # When a list, every reserve/rewind/free is also recorded here as (op, seq_id, length), so
+        # When a list, every reserve/rewind/move/free is also recorded here as (op, seq_id, length)
+        # (a move's length word is `pack_move(src, dst)`), so
         # the caches of other ranks can replay it: the allocator is deterministic, so the same
         # operations give the same block tables everywhere.
         self.journal: list[tuple[str, int, int]] | None = None
@@ -103,6 +122,20 @@ class PagedKVCache:
             self._free.append(table.pop())
         self._lengths[seq_id] = new_length
 
+    def move(self, seq_id: int, src: int, dst: int) -> None:
+        """Copy the keys/values of position `src` of `seq_id` to position `dst` in every layer (the
+        taken hedge of a tree verify goes to its depth's place; rows past it are rewound after)."""
+        length = self._lengths.get(seq_id, 0)
+        word = pack_move(src, dst)
+        if src >= length:
+            raise ValueError(f"cannot move position {src} of sequence {seq_id}: length {length}")
+        if self.journal is not None:
+            self.journal.append(("move", seq_id, word))
+        slots = self.slots(seq_id, 0, src + 1)
+        s, d = int(slots[src]), int(slots[dst])
+        self.k[:, d] = self.k[:, s]
+        self.v[:, d] = self.v[:, s]
+
     def free(self, seq_id: int) -> None:
         if self.journal is not None:
             self.journal.append(("free", seq_id, 0))
@@ -117,6 +150,8 @@ class PagedKVCache:
             self.reserve(seq_id, length)
         elif op == "rewind":
             self.rewind(seq_id, length)
+        elif op == "move":
+            self.move(seq_id, *unpack_move(length))
         elif op == "free":
             self.free(seq_id)
         else:

@@ -11,6 +11,8 @@ from runtime.sampler import SamplingParams
 from runtime.sequence import RequestOutput
 from runtime.tokenizer import Tokenizer
 from runtime.weights import load_model
+from speculative.knobs import tree_shape_env
+from speculative.tree_shape import TreeShape
 
 Prompt = str | list[int]
 
@@ -60,6 +62,22 @@ def make_proposer(spec: str, model, runner, confidence_stop: float | None = None
     return None
 
 
+def resolve_tree_shape(text: str | None, spec: str) -> TreeShape | None:
+    """The draft-tree shape: `text`, else METRALE_TREE_SHAPE when speculating with MTP; refused
+    (ValueError) when it does not parse or when the drafter is not MTP (hedges need its distribution)."""
+    if text is None:
+        env = tree_shape_env()
+        if env is None or spec != "mtp":
+            return None
+        try:
+            return TreeShape.parse(env)
+        except ValueError as exc:
+            raise ValueError(f"METRALE_TREE_SHAPE: {exc}") from None
+    if spec != "mtp":
+        raise ValueError(f"a tree shape ({text}) needs spec='mtp': hedges are the MTP drafter's next-best tokens")
+    return TreeShape.parse(text)
+
+
 class LLM:
     """Loads a checkpoint folder and generates for batches of prompts (text or token ids)."""
 
@@ -69,12 +87,15 @@ class LLM:
                  mtp_max_seqs: int | None = None, draft_confidence_stop: float | None = None, ep: int = 1,
                  moe_a2a: str = "alltoall", ep_timeout_s: float = 60.0, launcher: str = "ray",
                  ray_options=None, max_restarts: int = 3, worker_overrides: dict[int, dict] | None = None,
-                 comm=None) -> None:
+                 comm=None, tree_shape: str | None = None) -> None:
         """`ep` > 1 starts ep - 1 worker ranks with `launcher` ("ray": Ray actors in a placement
         group, `ray_options` a `launch.ray_group.RayOptions`; "mp": spawned processes) and
         supervises them: a dead rank restarts the group up to `max_restarts` times. `comm`, an
-        already joined communicator of rank 0 (torchrun), replaces the launcher (no restarts)."""
+        already joined communicator of rank 0 (torchrun), replaces the launcher (no restarts).
+        `tree_shape` ("1,2,2") drafts trees with the MTP drafter; None takes METRALE_TREE_SHAPE
+        when spec is mtp."""
         model_dir = Path(model)
+        tree = resolve_tree_shape(tree_shape, spec)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model folder {str(model_dir)!r} does not exist")
         if launcher not in LAUNCHERS:
@@ -102,7 +123,7 @@ class LLM:
         config = EngineConfig(kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
                               num_drafts=num_drafts if spec != "none" else 0, spec_verify=spec_verify,
-                              draft_policy=draft_policy, mtp_max_seqs=mtp_max_seqs)
+                              draft_policy=draft_policy, mtp_max_seqs=mtp_max_seqs, tree_shape=tree)
         try:
             proposer = make_proposer(spec, self.model, runner, draft_confidence_stop, model_dir, dtype)
         except BaseException:

@@ -92,3 +92,26 @@ def mtp_refeed_shift() -> int:
     except ValueError:
         return 0
     return max(-4, min(4, shift))
+
+
+@cache
+def tree_shape_env() -> str | None:
+    """METRALE_TREE_SHAPE as given (None when absent); speculative.tree_shape parses it."""
+    return os.environ.get("METRALE_TREE_SHAPE")
+
+
+DEFAULT_CANONICAL_KEY_MIN_WIDTH = 8
+
+
+@cache
+def canonical_key_min_width() -> int:
+    """METRALE_CANONICAL_KEY_MIN_WIDTH: the narrowest batched verify that takes the canonical order.
+    Spaces around the number are allowed; unset or not a non-negative integer gives 8."""
+    text = os.environ.get("METRALE_CANONICAL_KEY_MIN_WIDTH", "").strip()
+    return int(text) if text.isdigit() else DEFAULT_CANONICAL_KEY_MIN_WIDTH
+
+
+@cache
+def no_canonical_verify_key() -> bool:
+    """METRALE_NO_CANONICAL_VERIFY_KEY present, with any value: batched verifies keep the legacy order."""
+    return "METRALE_NO_CANONICAL_VERIFY_KEY" in os.environ

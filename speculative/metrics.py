@@ -34,6 +34,7 @@ class AcceptanceMetrics:
     verifies: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    hedges_taken: int = 0        # tree verifies whose accepted path ended in a hedge
 
     def record(self, width: int, drafts: list[int], targets: list[int], num_accepted: int) -> None:
         """One verify of one sequence: its drafts, the target's token at each row, and na."""
@@ -54,7 +55,7 @@ class AcceptanceMetrics:
 
     def summary(self) -> dict:
         return {"verifies": self.verifies, "drafted_tokens": self.drafted_tokens,
-                "accepted_tokens": self.accepted_tokens,
+                "accepted_tokens": self.accepted_tokens, "hedges_taken": self.hedges_taken,
                 "accept_len": 1 + self.accepted_tokens / self.verifies if self.verifies else None,
                 "p1": self.positional(0), "p2_uncond": self.positional(1), "p3_uncond": self.positional(2),
                 "buckets": {w: b.as_dict() for w, b in sorted(self.buckets.items())}}

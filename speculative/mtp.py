@@ -60,7 +60,8 @@ class MTPProposer(DraftProposer):
         live = [r for r, is_live in zip(reqs, flags) if is_live]
         feeds = [self.feed_tokens(r) for r in live]
         self.before_draft(live, feeds)
-        got = iter(self.draft([r.state for r in live], feeds, [r.num_drafts for r in live], self.confidence_stop))
+        got = iter(self.draft([r.state for r in live], feeds, [r.num_drafts for r in live], self.confidence_stop,
+                              [r.tree for r in live]))
         return [next(got) if is_live else Drafts([], []) for is_live in flags]
 
     def before_draft(self, live: list[ProposeRequest], feeds: list[list[int]]) -> None:
@@ -68,10 +69,12 @@ class MTPProposer(DraftProposer):
 
     @torch.inference_mode()
     def draft(self, states: list[ProposerState], feeds: list[list[int]], num_drafts: list[int],
-              stop: float | None = None) -> list[Drafts]:
+              stop: float | None = None, trees: list[tuple[int, ...]] | None = None) -> list[Drafts]:
         """Feed each state's unfed rows with their tokens, then draft; a chain whose last draft's
-        top-1 probability is below `stop` is not extended. Every EP rank runs this with the same
-        arguments (the sharded drafter), so it must be deterministic given them."""
+        top-1 probability is below `stop` is not extended. `trees[i]`, when given, is candidates
+        per depth: the next-best tokens of each depth's distribution become hedges. Every EP
+        rank runs this with the same arguments except `trees` (hedges change no forward), so it
+        must be deterministic given them."""
         out: list[Drafts] = [Drafts([], []) for _ in states]
         if not states:
             return out
@@ -105,10 +108,16 @@ class MTPProposer(DraftProposer):
                 for j, i in enumerate(active):
                     log.info("mtp shadow seq %d depth %d top%d %s", states[i].seq_id, len(out[i].tokens) + 1,
                              shadow_topk(), list(zip(cand_t[j].tolist(), [round(x, 4) for x in cand_p[j].tolist()])))
+            widths = [trees[i][len(out[i].tokens)] if trees and len(trees[i]) > len(out[i].tokens) else 1
+                      for i in active]
+            cand = logits.topk(max(widths), dim=-1).indices.tolist() if max(widths) > 1 else None
             top_t, top_p = top_t.tolist(), top_p.tolist()
             for j, i in enumerate(active):
                 out[i].tokens.append(top_t[j])
                 out[i].probs.append(top_p[j])
+                if widths[j] > 1:  # the spine is the arg-max; the hedges the best of the rest
+                    depth = len(out[i].tokens)
+                    out[i].hedges.extend((depth, t) for t in [t for t in cand[j] if t != top_t[j]][:widths[j] - 1])
             # The confidence stop: a chain whose last draft fell below TAU is not extended.
             keep = [j for j, i in enumerate(active) if len(out[i].tokens) < num_drafts[i]
                     and (stop is None or not top_p[j] < stop)]

@@ -29,6 +29,12 @@ class ProposerState:
 class Drafts:
     tokens: list[int]
     probs: list[float]         # the drafter's top-1 probability of each token (1.0 for lookups)
+    # (depth, token): the drafter's next-best tokens at each depth, when a tree asked for them
+    hedges: list[tuple[int, int]] = field(default_factory=list)
+
+    def cut(self, depth: int) -> Drafts:
+        """The drafts up to `depth` (the spine and the hedges at depths 1..depth)."""
+        return Drafts(self.tokens[:depth], self.probs[:depth], [h for h in self.hedges if h[0] <= depth])
 
 
 @dataclass(slots=True)
@@ -36,6 +42,9 @@ class ProposeRequest:
     state: ProposerState
     token_ids: Sequence[int]   # every committed token of the sequence
     num_drafts: int
+    # Candidates per depth of a draft tree (speculative.tree_shape): the drafter's top-1 is the
+    # spine, its next-best count - 1 tokens the hedges. Empty: a chain.
+    tree: tuple[int, ...] = ()
 
 
 class DraftProposer(ABC):

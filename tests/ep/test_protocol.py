@@ -75,7 +75,7 @@ def test_refusals_name_the_problem():
 
 def test_forward_layout_is_checked():
     cmd = forward_command([], [(1, 0, 2)], [3, 4])
-    bad = Command(EP_CMD_FORWARD, NO_SLOT, (0, 1, 3, 5, 0), cmd.bulk + [0, 0, 0])
+    bad = Command(EP_CMD_FORWARD, NO_SLOT, (0, 1, 3, 5, 0, 0), cmd.bulk + [0, 0, 0])
     with pytest.raises(ProtocolError, match="does not match"):
         parse_forward(bad, vocab_size=10)
 
@@ -95,3 +95,25 @@ def test_propose_batch_round_trip_and_refusals():
     short = Command(good.code, good.slot, (2, 0, 4, 0, 0), good.bulk)
     with pytest.raises(ProtocolError, match="truncated payload at sequence 1"):
         parse_propose_batch(short, vocab_size=20)
+
+
+def test_forward_carries_tree_parents_and_row_moves():
+    from ep.protocol import EP_CMD_SLOT_MOVE
+    from runtime.kv_cache import pack_move, unpack_move
+    ops = [(EP_CMD_SLOT_MOVE, 3, pack_move(14, 11)), (EP_CMD_SLOT_REWIND, 3, 12)]
+    cmd = forward_command(ops, [(3, 10, 6), (7, 0, 2)], [1, 2, 3, 4, 5, 6, 7, 8],
+                          trees={0: [-1, 0, 1, 2, 1, 2]})
+    assert cmd.params == (2, 2, 8, 6 + 6 + 8 + 7, 0, 7)
+    p = parse_forward(roundtrip(cmd), vocab_size=10)
+    assert p.ops == ops and p.trees == {0: [-1, 0, 1, 2, 1, 2]}
+    assert unpack_move(p.ops[0][2]) == (14, 11) and pack_move(14, 11) == 11 << 3 | 3
+    assert parse_forward(roundtrip(forward_command([], [(1, 0, 2)], [3, 4])), vocab_size=10).trees == {}
+    for trees, match in (({0: [0, 0]}, "not a tree"), ({0: [-1, 1]}, "not a tree"), ({1: [-1, 0]}, "out of range")):
+        with pytest.raises(ProtocolError, match=match):
+            parse_forward(roundtrip(forward_command([], [(1, 0, 2)], [3, 4], trees=trees)), vocab_size=10)
+    short = forward_command([], [(1, 0, 2)], [3, 4], trees={0: [-1, 0]})
+    cut = Command(short.code, short.slot, (*short.params[:3], short.params[3] - 1, 0, 2), short.bulk[:-1])
+    with pytest.raises(ProtocolError, match="truncated tree of chunk 0"):
+        parse_forward(cut, vocab_size=10)
+    with pytest.raises(ValueError, match="only 1..7 rows back"):
+        pack_move(19, 11)

@@ -71,3 +71,27 @@ def test_bad_inputs_fail_with_one_line(ckpt_plain, tmp_path):
         assert needle in res.stderr, (needle, res.stderr)
         assert "Traceback" not in res.stderr
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_tree_shape_flag(ckpt_mtp, tmp_path):
+    args = ("generate", "--model", str(ckpt_mtp), "--prompt", "x = 1", "--max-tokens", "12", "--ignore-eos",
+            "--json", "--dtype", "float64")
+    plain = run(*args)
+    tree = run(*args, "--spec", "mtp", "--tree-shape", "1,2,2")
+    assert tree.returncode == 0, tree.stderr
+    got = json.loads(tree.stdout)
+    assert got["token_ids"] == json.loads(plain.stdout)["token_ids"] and got["num_verifies"] > 0
+    for extra, needle in ((["--spec", "mtp", "--tree-shape", "1,2,5"], "count 5 is outside 1..=4"),
+                          (["--spec", "mtp", "--tree-shape", "2,2,2,2"], "8 nodes, at most 7"),
+                          (["--spec", "mtp", "--tree-shape", "1;2"], "comma list"),
+                          (["--tree-shape", "1,2,2"], "needs --spec mtp"),
+                          (["--spec", "mtp", "--tree-shape", "1,2", "--spec-verify", "rejection"], "keyed target")):
+        res = run(*args, *extra)
+        assert res.returncode == 2, (extra, res.stderr)
+        assert needle in res.stderr and "Traceback" not in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    for extra, needle in ((["--arms", "k3,tree"], "needs --tree-shape"),
+                          (["--arms", "tree", "--tree-shape", "0,1"], "count 0")):
+        res = run("bench", "--model", str(ckpt_mtp), *extra)
+        assert res.returncode == 2 and needle in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr

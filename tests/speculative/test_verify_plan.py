@@ -1,0 +1,100 @@
+"""Prepared verify plans: exact layouts, hits and misses, eviction by slot, and the dispatch order
+the engine gives a batched verify (legacy here, canonical in a fresh interpreter)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from runtime.kv_cache import PagedKVCache
+from runtime.sampler import SamplingParams
+from runtime.scheduler import Scheduled
+from runtime.sequence import Sequence
+from runtime.verifier import Verifier
+from speculative.proposer import Drafts
+from speculative.tree_shape import TreeShape
+from speculative.verify_plan import VerifyPlanCache, build_verify_plan
+from tests.conftest import run_env
+
+
+def test_chain_and_tree_layouts():
+    chain = build_verify_plan([4, 9], [3, 1], None)
+    assert chain.key == (4, 3, 9, 1, 0xFFFFFFFF)
+    assert chain.row_starts == (0, 4) and chain.logits_rows == list(range(6))
+    assert [(s.depth, s.num_rows, s.parents, s.block) for s in chain.seqs] == [(3, 4, None, None), (1, 2, None, None)]
+    tree = build_verify_plan([4, 9], [3, 1], TreeShape.parse("1,2,2"))
+    assert tree.key == (4, 3, 9, 1, 0xFFFFFFFE)
+    assert tree.row_starts == (0, 6) and tree.logits_rows == list(range(8))
+    a, b = tree.seqs
+    assert a.parents == (-1, 0, 1, 2, 1, 2) and a.row_depth.tolist() == [0, 1, 2, 3, 2, 3]
+    assert b.parents == (-1, 0) and b.block.tolist() == [[True, False], [True, True]]
+    assert a.block[4].tolist() == [True, True, False, False, True, False]
+
+
+def test_hits_misses_and_drop_by_slot():
+    cache = VerifyPlanCache(TreeShape.parse("1,2"))
+    p = cache.get([1, 2], [2, 2])
+    assert cache.get([1, 2], [2, 2]) is p
+    cache.get([2, 1], [2, 2])          # another dispatch order is another key
+    cache.get([3], [2])
+    cache.get([2, 5], [1, 1])
+    assert (cache.hits, cache.misses, len(cache)) == (1, 4, 4)
+    assert cache.drop_slot(2) == 3 and list(cache.plans) == [(3, 2, 0xFFFFFFFE)]
+    assert cache.drop_slot(2) == 0 and cache.drop_slot(0xFFFFFFFE) == 0   # never the sentinel
+    assert cache.stats() == {"hits": 1, "misses": 4, "hit_rate": 0.2, "plans": 1}
+    small = VerifyPlanCache(None, max_plans=2)
+    for s in range(3):
+        small.get([s], [1])
+    assert list(small.plans) == [(1, 1, 0xFFFFFFFF), (2, 1, 0xFFFFFFFF)]   # the oldest went first
+
+
+def fake_step(slots_and_depths: list[tuple[int, int]]) -> tuple[list[Scheduled], list[Drafts]]:
+    batch, drafts = [], []
+    for slot, k in slots_and_depths:
+        seq = Sequence(seq_id=slot, prompt_len=3, token_ids=[1, 2, 3], params=SamplingParams(), seed=0)
+        batch.append(Scheduled(seq, 1 if k else 3, k))
+        drafts.append(Drafts(list(range(10, 10 + k)), [1.0] * k))
+    return batch, drafts
+
+
+def dispatch(slots_and_depths):
+    batch, drafts = fake_step(slots_and_depths)
+    batch, drafts, plan = Verifier(None, None).dispatch(batch, drafts)
+    return [b.seq.seq_id for b in batch], [len(d.tokens) for d in drafts], plan.key
+
+
+def test_engine_dispatch_takes_the_legacy_order_below_the_width_threshold():
+    # slot 8 is prefilling: it goes after the verified sequences
+    assert dispatch([(2, 3), (8, 0), (5, 1), (7, 2)]) == ([2, 7, 5, 8], [3, 2, 1, 0], (2, 3, 7, 2, 5, 1, 0xFFFFFFFF))
+
+
+def test_engine_dispatch_takes_the_canonical_order_at_the_threshold():
+    code = ("from tests.speculative.test_verify_plan import dispatch; "
+            "print(dispatch([(2, 3), (8, 0), (5, 1), (7, 2)])); print(dispatch([(2, 3), (5, 3), (7, 1)]))")
+    env = {**{k: v for k, v in run_env().items() if not k.startswith("METRALE_")},
+           "METRALE_CANONICAL_KEY_MIN_WIDTH": "3"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    # By slot; sorted depths laid on, each cut to what its sequence drafted (slot 5 drafted 1).
+    assert out.stdout.splitlines() == ["([2, 5, 7, 8], [3, 1, 1, 0], (2, 3, 5, 1, 7, 1, 4294967295))",
+                                       "([2, 5, 7], [3, 3, 1], (2, 3, 5, 3, 7, 1, 4294967295))"]
+
+
+def test_kv_move_copies_every_layer_and_replays():
+    a = PagedKVCache(num_layers=2, num_kv_heads=1, head_dim=2, num_blocks=4, block_size=4, dtype=torch.float64)
+    b = PagedKVCache(num_layers=2, num_kv_heads=1, head_dim=2, num_blocks=4, block_size=4, dtype=torch.float64)
+    a.journal = []
+    a.reserve(0, 9)
+    a.k.copy_(torch.arange(a.k.numel(), dtype=torch.float64).view_as(a.k))
+    a.v.copy_(-a.k)
+    src, dst = a.slots(0, 0, 9)[8], a.slots(0, 0, 9)[5]     # position 8 sits in another block
+    want_k = a.k[:, src].clone()
+    a.move(0, 8, 5)
+    a.rewind(0, 6)
+    assert torch.equal(a.k[:, dst], want_k) and torch.equal(a.v[:, dst], -want_k)
+    assert a.journal == [("reserve", 0, 9), ("move", 0, 5 << 3 | 3), ("rewind", 0, 6)]
+    b.k.copy_(torch.arange(b.k.numel(), dtype=torch.float64).view_as(b.k))
+    for op in a.journal:
+        b.replay(*op)
+    assert torch.equal(b.k[:, dst], want_k) and b.length(0) == 6
