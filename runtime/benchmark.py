@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-import platform
-import subprocess
-import sys
+import re
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -19,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.bench_report import git_sha, machine, plot, print_table, verify_key_settings
 from runtime.corpus import heldout_prompts
 from runtime.sampler import SamplingParams
 
@@ -29,6 +28,15 @@ ENGINE_ARMS = {"none": ("none", 0, "fixed", None), "k1": ("mtp", 1, "fixed", Non
                "ladder": ("mtp", 3, "ladder", None), "ladder+stop": ("mtp", 3, "ladder", 0.5),
                "auto": ("mtp", 3, "auto", None), "tree": ("mtp", 3, "fixed", None)}
 BUILT_ARMS = (*ENGINE_ARMS, "hf")
+TREE_ARM = re.compile(r"^tree([1-4]{1,7})$")   # tree122: the shape 1,2,2, beside other shapes in one run
+
+
+def arm_tree_shape(arm: str, default: str | None) -> str | None:
+    """The tree shape an arm drafts: `tree` takes --tree-shape, `treeDIGITS` its own digits."""
+    m = TREE_ARM.match(arm)
+    if m:
+        return ",".join(m.group(1))
+    return default if arm == "tree" else None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,8 +61,10 @@ class BenchConfig:
         if self.tree_shape is not None:
             TreeShape.parse(self.tree_shape)
         for arm in self.arms:
-            if arm not in BUILT_ARMS:
-                raise ValueError(f"unknown bench arm {arm!r} (built: {', '.join(BUILT_ARMS)})")
+            if arm not in BUILT_ARMS and not TREE_ARM.match(arm):
+                raise ValueError(f"unknown bench arm {arm!r} (built: {', '.join(BUILT_ARMS)}, treeDIGITS)")
+            if TREE_ARM.match(arm):
+                TreeShape.parse(arm_tree_shape(arm, None))
         if self.ep < 1:
             raise ValueError(f"--ep {self.ep} must be at least 1")
         if not self.concurrency or min(self.concurrency) < 1:
@@ -101,12 +111,12 @@ class EngineArm:
     def __init__(self, name: str, config: BenchConfig) -> None:
         from runtime.llm import LLM
         self.name = name
-        spec, k, policy, tau = ENGINE_ARMS[name]
+        self.tree_shape = arm_tree_shape(name, config.tree_shape)
+        spec, k, policy, tau = ENGINE_ARMS["tree" if self.tree_shape else name]
         self.llm = LLM(config.model, dtype=config.dtype, kv_cache_tokens=65536,
                        max_num_seqs=max(config.concurrency), spec=spec, num_drafts=k, ep=config.ep,
                        launcher=config.launcher, draft_policy=policy, draft_confidence_stop=tau,
-                       tree_shape=config.tree_shape if name == "tree" else None)
-        self.tree_shape = config.tree_shape if name == "tree" else None
+                       tree_shape=self.tree_shape)
         self.comm = getattr(self.llm, "comm", None)
 
     def close(self) -> None:
@@ -196,70 +206,6 @@ def bench_prompts(config: BenchConfig) -> list[list[int]]:
     else:
         texts = heldout_prompts(config.num_prompts)
     return [tok.encode(t) for t in texts[:config.num_prompts]]
-
-
-def git_sha() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.machine(), "cpus": torch.get_num_threads(),
-            "python": sys.version.split()[0], "torch": torch.__version__}
-
-
-def verify_key_settings() -> dict:
-    """The canonical-order knobs this process read (METRALE_CANONICAL_KEY_MIN_WIDTH, ..._NO_CANONICAL_...)."""
-    from speculative import knobs
-    return {"canonical_key_min_width": knobs.canonical_key_min_width(),
-            "no_canonical_verify_key": knobs.no_canonical_verify_key()}
-
-
-def print_table(cells: list[dict]) -> None:
-    cols = ["arm", "concurrency", "tok_s", "accept_len", "p1", "p2_uncond", "verifies", "ttft_p50_ms",
-            "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms"]
-    rows = [[("-" if c[k] is None else str(c[k])) for k in cols] for c in cells]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(cols)]
-    print("  ".join(h.rjust(w) for h, w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
-
-
-def plot(cells: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, arm in enumerate(dict.fromkeys(c["arm"] for c in cells)):
-        mine = sorted((c for c in cells if c["arm"] == arm), key=lambda c: c["concurrency"])
-        xs = [c["concurrency"] for c in mine]
-        color = colors[i % len(colors)]  # the same arm has the same colour in both panels
-        ax1.plot(xs, [c["tok_s"] for c in mine], marker="o", label=arm, color=color)
-        if any(c["accept_len"] is not None for c in mine):
-            ax2.plot(xs, [c["accept_len"] or float("nan") for c in mine], marker="o", label=arm, color=color)
-    for ax, label in ((ax1, "output tokens/s"), (ax2, "accept_len (1 + mean accepted)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    ax2.set_title("acceptance (speculating arms)")
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def replot(json_path: Path, png_path: Path) -> None:
-    """Draw a PNG again from a recorded JSON."""
-    record = json.loads(Path(json_path).read_text())
-    p = record["params"]
-    plot(record["cells"], Path(png_path), f"{Path(record['model']).name} ({p['dtype']}, ep {p['ep']})")
 
 
 def median_cell(runs: list[dict]) -> dict:

@@ -43,3 +43,16 @@ def test_bench_refuses_unknown_arm():
     out = subprocess.run(metrale_cmd("bench", "--model", str(EMBEDDED), "--arms", "none,k9"), env=run_env(),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "k9" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_tree_arms_name_their_shape():
+    import pytest
+
+    from runtime.benchmark import BenchConfig, arm_tree_shape
+    assert arm_tree_shape("tree122", None) == "1,2,2"
+    assert arm_tree_shape("tree", "2,2") == "2,2" and arm_tree_shape("k3", "2,2") is None
+    BenchConfig(model="m", arms=("k3", "tree122", "tree3211"))
+    with pytest.raises(ValueError, match="at most 7"):
+        BenchConfig(model="m", arms=("tree4444",))
+    with pytest.raises(ValueError, match="unknown bench arm 'tree5'"):
+        BenchConfig(model="m", arms=("tree5",))
