@@ -208,6 +208,10 @@ def bench_prompts(config: BenchConfig) -> list[list[int]]:
     return [tok.encode(t) for t in texts[:config.num_prompts]]
 
 
+def progress(arm: str, concurrency: int, runs: list[dict]) -> None:
+    print(f"    {arm} c={concurrency} run {len(runs)}: {runs[-1]['tok_s']:.1f} tok/s", flush=True)
+
+
 def median_cell(runs: list[dict]) -> dict:
     """The run with the median tokens/s (the lower middle one for an even count), with every
     run's tokens/s beside it."""
@@ -221,30 +225,47 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
     prompts = bench_prompts(config)
     print(f"bench: {len(prompts)} held-out prompts, arms {','.join(config.arms)}, concurrency "
           f"{','.join(map(str, config.concurrency))}, {config.max_tokens} tokens per request", flush=True)
-    # Every arm is loaded first and the arms take turns at each concurrency (in a rotating order
-    # when repeated), so a slow spell of the machine falls on all of them alike.
-    arms = {name: build_arm(name, config) for name in config.arms}
+    # At EP 1 every arm is loaded first and the arms take turns at each concurrency (in a rotating
+    # order when repeated), so a slow spell of the machine falls on all of them alike. At EP > 1 a
+    # process holds one process group, so the arms run one after another, each with its group.
+    runs: dict[tuple[str, int], list[dict]] = {(a, c): [] for a in config.arms for c in config.concurrency}
+    if config.ep == 1:
+        arms = {name: build_arm(name, config) for name in config.arms}
+        try:
+            for arm in arms.values():
+                arm.run(prompts[:2], 2, 2, 4, config.ep)  # warm-up, not recorded
+            for c in config.concurrency:
+                for r in range(config.repeats):
+                    names = list(arms)
+                    for name in names[r % len(names):] + names[:r % len(names)]:
+                        runs[name, c].append(arms[name].run(prompts, c, config.num_requests(c), config.max_tokens,
+                                                            config.ep))
+                        progress(name, c, runs[name, c])
+        finally:
+            for arm in arms.values():
+                arm.close()
+    else:
+        for name in config.arms:
+            arm = build_arm(name, config)
+            try:
+                arm.run(prompts[:2], 2, 2, 4, config.ep)
+                for c in config.concurrency:
+                    for _ in range(config.repeats):
+                        runs[name, c].append(arm.run(prompts, c, config.num_requests(c), config.max_tokens, config.ep))
+                        progress(name, c, runs[name, c])
+            finally:
+                arm.close()
+    print("cells (median run):", flush=True)
     cells: list[dict] = []
-    try:
-        for arm in arms.values():
-            arm.run(prompts[:2], 2, 2, 4, config.ep)  # warm-up, not recorded
-        for c in config.concurrency:
-            runs: dict[str, list[dict]] = {name: [] for name in arms}
-            for r in range(config.repeats):
-                names = list(arms)
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    runs[name].append(arms[name].run(prompts, c, config.num_requests(c), config.max_tokens, config.ep))
-            for name in arms:
-                cell = median_cell(runs[name])
-                cells.append(cell)
-                rate = cell.get("plan_cache", {}).get("hit_rate")
-                print(f"  {name:>11} c={c:<3} {cell['tok_s']:9.1f} tok/s  accept_len {cell['accept_len']}  "
-                      f"plan hits {rate}" + (f"  runs {cell['tok_s_runs']}" if config.repeats > 1 else ""), flush=True)
-    finally:
-        for arm in arms.values():
-            arm.close()
+    for c in config.concurrency:
+        for name in config.arms:
+            cell = median_cell(runs[name, c])
+            cells.append(cell)
+            rate = cell.get("plan_cache", {}).get("hit_rate")
+            print(f"  {name:>11} c={c:<3} {cell['tok_s']:9.1f} tok/s  accept_len {cell['accept_len']}  "
+                  f"plan hits {rate}" + (f"  runs {cell['tok_s_runs']}" if config.repeats > 1 else ""), flush=True)
     base = {c["concurrency"]: c["tok_s"] for c in cells if c["arm"] == config.arms[0]}
-    fixed = [a for a in ("none", "k1", "k2", "k3") if a in arms]
+    fixed = [a for a in ("none", "k1", "k2", "k3") if a in config.arms]
     for c in cells:
         c["tok_s_ratio_vs_" + config.arms[0]] = round(c["tok_s"] / base[c["concurrency"]], 3)
         if fixed and c["arm"] not in fixed:  # DESIGN §5.3's comparison: the best fixed depth here

@@ -56,3 +56,13 @@ def test_tree_arms_name_their_shape():
         BenchConfig(model="m", arms=("tree4444",))
     with pytest.raises(ValueError, match="unknown bench arm 'tree5'"):
         BenchConfig(model="m", arms=("tree5",))
+
+
+def test_bench_at_ep2_runs_each_arm_with_its_own_group(tmp_path):
+    out = subprocess.run(metrale_cmd("bench", "--model", str(EMBEDDED), "--arms", "none,k1", "--ep", "2",
+                                     "--concurrency", "1", "--max-tokens", "4", "--requests", "2",
+                                     "--json-out", str(tmp_path / "b.json")),
+                         env=run_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cells = json.loads((tmp_path / "b.json").read_text())["cells"]
+    assert [(c["arm"], c["ep"], c["output_tokens"]) for c in cells] == [("none", 2, 8), ("k1", 2, 8)]
