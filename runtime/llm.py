@@ -78,6 +78,21 @@ def resolve_tree_shape(text: str | None, spec: str) -> TreeShape | None:
     return TreeShape.parse(text)
 
 
+def model_width_cap(model_dir: Path) -> int | None:
+    """The width cap of the model folder's metrale.toml (`[behavior] mtp_max_seqs`) when no cap
+    was published (the CLI publishes the one it resolved); None leaves the engine to the default."""
+    from runtime.config import ConfigError, load_behavior
+    from speculative.ladder import mtp_ladder_disabled, mtp_max_seqs_published, resolve_mtp_max_seqs
+    if mtp_max_seqs_published():
+        return None
+    value = load_behavior(model_dir).get("mtp_max_seqs")
+    if value is None:
+        return None
+    if not isinstance(value, int):
+        raise ConfigError(f"{model_dir}/metrale.toml [behavior] mtp_max_seqs={value!r} is not an integer")
+    return resolve_mtp_max_seqs(None, value, mtp_ladder_disabled())[0]
+
+
 class LLM:
     """Loads a checkpoint folder and generates for batches of prompts (text or token ids)."""
 
@@ -123,7 +138,8 @@ class LLM:
         config = EngineConfig(kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
                               num_drafts=num_drafts if spec != "none" else 0, spec_verify=spec_verify,
-                              draft_policy=draft_policy, mtp_max_seqs=mtp_max_seqs, tree_shape=tree)
+                              draft_policy=draft_policy, tree_shape=tree,
+                              mtp_max_seqs=mtp_max_seqs if mtp_max_seqs is not None else model_width_cap(model_dir))
         try:
             proposer = make_proposer(spec, self.model, runner, draft_confidence_stop, model_dir, dtype)
         except BaseException:

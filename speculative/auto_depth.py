@@ -8,8 +8,8 @@ less noisy than tokens per step:
   depth it has run, depth 0 being plain decoding.
 The expected committed tokens per sequence at depth d are 1 + sum_{i<=d} prod_{j<=i} a_j, and the
 depth served is the one with the most expected tokens per second of step. Depths with fewer than
-`min_samples` cost samples are probed (one step each) every `probe_every` steps of the band, and
-known ones are re-probed in turn so their costs stay current; the band switches only when
+`min_samples` cost samples are probed (one step each) every `probe_every / 4` steps of the band,
+then every `probe_every` steps the known ones are re-probed in turn so their costs stay current; the band switches only when
 another depth beats its current one by more than `hysteresis`. Starts from the static ladder.
 """
 from __future__ import annotations
@@ -88,10 +88,11 @@ class AutoDepthController:
         """The depth to run this step at width `n_active` (a probe now and then)."""
         band = self._band(n_active)
         band.steps += 1
-        if band.steps % self.probe_every:
+        unknown = [d for d in range(self.max_depth + 1) if band.samples.get(d, 0) < self.min_samples]
+        # While some depth is unmeasured, probe four times as often: a band can be short-lived.
+        if band.steps % (max(1, self.probe_every // 4) if unknown else self.probe_every):
             return band.current
         band.probes += 1
-        unknown = [d for d in range(self.max_depth + 1) if band.samples.get(d, 0) < self.min_samples]
         if unknown:
             return min(unknown, key=lambda d: (band.samples.get(d, 0), abs(d - band.current)))
         others = [d for d in range(self.max_depth + 1) if d != band.current]

@@ -114,6 +114,10 @@ def set_mtp_max_seqs(n: int, source: MtpMaxSeqsSource = MtpMaxSeqsSource.CLI) ->
     _published_max_seqs = (n, source)
 
 
+def mtp_max_seqs_published() -> bool:
+    return _published_max_seqs is not None
+
+
 def mtp_max_seqs() -> int:
     """The published width cap, else the engine default."""
     if _published_max_seqs is not None:

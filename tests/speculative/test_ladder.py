@@ -120,3 +120,15 @@ def test_cli_flags_are_checked_at_start(ckpt_plain, tmp_path):
                           (["--draft-confidence-stop", "1.0"], "strictly between 0 and 1")):
         res = subprocess.run(metrale_cmd(*base, *extra), capture_output=True, text=True, env=run_env(), timeout=120)
         assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_llm_takes_the_model_folders_width_cap(ckpt_mtp, tmp_path):
+    import shutil
+    model = tmp_path / "m"
+    shutil.copytree(ckpt_mtp, model)
+    (model / "metrale.toml").write_text("[behavior]\nmtp_max_seqs = 6\n")
+    code = ("from runtime.llm import LLM\n"
+            f"print(LLM({str(model)!r}, spec='mtp', kv_cache_tokens=256).engine.width_cap)\n"
+            "L.set_mtp_max_seqs(9)\n"   # a published cap (the CLI's) wins over the folder
+            f"print(LLM({str(model)!r}, spec='mtp', kv_cache_tokens=256).engine.width_cap)\n")
+    assert run(code, {}).splitlines()[-2:] == ["6", "9"]
