@@ -98,8 +98,8 @@ class RayGroup:
         self._dead: str | None = None
         self._stopping = False
         self.driver_node, self.driver_ip, pin = _driver_node()
-        gpu = torch.cuda.is_available()
-        unit = {"GPU": 1.0, "CPU": 1.0} if gpu else {"CPU": 1.0}
+        self.gpu = torch.cuda.is_available()
+        unit = {"GPU": 1.0, "CPU": 1.0} if self.gpu else {"CPU": 1.0}
         bundles = [{**unit, pin: 0.001}] + [dict(unit) for _ in range(cfg.ep - 1)]
         self.pg = placement_group(bundles, strategy=opts.placement_strategy, name="")
         ready, _ = ray.wait([self.pg.ready()], timeout=opts.start_timeout_s)
@@ -119,10 +119,9 @@ class RayGroup:
     def start(self) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        gpu = torch.cuda.is_available()
         actor_cls = ray.remote(RankActor)
         self._dead, self._stopping = None, False
-        self.actors = [actor_cls.options(num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0,
+        self.actors = [actor_cls.options(num_cpus=1, num_gpus=1 if self.gpu else 0, max_restarts=0,
                                          scheduling_strategy=PlacementGroupSchedulingStrategy(
                                              placement_group=self.pg, placement_group_bundle_index=rank)).remote()
                        for rank in range(1, self.cfg.ep)]
