@@ -19,6 +19,7 @@ run: venv
 	$(BIN)/python tools/run_main.py --model $(MODEL)
 
 test: venv
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q tests
 
 clean-venv:

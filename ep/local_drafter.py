@@ -12,15 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from ep.topology import EPTopology
+from runtime.config import load_config
 from runtime.kv_cache import PagedKVCache
 from runtime.weights import load_model
+from speculative.knobs import DrafterKnobs
 from speculative.mtp import MTPProposer
 
 
 def load_local_drafter(model_dir: str | Path, dtype: str, rank: int, world_size: int, cache: PagedKVCache,
-                       confidence_stop: float | None = None) -> MTPProposer:
+                       confidence_stop: float | None = None, knobs: DrafterKnobs | None = None) -> MTPProposer:
     """An `MTPProposer` on rank `rank`'s experts only, drafting without the other ranks."""
-    from runtime.config import load_config
     topo = EPTopology.of(load_config(model_dir), rank, world_size)
     model = load_model(model_dir, dtype, expert_range=topo.expert_range(), mtp_only=True)
     cfg = model.config
@@ -28,4 +29,4 @@ def load_local_drafter(model_dir: str | Path, dtype: str, rank: int, world_size:
     attn.layer_idx = 0  # the plane's only layer
     plane = cache.shared_plane(num_layers=1, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                                dtype=cache.k.dtype)
-    return MTPProposer(model, plane, confidence_stop)
+    return MTPProposer(model, plane, confidence_stop, knobs)

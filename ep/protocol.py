@@ -3,35 +3,50 @@
 A command is a fixed header of HEADER_WORDS u32 words, `(slot, code, p0, p1, p2, p3, p4, p5)`,
 broadcast from rank 0, then, when the header announces one (`bulk_len`), one bulk array of u32
 words in a second broadcast. No pickle. Codes live at the top of u32. Words travel as int32 bit
-patterns (ep.comm). Decoding checks lengths and ranges and raises `ProtocolError` naming the
-problem; the worker reports it and stays in step.
+patterns (ep.comm). A command's unused header words are 0. Decoding checks lengths and ranges and
+raises `ProtocolError` naming the problem; the worker reports it and stays in step.
+
+The propose has two forms. The batched one carries everything the workers' drafter mirror needs
+(the cache ops and drafter inputs since the last command, each sequence's feed tokens). The seed's
+three-word `MTP_PROPOSE` carries only `last_token, position, num_drafts` for one slot, and the
+workers derive the rest from the last FORWARD with `derive_propose`; rank 0 sends it only when
+that derivation equals what the batched form would carry (`propose_command`), so both forms
+always execute the same payload.
 """
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
 
-PROTOCOL_VERSION = 2
+from speculative.proposer import EP_CMD_MTP_PROPOSE
+from speculative.settings import MAX_NUM_DRAFTS
+
+PROTOCOL_VERSION = 3
 HEADER_WORDS = 8
 NO_SLOT = 0xFFFFFFFF
 MAX_SLOT = 1 << 30
 
+# --- the table: code, header params | bulk ---------------------------------------------------
 EP_CMD_SHUTDOWN = 0xFFFFFFFF      # no payload
-EP_CMD_HANDSHAKE = 0xFFFFFFFE     # version, world_size, fingerprint_lo, fingerprint_hi, dtype_code
+EP_CMD_HANDSHAKE = 0xFFFFFFFE     # version, world_size, fingerprint_lo, fingerprint_hi, dtype_code, stop_bits
+#                                   stop_bits: the group's confidence stop TAU as float32 bits, 0 for none;
+#                                   workers adopt it (the three-word propose drafts with it)
 EP_CMD_FORWARD = 0xFFFFFFFD       # num_ops, num_chunks, num_tokens, bulk_len, num_obs, num_tree_words
-#                                   | bulk: ops, chunks, tokens, obs, trees
-# A tree (a chunk with a tree mask) travels as (chunk index, parent row of each of its rows), the
-# root's parent NO_PARENT; the rows' mask and positions follow from the parents (speculative.tree_shape).
+#                                   | bulk: ops, chunks (slot, start, num_tokens), tokens, obs, trees
+# A tree (a chunk with parents) travels as (chunk index, parent row of each of its rows), the root's
+# parent NO_PARENT; the rows' positions and mask follow from the parents (runtime.attention.SeqChunk).
 EP_CMD_LOGITS = 0xFFFFFFFC        # num_rows, bulk_len | bulk: row indices into the last forward's rows
-# KV-cache slot operations; they travel as (code, slot, length) triples in a FORWARD's op list.
+# KV-cache slot operations; they travel as (code, slot, length) triples in a FORWARD's or a propose's op list.
 EP_CMD_SLOT_RESERVE = 0xFFFFFFFB  # grow slot to `length` tokens
 EP_CMD_SLOT_REWIND = 0xFFFFFFFA   # shrink slot to `length` tokens
 EP_CMD_SLOT_FREE = 0xFFFFFFF9     # release slot (length unused)
 EP_CMD_SLOT_MOVE = 0xFFFFFFF8     # copy one row's keys/values back (length: runtime.kv_cache.pack_move(src, dst))
-EP_CMD_MTP_PROPOSE = 0xFFFFFFF5   # last_token, position, num_drafts (exactly three words)
+# EP_CMD_MTP_PROPOSE = 0xFFFFFFF5 (speculative.proposer): header slot = the drafting sequence; params
+#                                   last_token, position, num_drafts (exactly three words, no bulk).
+#                                   The rest is derived from the last FORWARD (`derive_propose`).
 EP_CMD_MTP_PROPOSE_BATCH = 0xFFFFFFF4  # num_seqs, num_obs, bulk_len, num_ops, stop_bits | bulk: ops, obs,
 #                                        then per sequence (slot, num_drafts, m, m feed tokens);
-#                                        stop_bits: the confidence stop TAU as float32 bits, 0 for none
+#                                        stop_bits: rank 0's TAU, checked against the handshake's
 # An observation (slot, row, count, position) says: rows row..row+count-1 of the last target
 # forward's hidden are the committed positions position.. of that slot (the drafter's input).
 
@@ -41,6 +56,11 @@ COMMANDS = {
     EP_CMD_SLOT_FREE: "SLOT_FREE", EP_CMD_SLOT_MOVE: "SLOT_MOVE", EP_CMD_MTP_PROPOSE: "MTP_PROPOSE",
     EP_CMD_MTP_PROPOSE_BATCH: "MTP_PROPOSE_BATCH",
 }
+# Header params of each command (the slot ops only travel inside op lists).
+NUM_PARAMS = {EP_CMD_SHUTDOWN: 0, EP_CMD_HANDSHAKE: 6, EP_CMD_FORWARD: 6, EP_CMD_LOGITS: 2,
+              EP_CMD_MTP_PROPOSE: 3, EP_CMD_MTP_PROPOSE_BATCH: 5}
+# Which header param is bulk_len, for the commands that have a bulk array.
+BULK_LEN_PARAM = {EP_CMD_FORWARD: 3, EP_CMD_LOGITS: 1, EP_CMD_MTP_PROPOSE_BATCH: 2}
 SLOT_OPS = (EP_CMD_SLOT_RESERVE, EP_CMD_SLOT_REWIND, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE)
 NO_PARENT = 0xFFFFFFFF
 DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float64": 3}
@@ -62,12 +82,14 @@ class Command:
         return COMMANDS.get(self.code, hex(self.code))
 
 
+Op = tuple[int, int, int]                    # (slot op code, slot, length)
 Observation = tuple[int, int, int, int]      # (slot, row, count, position)
+Feed = tuple[int, int, list[int]]            # (slot, num_drafts, feed tokens)
 
 
 @dataclass(frozen=True, slots=True)
 class ForwardPayload:
-    ops: list[tuple[int, int, int]]          # (slot op code, slot, length)
+    ops: list[Op]
     chunks: list[tuple[int, int, int]]       # (slot, start, num_tokens)
     tokens: list[int]
     obs: list[Observation]
@@ -76,10 +98,11 @@ class ForwardPayload:
 
 @dataclass(frozen=True, slots=True)
 class ProposePayload:
-    stop: float | None
-    ops: list[tuple[int, int, int]]
+    """What a propose executes on every rank, in this order: feed the observations (they index
+    the last forward's hidden), apply the cache ops, then draft each sequence."""
+    ops: list[Op]
     obs: list[Observation]
-    seqs: list[tuple[int, int, list[int]]]   # (slot, num_drafts, feed tokens)
+    seqs: list[Feed]
 
 
 def _u32(value: int, what: str) -> int:
@@ -99,35 +122,32 @@ def encode(cmd: Command) -> tuple[list[int], list[int]]:
 
 def bulk_len(header: list[int]) -> int:
     """How many bulk words follow this header (0 for codes without a bulk array)."""
-    code = header[1]
-    if code == EP_CMD_FORWARD:
-        return header[5]
-    if code == EP_CMD_LOGITS:
-        return header[3]
-    if code == EP_CMD_MTP_PROPOSE_BATCH:
-        return header[4]
-    return 0
+    param = BULK_LEN_PARAM.get(header[1])
+    return 0 if param is None else header[2 + param]
 
 
 def decode(header: list[int], bulk: list[int]) -> Command:
     if len(header) != HEADER_WORDS:
         raise ProtocolError(f"truncated header: {len(header)} of {HEADER_WORDS} words")
     slot, code = header[0], header[1]
-    if code not in COMMANDS or code in SLOT_OPS:
+    if code not in NUM_PARAMS:
         raise ProtocolError(f"unknown command code {code:#010x}")
     if slot != NO_SLOT and slot >= MAX_SLOT:
         raise ProtocolError(f"slot {slot} out of range (0..{MAX_SLOT - 1})")
+    name, nparams = COMMANDS[code], NUM_PARAMS[code]
+    if any(header[2 + nparams:]):
+        raise ProtocolError(f"{name}: header words past its {nparams} params are {header[2 + nparams:]}, not 0")
     want = bulk_len(header)
-    if len(bulk) != want:
-        raise ProtocolError(f"{COMMANDS[code]}: truncated payload, {len(bulk)} of {want} bulk words")
-    nparams = {EP_CMD_SHUTDOWN: 0, EP_CMD_HANDSHAKE: 5, EP_CMD_FORWARD: 6, EP_CMD_LOGITS: 2,
-               EP_CMD_MTP_PROPOSE: 3, EP_CMD_MTP_PROPOSE_BATCH: 5}[code]
+    if len(bulk) < want:
+        raise ProtocolError(f"{name}: truncated payload, {len(bulk)} of {want} bulk words")
+    if len(bulk) > want:
+        raise ProtocolError(f"{name}: {len(bulk)} bulk words, the header announces {want}")
     return Command(code=code, slot=slot, params=tuple(header[2:2 + nparams]), bulk=list(bulk))
 
 
-def forward_command(ops: list[tuple[int, int, int]], chunks: list[tuple[int, int, int]],
-                    tokens: list[int], obs: list[Observation] = (), trees: dict[int, list[int]] | None = None,
-                    ) -> Command:
+# --- FORWARD -----------------------------------------------------------------------------------
+def forward_command(ops: list[Op], chunks: list[tuple[int, int, int]], tokens: list[int],
+                    obs: list[Observation] = (), trees: dict[int, list[int]] | None = None) -> Command:
     """`trees`: chunk index -> the parent row of each of its rows (-1 for the root)."""
     tree_words = [w for i, parents in sorted((trees or {}).items())
                   for w in (i, *(NO_PARENT if p < 0 else p for p in parents))]
@@ -137,7 +157,7 @@ def forward_command(ops: list[tuple[int, int, int]], chunks: list[tuple[int, int
                                              len(tree_words)), bulk)
 
 
-def _check_ops(ops: list[tuple[int, int, int]], what: str) -> None:
+def _check_ops(ops: list[Op], what: str) -> None:
     for code, slot, _ in ops:
         if code not in SLOT_OPS:
             raise ProtocolError(f"{what}: unknown slot op {code:#010x}")
@@ -151,6 +171,12 @@ def _check_obs(obs: list[Observation], what: str) -> None:
             raise ProtocolError(f"{what}: slot {slot} out of range (0..{MAX_SLOT - 1})")
         if count == 0:
             raise ProtocolError(f"{what}: an observation of zero rows for slot {slot}")
+
+
+def _check_tokens(tokens: list[int], vocab_size: int, what: str) -> None:
+    bad = next((t for t in tokens if t >= vocab_size), None)
+    if bad is not None:
+        raise ProtocolError(f"{what}: token {bad} outside the vocabulary of {vocab_size}")
 
 
 def parse_forward(cmd: Command, *, vocab_size: int) -> ForwardPayload:
@@ -175,9 +201,7 @@ def parse_forward(cmd: Command, *, vocab_size: int) -> ForwardPayload:
     for slot, _, _ in chunks:
         if slot >= MAX_SLOT:
             raise ProtocolError(f"FORWARD: slot {slot} out of range (0..{MAX_SLOT - 1})")
-    bad = next((t for t in tokens if t >= vocab_size), None)
-    if bad is not None:
-        raise ProtocolError(f"FORWARD: token {bad} outside the vocabulary of {vocab_size}")
+    _check_tokens(tokens, vocab_size, "FORWARD")
     return ForwardPayload(ops=ops, chunks=chunks, tokens=tokens, obs=obs, trees=trees)
 
 
@@ -202,7 +226,9 @@ def _parse_trees(words: list[int], chunks: list[tuple[int, int, int]]) -> dict[i
     return trees
 
 
+# --- the confidence stop as one word -----------------------------------------------------------
 def float_bits(x: float | None) -> int:
+    """TAU as float32 bits; 0 for none."""
     return 0 if x is None else struct.unpack("<I", struct.pack("<f", x))[0]
 
 
@@ -210,8 +236,17 @@ def bits_float(bits: int) -> float | None:
     return None if bits == 0 else struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
-def propose_batch_command(ops: list[tuple[int, int, int]], obs: list[Observation],
-                          seqs: list[tuple[int, int, list[int]]], stop: float | None = None) -> Command:
+def parse_stop(bits: int, what: str) -> float | None:
+    """A stop word -> TAU (None for 0); anything outside (0, 1) is refused."""
+    stop = bits_float(bits)
+    if stop is not None and not 0.0 < stop < 1.0:
+        raise ProtocolError(f"{what}: confidence stop {stop} outside (0, 1)")
+    return stop
+
+
+# --- the batched propose -----------------------------------------------------------------------
+def propose_batch_command(ops: list[Op], obs: list[Observation], seqs: list[Feed],
+                          stop: float | None = None) -> Command:
     bulk = [w for op in ops for w in op] + [w for o in obs for w in o]
     for slot, num_drafts, feed in seqs:
         bulk += [slot, num_drafts, len(feed), *feed]
@@ -219,11 +254,10 @@ def propose_batch_command(ops: list[tuple[int, int, int]], obs: list[Observation
                    bulk)
 
 
-def parse_propose_batch(cmd: Command, *, vocab_size: int) -> ProposePayload:
+def parse_propose_batch(cmd: Command, *, vocab_size: int) -> tuple[ProposePayload, float | None]:
+    """Check and unpack a batched propose: (its payload, the TAU rank 0 drafts with)."""
     num_seqs, num_obs, n, num_ops, stop_bits = cmd.params
-    stop = bits_float(stop_bits)
-    if stop is not None and not 0.0 < stop < 1.0:
-        raise ProtocolError(f"MTP_PROPOSE_BATCH: confidence stop {stop} outside (0, 1)")
+    stop = parse_stop(stop_bits, "MTP_PROPOSE_BATCH")
     b = cmd.bulk
     if 3 * num_ops + 4 * num_obs > n:
         raise ProtocolError(f"MTP_PROPOSE_BATCH: {num_ops} ops and {num_obs} observations do not fit {n} bulk words")
@@ -240,17 +274,71 @@ def parse_propose_batch(cmd: Command, *, vocab_size: int) -> ProposePayload:
         feed = b[off + 3:off + 3 + m]
         if len(feed) != m:
             raise ProtocolError(f"MTP_PROPOSE_BATCH: truncated feed of slot {slot} ({len(feed)} of {m} tokens)")
-        if slot >= MAX_SLOT or not 1 <= k <= 16:
+        if slot >= MAX_SLOT or not 1 <= k <= MAX_NUM_DRAFTS:
             raise ProtocolError(f"MTP_PROPOSE_BATCH: slot {slot} / num_drafts {k} out of range")
-        bad = next((t for t in feed if t >= vocab_size), None)
-        if bad is not None:
-            raise ProtocolError(f"MTP_PROPOSE_BATCH: token {bad} outside the vocabulary of {vocab_size}")
+        _check_tokens(feed, vocab_size, "MTP_PROPOSE_BATCH")
         seqs.append((slot, k, list(feed)))
         off += 3 + m
     if off != n:
         raise ProtocolError(f"MTP_PROPOSE_BATCH: {n - off} trailing bulk words")
-    return ProposePayload(stop=stop, ops=ops, obs=obs, seqs=seqs)
+    return ProposePayload(ops=ops, obs=obs, seqs=seqs), stop
 
 
+# --- the seed's three-word propose -------------------------------------------------------------
 def mtp_propose_command(slot: int, last_token: int, position: int, num_drafts: int) -> Command:
     return Command(EP_CMD_MTP_PROPOSE, slot, (last_token, position, num_drafts))
+
+
+def parse_propose(cmd: Command, *, vocab_size: int) -> tuple[int, int, int]:
+    """Check the three words of an MTP_PROPOSE: (last_token, position, num_drafts)."""
+    last_token, position, num_drafts = cmd.params
+    if cmd.slot == NO_SLOT:
+        raise ProtocolError("MTP_PROPOSE: no slot in the header")
+    _check_tokens([last_token], vocab_size, "MTP_PROPOSE")
+    if not 1 <= num_drafts <= MAX_NUM_DRAFTS:
+        raise ProtocolError(f"MTP_PROPOSE: num_drafts {num_drafts} out of range (1..{MAX_NUM_DRAFTS})")
+    if position == 0:
+        raise ProtocolError("MTP_PROPOSE: position 0 has no committed row before it to feed")
+    return last_token, position, num_drafts
+
+
+def derive_propose(last: ForwardPayload | None, slot: int, last_token: int, position: int,
+                   num_drafts: int) -> ProposePayload | None:
+    """What a three-word propose stands for, read off the last FORWARD; None when it stands for nothing.
+
+    It applies when that forward verified a chain for `slot` (one causal chunk: the pending token
+    at `start`, then drafts) and `position` is the committed length after the verify, so
+    na = position - start - 1 drafts were accepted (0 <= na < chunk rows). Then, since that forward:
+    the cache ops are the verify's rewind to `position` and the next step's reserve of the pending
+    row plus `num_drafts` draft rows; the drafter's input is rows 0..na of that chunk at `start`; the
+    feed tokens are the committed tokens at start+1..position: the accepted drafts, then
+    `last_token`. Rank 0 and the workers call this with the same last forward; it is pure.
+    """
+    if last is None:
+        return None
+    mine = [i for i, c in enumerate(last.chunks) if c[0] == slot]
+    if len(mine) != 1 or mine[0] in last.trees:
+        return None
+    i = mine[0]
+    _, start, n = last.chunks[i]
+    na = position - start - 1
+    if not 0 <= na < n:
+        return None
+    row = sum(c[2] for c in last.chunks[:i])
+    feed = list(last.tokens[row + 1:row + 1 + na]) + [last_token]
+    return ProposePayload(ops=[(EP_CMD_SLOT_REWIND, slot, position),
+                               (EP_CMD_SLOT_RESERVE, slot, position + 1 + num_drafts)],
+                          obs=[(slot, row, na + 1, start)], seqs=[(slot, num_drafts, feed)])
+
+
+def propose_command(last: ForwardPayload | None, payload: ProposePayload, stop: float | None,
+                    pending: list[tuple[int, int]]) -> Command:
+    """The command rank 0 sends for `payload`: the three words when exactly one sequence drafts and
+    `derive_propose` gives back exactly `payload`, else the batched form. `pending[i]` is
+    (last_token, position) of `payload.seqs[i]`: its pending token and where that token sits."""
+    if len(payload.seqs) == 1 and len(pending) == 1:
+        slot, num_drafts, _ = payload.seqs[0]
+        last_token, position = pending[0]
+        if derive_propose(last, slot, last_token, position, num_drafts) == payload:
+            return mtp_propose_command(slot, last_token, position, num_drafts)
+    return propose_batch_command(payload.ops, payload.obs, payload.seqs, stop)

@@ -1,4 +1,4 @@
-"""`metrale bench`: argument parsing and the printed table (the sweep lives in runtime.benchmark)."""
+"""`metrale bench`: argument parsing and the printed table (the sweep lives in bench.benchmark)."""
 from __future__ import annotations
 
 import argparse
@@ -25,7 +25,7 @@ def add_bench_parser(sub) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from runtime.benchmark import BenchConfig, run_bench
+    from bench.benchmark import BenchConfig, run_bench
 
     conc = args.concurrency or ("1,4" if args.quick else "1,2,4,8,16,32")
     try:
@@ -37,5 +37,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          max_tokens=args.max_tokens or (48 if args.quick else 128),
                          requests=args.requests, repeats=args.repeats, quick=args.quick,
                          tree_shape=args.tree_shape)
-    run_bench(config, json_out=args.json_out, plot_out=args.plot_out)
+    from launch import launcher_for
+    run_bench(config, json_out=args.json_out, plot_out=args.plot_out,
+              launcher=launcher_for(args.launcher) if config.ep > 1 else None)
     return 0

@@ -108,43 +108,42 @@ def read_prompts(path: Path) -> list[str | list[int]]:
     return prompts
 
 
-def publish_speculation_settings(args: argparse.Namespace) -> int:
-    """Publish the ladder, the width cap and the confidence stop once, at start-up; returns the cap."""
-    from runtime.config import load_behavior
+def resolve_speculation(args: argparse.Namespace):
+    """Resolve the speculation settings once (flags > published > environment > the model's
+    metrale.toml > default) and publish the ladder, the width cap and the confidence stop, as
+    the seed's API asks; returns the `SpecSettings` every layer below is given."""
     from speculative.draft_stop import set_draft_confidence_stop
-    from speculative.ladder import mtp_ladder_disabled, resolve_mtp_max_seqs, set_mtp_k_ladder, set_mtp_max_seqs
+    from speculative.ladder import set_mtp_k_ladder, set_mtp_max_seqs
+    from speculative.settings import resolve_spec_settings
 
-    if args.mtp_k_ladder is not None and args.mtp_k_ladder.strip() != "auto":
-        set_mtp_k_ladder(args.mtp_k_ladder)
-    model_default = load_behavior(args.model).get("mtp_max_seqs") if Path(args.model).is_dir() else None
-    if model_default is not None and not isinstance(model_default, int):
-        raise UsageError(f"metrale.toml [behavior] mtp_max_seqs={model_default!r} is not an integer")
-    cap, _ = resolve_mtp_max_seqs(args.mtp_max_seqs, model_default, mtp_ladder_disabled())
-    set_mtp_max_seqs(cap)
-    if args.draft_confidence_stop is not None:
-        set_draft_confidence_stop(args.draft_confidence_stop)
-    return cap
-
-
-def make_llm(args: argparse.Namespace):
-    """The LLM of rank 0: single process, an mp group, or a torchrun group. None on torchrun
-    worker ranks, which serve rank 0's commands until it shuts them down."""
-    from launch.torchrun import join, run_worker, torchrun_rank
-    from runtime import LLM
-
-    publish_speculation_settings(args)
     if args.tree_shape is not None:
-        from speculative.tree_shape import TreeShape
-        TreeShape.parse(args.tree_shape)   # a bad shape is refused before anything loads
         if args.spec != "mtp":
             raise UsageError(f"--tree-shape {args.tree_shape} needs --spec mtp (hedges are the drafter's next-best "
                              "tokens)")
         if args.spec_verify != "exact":
             raise UsageError(f"--tree-shape verifies with keyed target draws only, not --spec-verify {args.spec_verify}")
-    policy = "auto" if args.mtp_k_ladder is not None and args.mtp_k_ladder.strip() == "auto" else "ladder"
-    common = dict(draft_policy=policy, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
-                  spec=args.spec, num_drafts=args.num_drafts, spec_verify=args.spec_verify, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout,
-                  tree_shape=args.tree_shape)
+    spec = resolve_spec_settings(method=args.spec, num_drafts=args.num_drafts, k_ladder=args.mtp_k_ladder,
+                                 width_cap=args.mtp_max_seqs, confidence_stop=args.draft_confidence_stop,
+                                 tree_shape=args.tree_shape, verify=args.spec_verify,
+                                 model_dir=args.model if Path(args.model).is_dir() else None)
+    if args.mtp_k_ladder is not None and args.mtp_k_ladder.strip() != "auto":
+        set_mtp_k_ladder(args.mtp_k_ladder)
+    set_mtp_max_seqs(spec.width_cap, spec.width_cap_source)
+    if spec.confidence_stop is not None:
+        set_draft_confidence_stop(spec.confidence_stop)
+    return spec
+
+
+def make_llm(args: argparse.Namespace):
+    """The LLM of rank 0: single process, an mp or Ray group, or a torchrun group. None on
+    torchrun worker ranks, which serve rank 0's commands until it shuts them down."""
+    from launch import launcher_for
+    from launch.torchrun import join, run_worker, torchrun_rank
+    from serving import LLM
+
+    spec = resolve_speculation(args)
+    common = dict(dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
+                  spec_settings=spec, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout)
     tr = torchrun_rank()
     if tr is not None:
         rank, world = tr
@@ -158,17 +157,19 @@ def make_llm(args: argparse.Namespace):
             if code:
                 raise SystemExit(code)
             return None
-        return LLM(model=args.model, ep=world, comm=comm, **common)
+        return LLM(model=args.model, comm=comm, **common)
     ep = args.ep or 1
     if ep < 1:
         raise UsageError(f"--ep {ep} must be at least 1")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts {args.max_restarts} must be at least 0")
-    from launch.ray_group import RayOptions
-    ray_options = RayOptions(address=args.ray_address, placement_strategy=args.placement_strategy,
-                             temp_dir=args.ray_temp_dir, usage_stats=args.ray_usage_stats)
-    return LLM(model=args.model, ep=ep, launcher=args.launcher, ray_options=ray_options,
-               max_restarts=args.max_restarts, **common)
+    launcher = None
+    if ep > 1:
+        from launch.ray_group import RayOptions
+        ray_options = RayOptions(address=args.ray_address, placement_strategy=args.placement_strategy,
+                                 temp_dir=args.ray_temp_dir, usage_stats=args.ray_usage_stats)
+        launcher = launcher_for(args.launcher, ray_options=ray_options)
+    return LLM(model=args.model, ep=ep, launcher=launcher, max_restarts=args.max_restarts, **common)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -210,7 +211,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from runtime.server import ServerConfig, load_chat_template, serve
+    from serving.server import ServerConfig, load_chat_template, serve
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} is not a TCP port")
@@ -224,19 +225,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
               config=ServerConfig(served_model_name=name, api_key=args.api_key,
                                   chat_template=load_chat_template(Path(args.model))))
     finally:
-        llm.shutdown(graceful=llm.supervisor is None or llm.supervisor.pending() is None)
+        llm.shutdown(graceful=llm.deployment.pending() is None)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from engine.engine import RequestError
+    from ep.channel import CommandRefused, HandshakeError
     from ep.comm import CommError
-    from ep.shard import CommandRefused, HandshakeError
-    from launch.supervisor import GroupFailed
-    from launch.worker import GroupStartError
     from runtime.config import ConfigError
-    from runtime.engine import RequestError
     from runtime.weights import CheckpointError
+    from serving.deployment import GroupFailed, GroupStartError
     try:
         if args.command == "generate":
             return cmd_generate(args)

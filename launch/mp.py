@@ -2,7 +2,8 @@
 
 The rendezvous port is chosen free at run time on 127.0.0.1. Workers are daemons: they end with
 the driver; a worker that dies is noticed by rank 0's next collective (within the timeout), or
-earlier by `dead()`, which the supervisor polls.
+earlier by `dead()`, which the deployment polls (serving.deployment). `MPGroup` itself is a
+launcher: `LLM(..., ep=2, launcher=MPGroup)`.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import socket
 import sys
 
 from ep.comm import Communicator, free_port
-from launch.worker import GroupConfig, serve_rank
+from ep.worker import serve_rank
+from serving.deployment import GroupConfig
 
 __all__ = ["GroupConfig", "MPGroup"]
 

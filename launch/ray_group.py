@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ep.comm import Communicator, free_port
-from launch.worker import GroupConfig, GroupStartError, serve_rank
+from ep.worker import serve_rank
+from serving.deployment import GroupConfig, GroupStartError
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD")
 

@@ -9,7 +9,7 @@ import os
 import sys
 
 from ep.comm import Communicator
-from launch.worker import serve_rank
+from ep.worker import serve_rank
 
 
 def torchrun_rank() -> tuple[int, int] | None:

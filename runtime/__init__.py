@@ -1,11 +1,5 @@
-"""Model, checkpoint loading, KV cache, sampler, scheduler and engine loop (rank 0)."""
+"""The core: model definitions, checkpoint loading, KV cache, attention, sampler, sequences,
+scheduler and tokenizer. It imports no other package of the project (DESIGN §2)."""
 from runtime.sampler import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
-
-
-def __getattr__(name: str):
-    if name == "LLM":  # lazy: importing the sampler alone must not load the model stack
-        from runtime.llm import LLM
-        return LLM
-    raise AttributeError(name)
+__all__ = ["SamplingParams"]

@@ -9,6 +9,7 @@ built once per step and shared by every layer (and by the MTP layer, on its own 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,24 +18,61 @@ import torch.nn.functional as F
 from runtime.kv_cache import PagedKVCache
 
 
+NO_PARENT = -1
+
+
+def row_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each row of a tree from its parent list (row 0 alone is the root, parent -1;
+    every parent comes before its child). Raises ValueError on any other list."""
+    depths: list[int] = []
+    for i, p in enumerate(parents):
+        if (i == 0) != (p == NO_PARENT) or p >= i:
+            raise ValueError(f"parent list {list(parents)}: row {i} has parent {p}; row 0 alone is the root "
+                             "and every parent comes before its child")
+        depths.append(0 if p == NO_PARENT else depths[p] + 1)
+    return depths
+
+
+def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
+    """[n, n] bool: row i may see row j when j is i or one of its ancestors."""
+    row_depths(parents)  # checks the list
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j != NO_PARENT:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
 @dataclass(frozen=True, slots=True)
 class SeqChunk:
-    """One sequence's rows in a step: positions start..start+num_tokens-1.
+    """One sequence's rows in a step: cache rows start..start+num_tokens-1.
 
-    `mask`, when given, is [num_tokens, start + num_tokens] bool: which cache rows of the sequence
-    each row may see (tree verification); None means causal. `positions`, when given, is
-    [num_tokens] the rotary position of each row (a tree row sits at start + its depth, while its
-    keys/values still go to cache row start + its index); None means start..end-1.
+    `parents`, when given, makes the rows a tree (tree verification): the parent row of each row
+    (the root's -1). A tree row sits at position start + its depth and sees the committed context
+    (positions 0..start-1) plus its ancestors, while its keys/values still go to cache row
+    start + its index. None means a causal chunk at positions start..end-1.
     """
     seq_id: int
     start: int
     num_tokens: int
-    mask: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
+    parents: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.parents is not None and len(self.parents) != self.num_tokens:
+            raise ValueError(f"sequence {self.seq_id}: {len(self.parents)} parents for {self.num_tokens} rows")
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    def positions(self) -> torch.Tensor:
+        """[num_tokens] the rotary position of each row."""
+        if self.parents is None:
+            return torch.arange(self.start, self.end)
+        return torch.tensor([self.start + d for d in row_depths(self.parents)], dtype=torch.long)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,11 +102,7 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
     k_max = max(c.end for c in chunks)
     if any(c.num_tokens < 1 for c in chunks):
         raise ValueError(f"sequence {next(c.seq_id for c in chunks if c.num_tokens < 1)} has an empty chunk")
-    for c in chunks:
-        if c.positions is not None and tuple(c.positions.shape) != (c.num_tokens,):
-            raise ValueError(f"sequence {c.seq_id}: positions shape {tuple(c.positions.shape)}, "
-                             f"expected {(c.num_tokens,)}")
-    spans = [torch.arange(c.start, c.end) if c.positions is None else c.positions for c in chunks]
+    spans = [c.positions() for c in chunks]
     positions = torch.cat(spans) if b > 1 else spans[0]
     ctxs = [cache.slots(c.seq_id, 0, c.end) for c in chunks]
     slot_mapping = torch.cat([ctx[c.start:] for ctx, c in zip(ctxs, chunks)]) if b > 1 else ctxs[0][chunks[0].start:]
@@ -90,13 +124,10 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
     row_pos = torch.where(valid, starts[:, None] + torch.arange(q_max)[None, :], 0)  # [B, Q]
     mask = (torch.arange(k_max)[None, None, :] <= row_pos[:, :, None])[:, None]      # [B, 1, Q, K]
     for i, c in enumerate(chunks):
-        if c.mask is not None:
-            if tuple(c.mask.shape) != (c.num_tokens, c.end):
-                raise ValueError(f"sequence {c.seq_id}: mask shape {tuple(c.mask.shape)}, "
-                                 f"expected {(c.num_tokens, c.end)}")
-            mask[i, 0, :c.num_tokens, :c.end] = c.mask
+        if c.parents is not None:  # the committed context stays visible; the rows see their ancestors only
+            mask[i, 0, :c.num_tokens, c.start:c.end] = ancestor_mask(c.parents)
     mode = "explicit"
-    if b == 1 and chunks[0].mask is None:
+    if b == 1 and chunks[0].parents is None:
         mode = "none" if chunks[0].num_tokens == 1 else ("causal" if chunks[0].start == 0 else "explicit")
     return StepPlan(positions=positions, slot_mapping=slot_mapping, gather=gather, q_index=q_index, valid=valid,
                     mask=mask, last_rows=last_rows, mask_mode=mode)

@@ -10,7 +10,7 @@ committed output (nothing it produced is lost).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from runtime.kv_cache import PagedKVCache
@@ -32,10 +32,10 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class Scheduled:
-    """One sequence's share of a step: `num_tokens` known tokens, then `num_drafts` draft rows."""
+    """One sequence's share of a step: `num_tokens` known tokens, then `num_draft_rows` draft rows."""
     seq: Sequence
     num_tokens: int
-    num_drafts: int = 0
+    num_draft_rows: int = 0
 
 
 class Scheduler:
@@ -57,11 +57,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, drafts_for: Callable[[Sequence], int] | None = None) -> list[Scheduled]:
+    def schedule(self, draft_rows: Mapping[int, int] | None = None) -> list[Scheduled]:
         """Pick this step's sequences and token counts and reserve their cache.
 
-        `drafts_for(seq)` gives the draft rows a decoding sequence (one pending token) wants this
-        step; its cache is reserved for them too (the drafter writes its rows there as well).
+        `draft_rows[seq_id]` is the draft rows a decoding sequence (one pending token) wants this
+        step; its cache is reserved for them too (the drafter writes its rows there as well). A
+        sequence whose rows do not fit the token budget gets none this step.
         """
         budget = self.config.max_num_batched_tokens
         batch: list[Scheduled] = []
@@ -69,8 +70,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_pending, budget)
-            k = drafts_for(seq) if drafts_for is not None and seq.num_pending == 1 else 0
-            k = max(0, min(k, budget - n))
+            k = draft_rows.get(seq.seq_id, 0) if draft_rows and seq.num_pending == 1 else 0
+            if n + k > budget:
+                k = 0
             if not self._reserve(seq, n + k):
                 victim = self.running.pop()  # youngest admission
                 self._preempt(victim)

@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from runtime.detokenizer import IncrementalDetokenizer
 from runtime.sampler import SamplingParams
 
 
@@ -24,7 +25,8 @@ class Sequence:
     num_computed: int = 0           # leading tokens whose keys/values are in the cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
-    text: str = ""
+    text: str = ""                  # the output text so far (its detokenizer's, cut at a stop string)
+    detokenizer: IncrementalDetokenizer | None = None
     num_preemptions: int = 0
     num_verifies: int = 0
     drafted_tokens: int = 0

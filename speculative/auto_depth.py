@@ -14,9 +14,9 @@ another depth beats its current one by more than `hysteresis`. Starts from the s
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from speculative.ladder import mtp_ladder_drafts
 from speculative.metrics import width_bucket as width_band
 
 __all__ = ["AutoDepthController", "width_band"]
@@ -32,11 +32,13 @@ class _Band:
 
 
 class AutoDepthController:
-    def __init__(self, max_depth: int, *, probe_every: int = 16, hysteresis: float = 0.05,
-                 min_samples: int = 3, smoothing: float = 0.1) -> None:
+    def __init__(self, max_depth: int, *, start_depth: Callable[[int], int] | None = None, probe_every: int = 16,
+                 hysteresis: float = 0.05, min_samples: int = 3, smoothing: float = 0.1) -> None:
+        """`start_depth(n_active)`: a new band's first depth (the static ladder's; max_depth when None)."""
         if max_depth < 0:
             raise ValueError(f"max_depth={max_depth} must be non-negative")
         self.max_depth = max_depth
+        self.start_depth = start_depth or (lambda n_active: max_depth)
         self.probe_every, self.hysteresis = probe_every, hysteresis
         self.min_samples, self.smoothing = min_samples, smoothing
         self.bands: dict[int, _Band] = {}
@@ -46,7 +48,7 @@ class AutoDepthController:
     def _band(self, n_active: int) -> _Band:
         key = width_band(n_active)
         if key not in self.bands:
-            self.bands[key] = _Band(current=mtp_ladder_drafts(n_active, self.max_depth))
+            self.bands[key] = _Band(current=self.start_depth(n_active))
         return self.bands[key]
 
     # --- measurements ---------------------------------------------------------------------

@@ -6,7 +6,6 @@ TAU. The one rule, used by the drafter and by the scheduler's depth planner alik
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 _published: float | None = None
@@ -33,7 +32,3 @@ def set_draft_confidence_stop(tau: float) -> None:
 
 def draft_confidence_stop() -> float | None:
     return _published
-
-
-def ln_tau() -> float | None:
-    return None if _published is None else math.log(_published)

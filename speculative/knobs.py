@@ -5,6 +5,7 @@ No other module reads the environment for behaviour. Each reader caches its firs
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from functools import cache
 
 MAX_SHADOW_TOPK = 8
@@ -53,13 +54,6 @@ def mtp_ep_propose_enabled() -> bool:
     return os.environ.get("METRALE_NO_MTP_EP_PROPOSE") != "1"
 
 
-def mtp_multi_seq_mode() -> bool:
-    """True when the width cap (the most sequences that speculate together) is above one. Not
-    cached: the cap is published at start-up (speculative.ladder.set_mtp_max_seqs)."""
-    from speculative.ladder import mtp_max_seqs
-    return mtp_max_seqs() > 1
-
-
 @cache
 def _catchup_env() -> bool:
     return os.environ.get("METRALE_MTP_CATCHUP") == "1"
@@ -70,17 +64,15 @@ def _refeed_accepted_env() -> bool:
     return os.environ.get("METRALE_MTP_REFEED_ACCEPTED") == "1"
 
 
-def mtp_catchup_enabled() -> bool:
-    """METRALE_MTP_CATCHUP=1, and not in multi-sequence mode: before a propose the drafter is fed
-    the ring of target hiddens it has not seen, keyed by position."""
-    return _catchup_env() and not mtp_multi_seq_mode()
+def catchup_env() -> bool:
+    """METRALE_MTP_CATCHUP=1 as given; `speculative.ladder.mtp_catchup_enabled` adds the
+    multi-sequence check."""
+    return _catchup_env()
 
 
-def mtp_refeed_accepted_enabled() -> bool:
-    """METRALE_MTP_REFEED_ACCEPTED=1 with the ring (catch-up) on: after a verify the accepted
-    positions' target hiddens go into the ring, rewriting the drafter rows it wrote from its own
-    outputs. Off in multi-sequence mode."""
-    return _refeed_accepted_env() and mtp_catchup_enabled()
+def refeed_accepted_env() -> bool:
+    """METRALE_MTP_REFEED_ACCEPTED=1 as given."""
+    return _refeed_accepted_env()
 
 
 @cache
@@ -115,3 +107,24 @@ def canonical_key_min_width() -> int:
 def no_canonical_verify_key() -> bool:
     """METRALE_NO_CANONICAL_VERIFY_KEY present, with any value: batched verifies keep the legacy order."""
     return "METRALE_NO_CANONICAL_VERIFY_KEY" in os.environ
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DrafterKnobs:
+    """The drafter's debugging knobs, resolved once (see `speculative.settings`)."""
+    shadow_topk: int = 0          # METRALE_MTP_SHADOW_TOPK
+    refeed_debug: bool = False    # METRALE_MTP_REFEED_DEBUG=1
+    refeed_shift: int = 0         # METRALE_MTP_REFEED_SHIFT, in effect only with catch-up on and a width cap of 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.shadow_topk <= MAX_SHADOW_TOPK:
+            raise ValueError(f"shadow_topk={self.shadow_topk} is outside 0..{MAX_SHADOW_TOPK}")
+        if not -4 <= self.refeed_shift <= 4:
+            raise ValueError(f"refeed_shift={self.refeed_shift} is outside -4..4")
+
+
+def drafter_knobs(width_cap: int) -> DrafterKnobs:
+    """The drafter knobs of this process for a width cap (the refeed shift needs catch-up, which
+    multi-sequence mode turns off)."""
+    shift = mtp_refeed_shift() if _catchup_env() and width_cap <= 1 else 0
+    return DrafterKnobs(shadow_topk=shadow_topk(), refeed_debug=mtp_refeed_debug(), refeed_shift=shift)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import re
 
-from speculative.knobs import mtp_k_ladder_env, mtp_no_k_ladder
+from speculative.knobs import catchup_env, mtp_k_ladder_env, mtp_no_k_ladder, refeed_accepted_env
 
 DEFAULT_MTP_K_LADDER = "4:3,8:3,16:1,32:1"
 DEFAULT_MTP_MAX_SEQS = 32
@@ -118,8 +118,34 @@ def mtp_max_seqs_published() -> bool:
     return _published_max_seqs is not None
 
 
+def published_max_seqs() -> tuple[int, MtpMaxSeqsSource]:
+    """The published width cap and its source; ValueError when none was published."""
+    if _published_max_seqs is None:
+        raise ValueError("no width cap was published (set_mtp_max_seqs)")
+    return _published_max_seqs
+
+
 def mtp_max_seqs() -> int:
     """The published width cap, else the engine default."""
     if _published_max_seqs is not None:
         return _published_max_seqs[0]
     return resolve_mtp_max_seqs(None, None, mtp_ladder_disabled())[0]
+
+
+def mtp_multi_seq_mode() -> bool:
+    """True when the width cap (the most sequences that speculate together) is above one: the
+    published cap, else the engine default. The engine and the drafter read the resolved
+    `SpecSettings` instead."""
+    return mtp_max_seqs() > 1
+
+
+def mtp_catchup_enabled() -> bool:
+    """METRALE_MTP_CATCHUP=1, and not in multi-sequence mode. The drafter is always fed every
+    committed target hidden it has not seen before a propose; this knob gates the refeed shift."""
+    return catchup_env() and not mtp_multi_seq_mode()
+
+
+def mtp_refeed_accepted_enabled() -> bool:
+    """METRALE_MTP_REFEED_ACCEPTED=1 with catch-up on (off in multi-sequence mode): accepted
+    positions are fed the target's hiddens, never the drafter's own outputs (always true here)."""
+    return refeed_accepted_env() and mtp_catchup_enabled()

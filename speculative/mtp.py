@@ -12,6 +12,7 @@ output and the previous draft. Draft rows past the committed ones are overwritte
 from __future__ import annotations
 
 import logging
+import math
 import struct
 
 import torch
@@ -19,37 +20,46 @@ import torch
 from runtime.attention import PagedAttention, SeqChunk, build_plan
 from runtime.kv_cache import PagedKVCache
 from runtime.model import Glm4MoeForCausalLM
-from speculative.draft_stop import draft_confidence_stop
+from speculative.draft_stop import chain_depth
 from speculative.fingerprint import hidden_fingerprint
-from speculative.knobs import mtp_catchup_enabled, mtp_refeed_debug, mtp_refeed_shift, shadow_topk
+from speculative.knobs import DrafterKnobs
 from speculative.proposer import DraftProposer, Drafts, ProposerState, ProposeRequest
 
 log = logging.getLogger("metrale.mtp")
 
 
+def extends(probs: list[float], ln_tau: float) -> bool:
+    """May a chain with these top-1 probabilities grow? Only while `chain_depth` over it plus one
+    more place reaches past it, i.e. no draft so far fell below TAU (DESIGN §5.4)."""
+    lps = [math.log(p) if p > 0 else -math.inf for p in probs]
+    return chain_depth(lps + [0.0], ln_tau) > len(lps)
+
+
 class MTPProposer(DraftProposer):
-    def __init__(self, model: Glm4MoeForCausalLM, cache: PagedKVCache, confidence_stop: float | None = None) -> None:
-        """`confidence_stop`: TAU of the confidence stop (None: the published one, if any)."""
+    def __init__(self, model: Glm4MoeForCausalLM, cache: PagedKVCache, confidence_stop: float | None = None,
+                 knobs: DrafterKnobs | None = None) -> None:
+        """`confidence_stop`: TAU of the confidence stop (None: chains are never stopped early);
+        `knobs`: the debugging knobs of DESIGN §5.7, resolved once."""
         if model.mtp is None:
             raise ValueError("this checkpoint has no MTP layer (no model.layers.{num_hidden_layers}.* tensors): "
                              "MTP speculation needs one")
         self.model = model
         self.cache = cache
-        tau = confidence_stop if confidence_stop is not None else draft_confidence_stop()
+        self.knobs = knobs or DrafterKnobs()
+        tau = confidence_stop
         # Rounded to float32: the value EP workers receive on the wire, so every rank decides alike.
         self.confidence_stop = None if tau is None else struct.unpack("<f", struct.pack("<f", tau))[0]
 
     def propose(self, req: ProposeRequest) -> Drafts:
         return self.propose_batch([req])[0]
 
-    @staticmethod
-    def feed_tokens(req: ProposeRequest) -> list[int]:
+    def feed_tokens(self, req: ProposeRequest) -> list[int]:
         """The committed tokens paired with the request's unfed hidden rows (position i + 1 for row
         i). With the catch-up ring on, METRALE_MTP_REFEED_SHIFT moves every label by its offset
         (clamped to the committed tokens), to test that mapping by acceptance."""
         st = req.state
         m = sum(h.shape[0] for h in st.pending_hidden)
-        shift = mtp_refeed_shift() if mtp_catchup_enabled() else 0
+        shift = self.knobs.refeed_shift
         if shift == 0:
             return list(req.token_ids[st.fed_upto + 1:st.fed_upto + 1 + m])
         last = len(req.token_ids) - 1
@@ -76,6 +86,7 @@ class MTPProposer(DraftProposer):
         rank runs this with the same arguments except `trees` (hedges change no forward), so it
         must be deterministic given them."""
         out: list[Drafts] = [Drafts([], []) for _ in states]
+        ln_tau = None if stop is None else math.log(stop)
         if not states:
             return out
         live = list(range(len(states)))
@@ -88,7 +99,7 @@ class MTPProposer(DraftProposer):
             if len(feeds[i]) != m:
                 raise ValueError(f"sequence {st.seq_id}: {m} unfed rows but {len(feeds[i])} feed tokens")
             tokens.extend(feeds[i])
-            if mtp_refeed_debug():
+            if self.knobs.refeed_debug:
                 for r in range(m):
                     log.info("mtp feed seq %d pos %d token %d hidden %016x", st.seq_id, st.fed_upto + r,
                              feeds[i][r], hidden_fingerprint(feed[r]))
@@ -103,11 +114,11 @@ class MTPProposer(DraftProposer):
             logits = self.model.mtp_logits(hidden[last]).float()                 # [B, V]
             top_l, top_t = logits.max(dim=-1)
             top_p = torch.exp(top_l - torch.logsumexp(logits, dim=-1))           # top-1 probability
-            if shadow_topk():
-                cand_p, cand_t = torch.softmax(logits, dim=-1).topk(shadow_topk(), dim=-1)
+            if self.knobs.shadow_topk:
+                cand_p, cand_t = torch.softmax(logits, dim=-1).topk(self.knobs.shadow_topk, dim=-1)
                 for j, i in enumerate(active):
                     log.info("mtp shadow seq %d depth %d top%d %s", states[i].seq_id, len(out[i].tokens) + 1,
-                             shadow_topk(), list(zip(cand_t[j].tolist(), [round(x, 4) for x in cand_p[j].tolist()])))
+                             self.knobs.shadow_topk, list(zip(cand_t[j].tolist(), [round(x, 4) for x in cand_p[j].tolist()])))
             widths = [trees[i][len(out[i].tokens)] if trees and len(trees[i]) > len(out[i].tokens) else 1
                       for i in active]
             cand = logits.topk(max(widths), dim=-1).indices.tolist() if max(widths) > 1 else None
@@ -118,9 +129,9 @@ class MTPProposer(DraftProposer):
                 if widths[j] > 1:  # the spine is the arg-max; the hedges the best of the rest
                     depth = len(out[i].tokens)
                     out[i].hedges.extend((depth, t) for t in [t for t in cand[j] if t != top_t[j]][:widths[j] - 1])
-            # The confidence stop: a chain whose last draft fell below TAU is not extended.
+            # The confidence stop (DESIGN §5.4): a chain whose last draft fell below TAU is not extended.
             keep = [j for j, i in enumerate(active) if len(out[i].tokens) < num_drafts[i]
-                    and (stop is None or not top_p[j] < stop)]
+                    and (ln_tau is None or extends(out[i].probs, ln_tau))]
             if not keep:
                 break
             prev = hidden[last[keep]]

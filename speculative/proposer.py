@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# The seed's propose command word (DESIGN §4): header (slot, EP_CMD_MTP_PROPOSE), then exactly three
+# u32 words last_token, position, num_drafts. ep.protocol's table takes it from here.
+EP_CMD_MTP_PROPOSE = 0xFFFFFFF5
+
 
 @dataclass(slots=True)
 class ProposerState:

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.attention import NO_PARENT, ancestor_mask, row_depths
+
 MAX_COUNT = 4
 MAX_NODES = 7
-NO_PARENT = -1
 
 VerifyRow = tuple[int, int, int]      # (token, depth, parent_row)
 
@@ -121,49 +122,3 @@ def accepted_path(spine: list[int], hedges: list[tuple[int, int]], targets: list
             current = hedge
         break
     return path, targets[current]
-
-
-def row_depths(parents: list[int]) -> list[int]:
-    """Depth of each row from its parent list (parents come before their children)."""
-    depths: list[int] = []
-    for i, p in enumerate(parents):
-        if (i == 0) != (p == NO_PARENT) or p >= i:
-            raise ValueError(f"parent list {parents}: row {i} has parent {p}; row 0 alone is the root "
-                             "and every parent comes before its child")
-        depths.append(0 if p == NO_PARENT else depths[p] + 1)
-    return depths
-
-
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """[n, n] bool: row i may see row j when j is i or one of its ancestors."""
-    row_depths(parents)  # checks the list
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j != NO_PARENT:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
-
-
-def tree_mask(start: int, block: torch.Tensor) -> torch.Tensor:
-    """[n, C + n] bool: every committed position (0..start-1) plus the rows' own ancestor block."""
-    n = block.shape[0]
-    return torch.cat([torch.ones(n, start, dtype=torch.bool), block], dim=1)
-
-
-def parents_of_mask(mask: torch.Tensor, start: int) -> list[int] | None:
-    """The parent list of a tree mask [n, start + n] (see `tree_mask`), or None when the mask is
-    not one: the committed context must be fully visible and the block ancestor-closed."""
-    n = mask.shape[0]
-    if tuple(mask.shape) != (n, start + n) or not bool(mask[:, :start].all()):
-        return None
-    block = mask[:, start:]
-    parents = [NO_PARENT]
-    for i in range(1, n):
-        seen = torch.nonzero(block[i, :i]).flatten().tolist()
-        if not seen:
-            return None
-        parents.append(seen[-1])   # the nearest ancestor has the largest row index
-    return parents if torch.equal(ancestor_mask(parents), block) else None

@@ -3,7 +3,7 @@
 Shapes: n verify rows of one sequence (root plus drafts), R verify rows of the step.
 
 A plan is everything about a batched verify that its key fixes: each sequence's row count, and
-for a tree its parent rows, the depth of each row and the ancestor mask block, plus the rows the
+for a tree its parent rows (the attention derives positions and the ancestor mask from them), plus the rows the
 verify reads logits from. These are CPU index and mask tensors (on a GPU a captured graph would
 hang off the same key). What changes every step (cache slots, context lengths) is not in it.
 A slot's plans are dropped when its sequence is freed.
@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from speculative.tree_shape import TreeShape, ancestor_mask, row_depths
+from speculative.tree_shape import TreeShape
 from speculative.verify_key import FLAG_TREE, verify_graph_key, verify_graph_key_has_slot
 
 DEFAULT_MAX_PLANS = 1024
@@ -26,8 +24,6 @@ class SeqLayout:
     depth: int
     num_rows: int
     parents: tuple[int, ...] | None = None      # tree only: parent row of each row, the root's -1
-    row_depth: torch.Tensor | None = None       # [n] depth of each row (its position is start + depth)
-    block: torch.Tensor | None = None           # [n, n] bool, row i sees row j (j an ancestor or i)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +39,7 @@ def layout(depth: int, shape: TreeShape | None) -> SeqLayout:
     if shape is None:
         return SeqLayout(depth=depth, num_rows=depth + 1)
     parents = shape.parents(depth)
-    return SeqLayout(depth=depth, num_rows=len(parents), parents=tuple(parents),
-                     row_depth=torch.tensor(row_depths(parents), dtype=torch.long), block=ancestor_mask(parents))
+    return SeqLayout(depth=depth, num_rows=len(parents), parents=tuple(parents))
 
 
 def build_verify_plan(slots: list[int], depths: list[int], shape: TreeShape | None) -> VerifyPlan:
@@ -87,6 +82,10 @@ class VerifyPlanCache:
         for k in gone:
             del self.plans[k]
         return len(gone)
+
+    def clear(self) -> None:
+        """Forget every plan (the slots now name other sequences)."""
+        self.plans.clear()
 
     def __len__(self) -> int:
         return len(self.plans)

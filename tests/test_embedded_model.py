@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.llm import LLM
+from serving.llm import LLM
 from runtime.sampler import SamplingParams
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-glm-moe"

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def measure(launcher: str, model: str, ep: int, max_tokens: int, kill_after: float) -> dict:
     from launch.ray_group import RayOptions
-    from runtime.llm import LLM
+    from serving.llm import LLM
     from runtime.sampler import SamplingParams
 
     t0 = time.perf_counter()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime import LLM, SamplingParams  # noqa: E402
+from serving import LLM, SamplingParams  # noqa: E402
 
 PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv):\n    ",

@@ -30,7 +30,7 @@ def timed(obj, name: str, bucket: dict) -> None:
 
 
 def measure(model: str, k: int, prompts: list[str], max_tokens: int) -> dict:
-    from runtime.llm import LLM
+    from serving.llm import LLM
     from runtime.sampler import SamplingParams
     llm = LLM(model, dtype="float32", spec="mtp" if k else "none", num_drafts=max(k, 1), draft_policy="fixed",
               kv_cache_tokens=8192)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.attention import CausalAttention  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
-from runtime.corpus import corpus_files, heldout_prompts, read_source as read  # noqa: E402
+from bench.corpus import corpus_files, heldout_prompts, read_source as read  # noqa: E402
 from runtime.layers import Router  # noqa: E402
 from runtime.model import Glm4MoeForCausalLM  # noqa: E402
 from runtime.weights import iter_hf_state  # noqa: E402

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from runtime.attention import SeqChunk
-from runtime.llm import LLM
+from launch.mp import MPGroup
+from serving.llm import LLM
 from runtime.sampler import SamplingParams
 from tests.conftest import make_checkpoint, metrale_cmd, run_env
 
@@ -45,7 +46,7 @@ def test_ep_tokens_equal_one_rank_in_float64(request, ep, mode, which):
     path = request.getfixturevalue(which)
     single = LLM(path, dtype="float64", kv_cache_tokens=2048)
     want = (outputs(single, GREEDY), outputs(single, SEEDED))
-    llm = LLM(path, dtype="float64", kv_cache_tokens=2048, ep=ep, moe_a2a=mode, ep_timeout_s=60, launcher="mp")
+    llm = LLM(path, dtype="float64", kv_cache_tokens=2048, ep=ep, moe_a2a=mode, ep_timeout_s=60, launcher=MPGroup)
     try:
         assert outputs(llm, GREEDY) == want[0]
         assert outputs(llm, SEEDED) == want[1]
@@ -61,7 +62,7 @@ def test_ep_logits_within_1e5_in_float32(request, ep, mode, which):
     path = request.getfixturevalue(which)
     ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
     want = prefill_logits(LLM(path, dtype="float32", kv_cache_tokens=1024), ids)
-    llm = LLM(path, dtype="float32", kv_cache_tokens=1024, ep=ep, moe_a2a=mode, launcher="mp")
+    llm = LLM(path, dtype="float32", kv_cache_tokens=1024, ep=ep, moe_a2a=mode, launcher=MPGroup)
     try:
         got = prefill_logits(llm, ids)
         assert got.shape == want.shape
@@ -71,8 +72,8 @@ def test_ep_logits_within_1e5_in_float32(request, ep, mode, which):
 
 
 def test_handshake_mismatch_stops_every_rank(ckpt_plain, ckpt_grouped):
-    from ep.shard import HandshakeError, driver_handshake
-    from launch.mp import GroupConfig, MPGroup
+    from ep.channel import HandshakeError, driver_handshake
+    from serving.deployment import GroupConfig
     for override, field in (({"model_dir": str(ckpt_grouped)}, "model fingerprint"),
                             ({"dtype": "float64"}, "dtype")):
         group = MPGroup(GroupConfig(model_dir=str(ckpt_plain), dtype="float32", ep=2, timeout_s=30),
@@ -133,7 +134,7 @@ def test_sharded_drafter_equals_single_rank_drafter(ckpt_mtp, params, stop):
     plain = [o.token_ids for o in LLM(ckpt_mtp, dtype="float64").generate(PROMPTS, params)]
     one = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, draft_confidence_stop=stop).generate(PROMPTS, params)
     llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, ep=2, draft_confidence_stop=stop,
-              launcher="mp")
+              launcher=MPGroup)
     try:
         two = llm.generate(PROMPTS, params)
     finally:
@@ -144,7 +145,7 @@ def test_sharded_drafter_equals_single_rank_drafter(ckpt_mtp, params, stop):
 
 
 def test_mp_group_restarts_after_a_killed_worker_and_loses_nothing(ckpt_mtp):
-    """The supervisor behind both launchers: a worker SIGKILLed in mid-generation is replaced, the
+    """The deployment's supervision (both launchers): a worker SIGKILLed in mid-generation is replaced, the
     requests continue from what they committed, and the tokens equal an undisturbed run's."""
     import threading
     prompts = [[5, 17, 200, 3], [9, 9, 9, 100]]
@@ -153,12 +154,12 @@ def test_mp_group_restarts_after_a_killed_worker_and_loses_nothing(ckpt_mtp):
             SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.8, seed=5)]
     one = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, spec="mtp", num_drafts=2)
     want = [o.token_ids for o in one.generate(prompts, long)]
-    llm = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, spec="mtp", num_drafts=2, ep=2, launcher="mp",
+    llm = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, spec="mtp", num_drafts=2, ep=2, launcher=MPGroup,
               ep_timeout_s=30, max_restarts=1)
     try:
-        first = llm.group.pids[0]
+        first = llm.deployment.group.pids[0]
         seqs = [llm.engine.add_request(p, sp) for p, sp in zip(prompts, long)]
-        runner = threading.Thread(target=llm._run_to_completion)
+        runner = threading.Thread(target=lambda: [llm.step() for _ in iter(llm.engine.has_unfinished, False)])
         runner.start()
         while seqs[0].num_output < 10 and runner.is_alive():
             time.sleep(0.01)
@@ -166,7 +167,7 @@ def test_mp_group_restarts_after_a_killed_worker_and_loses_nothing(ckpt_mtp):
         runner.join(timeout=120)
         assert not runner.is_alive()
         assert [s.output_ids for s in seqs] == want
-        assert llm.supervisor.restarts == 1 and llm.group.pids[0] != first
+        assert llm.deployment.restarts == 1 and llm.deployment.group.pids[0] != first
         assert [o.token_ids for o in llm.generate(prompts, params)] == \
             [o.token_ids for o in one.generate(prompts, params)]  # the new group serves on
     finally:

@@ -5,7 +5,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from runtime.benchmark import median_cell
+from bench.benchmark import median_cell
 from tests.conftest import metrale_cmd, run_env
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
@@ -48,7 +48,7 @@ def test_bench_refuses_unknown_arm():
 def test_tree_arms_name_their_shape():
     import pytest
 
-    from runtime.benchmark import BenchConfig, arm_tree_shape
+    from bench.benchmark import BenchConfig, arm_tree_shape
     assert arm_tree_shape("tree122", None) == "1,2,2"
     assert arm_tree_shape("tree", "2,2") == "2,2" and arm_tree_shape("k3", "2,2") is None
     BenchConfig(model="m", arms=("k3", "tree122", "tree3211"))

@@ -122,17 +122,19 @@ def test_ranks_placed_one_per_node(ckpt_plain, ray_tmp, monkeypatch):
     import ray
     from ray.cluster_utils import Cluster
 
+    from launch import launcher_for
     from launch.ray_group import RayOptions
-    from runtime.llm import LLM
     from runtime.sampler import SamplingParams
+    from serving.llm import LLM
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": f"{ray_tmp}/ray",
                                                            "include_dashboard": False})
     worker_node = cluster.add_node(num_cpus=1)
     llm = None
     try:
-        llm = LLM(ckpt_plain, dtype="float64", kv_cache_tokens=1024, ep=2, launcher="ray",
-                  ray_options=RayOptions(address=cluster.address, placement_strategy="STRICT_SPREAD"))
+        llm = LLM(ckpt_plain, dtype="float64", kv_cache_tokens=1024, ep=2,
+                  launcher=launcher_for("ray", ray_options=RayOptions(address=cluster.address,
+                                                                      placement_strategy="STRICT_SPREAD")))
         nodes = [r["node"] for r in llm.rank_info]
         assert nodes[0] == cluster.head_node.node_id and nodes[1] == worker_node.node_id
         params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -152,13 +154,15 @@ def test_rank_that_cannot_start_gives_a_clear_error(ckpt_plain, ray_tmp, monkeyp
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
+    from launch import launcher_for
     from launch.ray_group import RayOptions
-    from launch.worker import GroupStartError
-    from runtime.llm import LLM
+    from serving.deployment import GroupStartError
+    from serving.llm import LLM
 
     t0 = time.time()
     with pytest.raises(GroupStartError, match=r"rank 1.*no-such-model"):
-        LLM(ckpt_plain, dtype="float32", kv_cache_tokens=1024, ep=2, launcher="ray", ep_timeout_s=60,
-            ray_options=RayOptions(temp_dir=ray_tmp), worker_overrides={1: {"model_dir": "/tmp/no-such-model"}})
+        LLM(ckpt_plain, dtype="float32", kv_cache_tokens=1024, ep=2, ep_timeout_s=60,
+            launcher=launcher_for("ray", ray_options=RayOptions(temp_dir=ray_tmp),
+                                  worker_overrides={1: {"model_dir": "/tmp/no-such-model"}}))
     assert time.time() - t0 < 55  # the worker's own error, well before the collective timeout
     assert not ray.is_initialized()  # the Ray it started is shut down

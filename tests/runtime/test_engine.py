@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from runtime.attention import PagedAttention, SeqChunk, build_plan
-from runtime.engine import RequestError
+from engine.engine import RequestError
 from runtime.kv_cache import PagedKVCache
-from runtime.llm import LLM
+from serving.llm import LLM
 from runtime.sampler import SamplingParams
 from runtime.weights import load_model
 

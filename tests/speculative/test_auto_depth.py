@@ -85,12 +85,14 @@ def test_hysteresis_keeps_a_near_tie():
 
 
 def test_engine_auto_policy_is_lossless(ckpt_mtp):
-    from runtime.llm import LLM
+    from serving.llm import LLM
     from runtime.sampler import SamplingParams
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = [[5, 17, 200, 3], [9, 9, 9, 100], [300, 4]]
     plain = [o.token_ids for o in LLM(ckpt_mtp, dtype="float64").generate(prompts, params)]
     llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, draft_policy="auto")
     assert [o.token_ids for o in llm.generate(prompts, params)] == plain
-    auto = llm.engine.auto
-    assert auto is not None and auto.bands and sum(auto.reached) > 0  # it measured costs and acceptance
+    auto = llm.engine.depth.auto
+    assert auto is not None and sum(auto.reached) > 0                  # it measured acceptance
+    costs = {w: b.cost for w, b in auto.bands.items()}
+    assert costs and all(c and all(s > 0 for s in c.values()) for c in costs.values())   # and step costs

@@ -11,7 +11,7 @@ from tests.conftest import run_env
 
 def read_in_subprocess(expr: str, env: dict[str, str]) -> str:
     base = {k: v for k, v in run_env().items() if not k.startswith("METRALE_")}
-    code = f"import speculative.knobs as k; print({expr})"
+    code = f"import speculative as s, speculative.knobs as k; print({expr})"
     out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
@@ -69,7 +69,7 @@ CATCHUP = {"METRALE_MTP_CATCHUP": "1", "METRALE_MTP_REFEED_ACCEPTED": "1"}
     ({"METRALE_MTP_CATCHUP": "yes"}, 1, "False False False"),
 ])
 def test_catchup_and_refeed_off_in_multi_seq_mode(env, cap, want):
-    expr = (f"(__import__('speculative.ladder').ladder.set_mtp_max_seqs({cap}), k.mtp_multi_seq_mode(), "
-            "k.mtp_catchup_enabled(), k.mtp_refeed_accepted_enabled())[1:]")
+    expr = (f"(__import__('speculative.ladder').ladder.set_mtp_max_seqs({cap}), s.mtp_multi_seq_mode(), "
+            "s.mtp_catchup_enabled(), s.mtp_refeed_accepted_enabled())[1:]")
     got = read_in_subprocess(expr, env)
     assert got.strip("()").replace(",", "") == want

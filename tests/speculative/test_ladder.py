@@ -88,7 +88,7 @@ def test_publish_once():
 
 
 def test_above_the_width_cap_no_drafter_forward_runs(ckpt_mtp):
-    from runtime.llm import LLM
+    from serving.llm import LLM
     from runtime.sampler import SamplingParams
     from speculative.mtp import MTPProposer
     calls = []
@@ -127,8 +127,13 @@ def test_llm_takes_the_model_folders_width_cap(ckpt_mtp, tmp_path):
     model = tmp_path / "m"
     shutil.copytree(ckpt_mtp, model)
     (model / "metrale.toml").write_text("[behavior]\nmtp_max_seqs = 6\n")
-    code = ("from runtime.llm import LLM\n"
-            f"print(LLM({str(model)!r}, spec='mtp', kv_cache_tokens=256).engine.width_cap)\n"
-            "L.set_mtp_max_seqs(9)\n"   # a published cap (the CLI's) wins over the folder
-            f"print(LLM({str(model)!r}, spec='mtp', kv_cache_tokens=256).engine.width_cap)\n")
-    assert run(code, {}).splitlines()[-2:] == ["6", "9"]
+    from serving.llm import LLM
+    from speculative.ladder import MtpMaxSeqsSource
+    llm = LLM(model, spec="mtp", kv_cache_tokens=256)
+    assert (llm.spec.width_cap, llm.spec.width_cap_source) == (6, MtpMaxSeqsSource.MODEL_DEFAULT)
+    assert LLM(model, spec="mtp", kv_cache_tokens=256, mtp_max_seqs=3).spec.width_cap == 3   # the argument wins
+    # A published cap (the CLI's) wins over the folder; publishing needs a fresh interpreter.
+    code = ("from speculative.settings import resolve_spec_settings\n"
+            "L.set_mtp_max_seqs(9)\n"
+            f"print(resolve_spec_settings(method='mtp', model_dir={str(model)!r}).width_cap)\n")
+    assert run(code, {}) == "9"

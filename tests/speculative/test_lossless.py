@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.llm import LLM
+from serving.llm import LLM
 from runtime.sampler import SamplingParams
 from speculative.verify import accepted_prefix, committed_tokens
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.llm import LLM
+from serving.llm import LLM
 from runtime.sampler import SamplingParams
 from speculative import DraftProposer, Drafts, ProposeRequest, hidden_fingerprint
 from speculative.ngram import NgramProposer

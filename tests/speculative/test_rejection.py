@@ -55,7 +55,7 @@ def test_all_accepted_draws_the_bonus():
 
 
 def test_engine_rejection_mode_runs_and_greedy_stays_exact(ckpt_mtp):
-    from runtime.llm import LLM
+    from serving.llm import LLM
     prompts = [[5, 17, 200, 3, 5, 17], [9, 9, 9, 100]]
     greedy = SamplingParams(max_tokens=16, ignore_eos=True)
     plain = [o.token_ids for o in LLM(ckpt_mtp, dtype="float64").generate(prompts, greedy)]

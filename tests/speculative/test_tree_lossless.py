@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.llm import LLM
+from launch.mp import MPGroup
+from serving.llm import LLM
 from runtime.sampler import SamplingParams
 from speculative.verify_key import verify_graph_key_has_slot
 
@@ -60,7 +61,7 @@ def test_tree_at_ep2_equals_no_speculation(plain, ckpt_mtp, params):
     """Tree masks travel to the worker as parent rows, hedge moves as SLOT_MOVE ops: its half of
     the attention heads reads the same keys/values as rank 0's."""
     want = [o.token_ids for o in plain.generate(PROMPTS, params)]
-    llm = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=4096, spec="mtp", tree_shape="4,3", ep=2)
+    llm = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=4096, spec="mtp", tree_shape="4,3", ep=2, launcher=MPGroup)
     try:
         moves = check_lossless(llm, want, params, "4,3")
     finally:

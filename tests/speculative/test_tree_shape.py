@@ -4,7 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative.tree_shape import (TreeShape, accepted_path, ancestor_mask, parents_of_mask, row_depths, tree_mask,
+from runtime.attention import SeqChunk, build_plan
+from runtime.kv_cache import PagedKVCache
+
+from speculative.tree_shape import (TreeShape, accepted_path, ancestor_mask, row_depths,
                                     verify_rows)
 
 
@@ -80,19 +83,14 @@ def test_masks_and_parent_lists():
                                     [1, 1, 1, 1, 0, 0],
                                     [1, 1, 0, 0, 1, 0],
                                     [1, 1, 1, 0, 0, 1]]
-    full = tree_mask(3, block)
-    assert full.shape == (6, 9) and bool(full[:, :3].all()) and torch.equal(full[:, 3:], block)
-    assert parents_of_mask(full, 3) == parents
-    causal = torch.tril(torch.ones(4, 6, dtype=torch.bool), diagonal=2)
-    assert parents_of_mask(causal, 2) == [-1, 0, 1, 2]       # a chain is a tree too
-    hole = full.clone()
-    hole[2, 0] = False                                        # a row that misses committed context
-    assert parents_of_mask(hole, 3) is None
-    skip = full.clone()
-    skip[4, 3 + 3] = True                                     # sees a row that is not its ancestor
-    assert parents_of_mask(skip, 3) is None
-    later = full.clone()
-    later[1, 3 + 2] = True                                    # sees a row after it
-    assert parents_of_mask(later, 3) is None
+    # A tree chunk in a step: rows at start + depth, seeing the committed context and their ancestors.
+    cache = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=4, block_size=4)
+    cache.reserve(0, 9)
+    plan = build_plan(cache, [SeqChunk(0, 3, 6, tuple(parents))])
+    assert plan.positions.tolist() == [3, 4, 5, 6, 5, 6]
+    seen = plan.mask[0, 0, :6, :9]
+    assert bool(seen[:, :3].all()) and torch.equal(seen[:, 3:], block)
+    with pytest.raises(ValueError, match="5 parents for 6 rows"):
+        SeqChunk(0, 3, 6, tuple(parents[:5]))
     with pytest.raises(ValueError, match="root"):
         row_depths([-1, -1])

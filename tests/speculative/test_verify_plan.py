@@ -11,7 +11,8 @@ from runtime.kv_cache import PagedKVCache
 from runtime.sampler import SamplingParams
 from runtime.scheduler import Scheduled
 from runtime.sequence import Sequence
-from runtime.verifier import Verifier
+from engine.verifier import Verifier
+from speculative.settings import SpecSettings
 from speculative.proposer import Drafts
 from speculative.tree_shape import TreeShape
 from speculative.verify_plan import VerifyPlanCache, build_verify_plan
@@ -22,14 +23,13 @@ def test_chain_and_tree_layouts():
     chain = build_verify_plan([4, 9], [3, 1], None)
     assert chain.key == (4, 3, 9, 1, 0xFFFFFFFF)
     assert chain.row_starts == (0, 4) and chain.logits_rows == list(range(6))
-    assert [(s.depth, s.num_rows, s.parents, s.block) for s in chain.seqs] == [(3, 4, None, None), (1, 2, None, None)]
+    assert [(s.depth, s.num_rows, s.parents) for s in chain.seqs] == [(3, 4, None), (1, 2, None)]
     tree = build_verify_plan([4, 9], [3, 1], TreeShape.parse("1,2,2"))
     assert tree.key == (4, 3, 9, 1, 0xFFFFFFFE)
     assert tree.row_starts == (0, 6) and tree.logits_rows == list(range(8))
     a, b = tree.seqs
-    assert a.parents == (-1, 0, 1, 2, 1, 2) and a.row_depth.tolist() == [0, 1, 2, 3, 2, 3]
-    assert b.parents == (-1, 0) and b.block.tolist() == [[True, False], [True, True]]
-    assert a.block[4].tolist() == [True, True, False, False, True, False]
+    assert a.parents == (-1, 0, 1, 2, 1, 2)
+    assert b.parents == (-1, 0)
 
 
 def test_hits_misses_and_drop_by_slot():
@@ -58,27 +58,23 @@ def fake_step(slots_and_depths: list[tuple[int, int]]) -> tuple[list[Scheduled],
     return batch, drafts
 
 
-def dispatch(slots_and_depths):
+def dispatch(slots_and_depths, min_width: int | None = 8):
     batch, drafts = fake_step(slots_and_depths)
-    batch, drafts, plan = Verifier(None, None).dispatch(batch, drafts)
+    batch, drafts, plan = Verifier(SpecSettings(canonical_min_width=min_width)).order(batch, drafts)
     return [b.seq.seq_id for b in batch], [len(d.tokens) for d in drafts], plan.key
 
 
 def test_engine_dispatch_takes_the_legacy_order_below_the_width_threshold():
     # slot 8 is prefilling: it goes after the verified sequences
     assert dispatch([(2, 3), (8, 0), (5, 1), (7, 2)]) == ([2, 7, 5, 8], [3, 2, 1, 0], (2, 3, 7, 2, 5, 1, 0xFFFFFFFF))
+    assert dispatch([(2, 3), (5, 1), (7, 2)], min_width=None)[0] == [2, 7, 5]   # never canonical
 
 
 def test_engine_dispatch_takes_the_canonical_order_at_the_threshold():
-    code = ("from tests.speculative.test_verify_plan import dispatch; "
-            "print(dispatch([(2, 3), (8, 0), (5, 1), (7, 2)])); print(dispatch([(2, 3), (5, 3), (7, 1)]))")
-    env = {**{k: v for k, v in run_env().items() if not k.startswith("METRALE_")},
-           "METRALE_CANONICAL_KEY_MIN_WIDTH": "3"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
     # By slot; sorted depths laid on, each cut to what its sequence drafted (slot 5 drafted 1).
-    assert out.stdout.splitlines() == ["([2, 5, 7, 8], [3, 1, 1, 0], (2, 3, 5, 1, 7, 1, 4294967295))",
-                                       "([2, 5, 7], [3, 3, 1], (2, 3, 5, 3, 7, 1, 4294967295))"]
+    assert dispatch([(2, 3), (8, 0), (5, 1), (7, 2)], min_width=3) == ([2, 5, 7, 8], [3, 1, 1, 0],
+                                                                       (2, 3, 5, 1, 7, 1, 0xFFFFFFFF))
+    assert dispatch([(2, 3), (5, 3), (7, 1)], min_width=3) == ([2, 5, 7], [3, 3, 1], (2, 3, 5, 3, 7, 1, 0xFFFFFFFF))
 
 
 def test_kv_move_copies_every_layer_and_replays():

@@ -22,10 +22,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from runtime.async_engine import AsyncEngine, RequestHandle, Update
-from runtime.engine import RequestError
-from runtime.openai_api import APIError, ParsedRequest, parse_request, render_chat
-from runtime.server_metrics import ServerMetrics
+from serving.async_engine import AsyncEngine, RequestHandle, Update
+from engine.engine import RequestError
+from serving.openai_api import APIError, ParsedRequest, parse_request, render_chat
+from serving.server_metrics import ServerMetrics
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -277,14 +277,14 @@ def serve(llm, *, host: str, port: int, config: ServerConfig) -> None:
     """Run the server until interrupted; the engine thread stops with it."""
     import uvicorn
     metrics = ServerMetrics()
-    sup = llm.supervisor
+    deployment = llm.deployment
 
     def observe(engine) -> None:
         metrics.observe_engine(engine)
-        if sup is not None:
-            metrics.observe_supervisor(sup)
+        if deployment.is_supervised:
+            metrics.observe_deployment(deployment)
 
-    aengine = AsyncEngine(llm.engine, on_step=observe, supervisor=sup)
+    aengine = AsyncEngine(llm.engine, deployment, on_step=observe)
     app = build_app(aengine, config, metrics, ranks=lambda: llm.rank_info)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

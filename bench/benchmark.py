@@ -17,9 +17,11 @@ from pathlib import Path
 
 import torch
 
-from runtime.bench_report import git_sha, machine, plot, print_table, verify_key_settings
-from runtime.corpus import heldout_prompts
+from bench.report import git_sha, machine, plot, print_table, verify_key_settings
+from bench.corpus import heldout_prompts
 from runtime.sampler import SamplingParams
+from serving.deployment import Launcher
+from serving.llm import LLM
 
 # Engine arms: name -> (speculation method, most drafts per step, draft policy, confidence stop TAU).
 # Arm tree drafts trees of the shape --tree-shape gives (its policy and depth come from the shape).
@@ -108,16 +110,15 @@ def _ms(v: float | None) -> float | None:
 class EngineArm:
     """Our engine, closed loop: `concurrency` requests in flight, a new one joins as one ends."""
 
-    def __init__(self, name: str, config: BenchConfig) -> None:
-        from runtime.llm import LLM
+    def __init__(self, name: str, config: BenchConfig, launcher: Launcher | None = None) -> None:
         self.name = name
         self.tree_shape = arm_tree_shape(name, config.tree_shape)
         spec, k, policy, tau = ENGINE_ARMS["tree" if self.tree_shape else name]
         self.llm = LLM(config.model, dtype=config.dtype, kv_cache_tokens=65536,
                        max_num_seqs=max(config.concurrency), spec=spec, num_drafts=k, ep=config.ep,
-                       launcher=config.launcher, draft_policy=policy, draft_confidence_stop=tau,
+                       launcher=launcher, draft_policy=policy, draft_confidence_stop=tau,
                        tree_shape=self.tree_shape)
-        self.comm = getattr(self.llm, "comm", None)
+        self.comm = self.llm.deployment.comm
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -138,7 +139,7 @@ class EngineArm:
             while len(inflight) < concurrency and submitted < n:
                 inflight.append(engine.add_request(prompts[submitted % len(prompts)], params))
                 submitted += 1
-            engine.step()
+            self.llm.step()
             still = []
             for seq in inflight:
                 (done if seq.is_finished else still).append(seq)
@@ -192,8 +193,8 @@ class HFArm:
         return _cell("hf", concurrency, 1, tokens, time.perf_counter() - t0, [], [], requests=n)
 
 
-def build_arm(name: str, config: BenchConfig):
-    return HFArm(config) if name == "hf" else EngineArm(name, config)
+def build_arm(name: str, config: BenchConfig, launcher: Launcher | None = None):
+    return HFArm(config) if name == "hf" else EngineArm(name, config, launcher)
 
 
 def bench_prompts(config: BenchConfig) -> list[list[int]]:
@@ -221,7 +222,10 @@ def median_cell(runs: list[dict]) -> dict:
     return cell
 
 
-def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path | None = None) -> dict:
+def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path | None = None,
+              launcher: Launcher | None = None) -> dict:
+    """Run the sweep; `launcher` starts each arm's worker ranks at EP > 1 (the CLI passes the one
+    `--launcher` names)."""
     prompts = bench_prompts(config)
     print(f"bench: {len(prompts)} held-out prompts, arms {','.join(config.arms)}, concurrency "
           f"{','.join(map(str, config.concurrency))}, {config.max_tokens} tokens per request", flush=True)
@@ -230,7 +234,7 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
     # process holds one process group, so the arms run one after another, each with its group.
     runs: dict[tuple[str, int], list[dict]] = {(a, c): [] for a in config.arms for c in config.concurrency}
     if config.ep == 1:
-        arms = {name: build_arm(name, config) for name in config.arms}
+        arms = {name: build_arm(name, config, launcher) for name in config.arms}
         try:
             for arm in arms.values():
                 arm.run(prompts[:2], 2, 2, 4, config.ep)  # warm-up, not recorded
@@ -246,7 +250,7 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
                 arm.close()
     else:
         for name in config.arms:
-            arm = build_arm(name, config)
+            arm = build_arm(name, config, launcher)
             try:
                 arm.run(prompts[:2], 2, 2, 4, config.ep)
                 for c in config.concurrency:

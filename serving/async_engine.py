@@ -14,9 +14,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from runtime.engine import Engine
+from engine.engine import Engine
 from runtime.sampler import SamplingParams
 from runtime.sequence import Sequence
+from serving.deployment import Deployment
 
 log = logging.getLogger("metrale.async_engine")
 
@@ -37,12 +38,13 @@ class RequestHandle:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_step: Callable[[Engine], None] | None = None, supervisor=None) -> None:
-        """`supervisor` (a `launch.supervisor.Supervisor`): restart a failed EP group and carry
-        on; the engine object stays, its requests continue where they were."""
+    def __init__(self, engine: Engine, deployment: Deployment,
+                 on_step: Callable[[Engine], None] | None = None) -> None:
+        """Steps go through `deployment.step`, which restarts a failed EP group and carries on;
+        the engine object stays, its requests continue where they were."""
         self.engine = engine
+        self.deployment = deployment
         self.on_step = on_step
-        self.supervisor = supervisor
         self._inbox: queue.Queue = queue.Queue()
         self._handles: dict[int, RequestHandle] = {}
         self._stop = threading.Event()
@@ -95,29 +97,14 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _recover(self, reason: str) -> None:
-        """Restart the group; then tell every request where it stands (a step that failed half
-        way may have committed tokens or finished requests nobody has heard of yet)."""
-        self.supervisor.recover(reason)
-        for seq_id, handle in list(self._handles.items()):
-            self._notify(handle, Update(handle.seq.num_output, handle.seq.is_finished))
-            if handle.seq.is_finished:
-                del self._handles[seq_id]
-
     def _step(self) -> None:
-        sup = self.supervisor
-        why = sup.pending() if sup is not None else None
-        if why is not None:  # the watchdog saw a rank die (also while idle)
-            self._recover(why)
-        if not self.engine.has_unfinished():
-            return
-        try:
-            done = self.engine.step()
-        except Exception as exc:
-            if sup is None or not sup.handles(exc):
-                raise
-            self._recover(sup.reason(exc))
-            return
+        outcome = self.deployment.step(self.engine)
+        if outcome.recovered:
+            # A restart: tell every request where it stands (a step that failed half way may
+            # have committed tokens or finished requests nobody has heard of yet).
+            done = [h.seq for h in self._handles.values()]
+        else:
+            done = outcome.done
         for seq in done:
             handle = self._handles.get(seq.seq_id)
             if handle is None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from runtime.engine import Engine
+from engine.engine import Engine
 from speculative.metrics import MAX_POSITIONS
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -39,8 +39,8 @@ class ServerMetrics:
                                       "Seconds the last restart of the EP group took", registry=r)
         self._restarts_seen = 0
 
-    def observe_supervisor(self, sup) -> None:
-        """Called on the engine thread; `sup` is the LLM's `launch.supervisor.Supervisor`."""
+    def observe_deployment(self, sup) -> None:
+        """Called on the engine thread; `sup` is the LLM's `serving.deployment.Deployment`."""
         if sup.restarts > self._restarts_seen:
             self.restarts.inc(sup.restarts - self._restarts_seen)
             self._restarts_seen = sup.restarts

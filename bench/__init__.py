@@ -1,0 +1,1 @@
+"""`metrale bench`: the concurrency sweep, its record and plot, the prompt corpus."""

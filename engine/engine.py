@@ -1,0 +1,308 @@
+"""The engine on rank 0: requests in, one batched step at a time, tokens out.
+
+A step is a few named phases and one postprocess:
+1. plan: the depth policy gives each decoding sequence its draft depth and verify rows;
+2. schedule: the scheduler picks sequences and token counts and reserves their cache;
+3. propose: the drafter drafts each planned sequence's depth;
+4. run: verifying sequences first (dispatch order), then plain rows, in one forward;
+5. verify and sample: a `SeqUpdate` per sequence (verify rows, or a plain row's sampled token);
+6. postprocess: move a taken hedge, rewind, feed the drafter, commit, finish.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.verifier import SeqUpdate, Verifier, VerifyItem
+from runtime.attention import SeqChunk
+from runtime.config import ModelConfig
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.model_runner import ModelRunner
+from runtime.sampler import SamplingParams, sample_rows
+from runtime.scheduler import Scheduled, Scheduler, SchedulerConfig
+from runtime.sequence import Sequence, SequenceStatus
+from runtime.tokenizer import Tokenizer
+from speculative.depth import NO_DRAFTS, DepthPolicy, DraftPlan
+from speculative.metrics import AcceptanceMetrics
+from speculative.proposer import DraftProposer, Drafts, ProposerState, ProposeRequest
+from speculative.settings import SpecSettings
+
+log = logging.getLogger("metrale.engine")
+NO_DRAFT = Drafts([], [])
+
+
+class RequestError(ValueError):
+    """A request this engine refuses; the message names the bad value."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None, config: EngineConfig,
+                 spec: SpecSettings | None = None, proposer: DraftProposer | None = None) -> None:
+        self.runner = runner
+        self.model_config: ModelConfig = runner.config
+        self.tokenizer = tokenizer
+        self.config = config
+        self.spec = spec or SpecSettings()
+        if self.spec.is_speculating and proposer is None:
+            raise ValueError(f"spec={self.spec.method!r} with {self.spec.num_drafts} drafts needs a proposer")
+        self.proposer = proposer if self.spec.is_speculating else None
+        self.states: dict[int, ProposerState] = {}
+        self.metrics = AcceptanceMetrics()
+        self.depth = DepthPolicy(self.spec)
+        self.verifier = Verifier(self.spec)
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                                                   max_num_batched_tokens=config.max_num_batched_tokens),
+                                   runner.cache, on_preempt=self._on_preempt)
+        self.max_model_len = min(self.model_config.max_position_embeddings, runner.cache.capacity_tokens)
+        self._ids = itertools.count()
+        self._rng = random.Random()
+        self.num_steps = 0
+
+    # --- requests -------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Validate and queue one request; raises `RequestError` naming what is wrong."""
+        self.validate_request(prompt_ids, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(seq_id=next(self._ids), prompt_len=len(prompt_ids), token_ids=list(prompt_ids),
+                       params=params, seed=seed)
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop or ())
+        self.scheduler.add(seq)
+        if self.proposer is not None:
+            self.states[seq.seq_id] = self.proposer.alloc_state(seq.seq_id)
+        return seq
+
+    def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise `RequestError` when a request cannot be served; reads only fixed configuration."""
+        vocab = self.model_config.vocab_size
+        if not prompt_ids:
+            raise RequestError("prompt is empty: at least one token is needed")
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(f"prompt of {len(prompt_ids)} tokens does not fit the context of "
+                               f"{self.max_model_len} tokens (one output token needs room too)")
+
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        if not seq.is_finished:
+            seq.finish_reason = reason
+            seq.finish_time = time.perf_counter()
+            self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.verifier.plans.drop_slot(seq.seq_id)
+        state = self.states.pop(seq.seq_id, None)
+        if state is not None:
+            self.proposer.free_state(state)
+
+    def _on_preempt(self, seq: Sequence) -> None:
+        self.verifier.plans.drop_slot(seq.seq_id)
+        if seq.seq_id in self.states:
+            self.proposer.reset_state(self.states[seq.seq_id])
+
+    def reset(self, runner: ModelRunner, proposer: DraftProposer | None) -> list[Sequence]:
+        """Continue on a fresh runner (a restarted EP group: empty caches, reloaded weights).
+
+        Every unfinished sequence is queued again, in arrival order, to recompute its prompt plus
+        the tokens it has already committed; nothing committed is lost or changed, and sampling
+        keyed by (seed, position) gives the same next tokens. Returns those sequences.
+        """
+        unfinished = sorted([*self.scheduler.running, *self.scheduler.waiting], key=lambda s: s.seq_id)
+        self.runner = runner
+        self.proposer = proposer if self.spec.is_speculating else None
+        self.states = {}
+        self.verifier.plans.clear()
+        preemptions = self.scheduler.num_preemptions
+        self.scheduler = Scheduler(self.scheduler.config, runner.cache, on_preempt=self._on_preempt)
+        self.scheduler.num_preemptions = preemptions
+        for seq in unfinished:
+            seq.num_computed = 0
+            seq.status = SequenceStatus.WAITING
+            self.scheduler.add(seq)
+            if self.proposer is not None:
+                self.states[seq.seq_id] = self.proposer.alloc_state(seq.seq_id)
+        return unfinished
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- one step -------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one batched forward; returns the sequences that got tokens (or finished)."""
+        t0 = time.perf_counter()
+        width = len(self.scheduler.running)
+        plans = self.plan()
+        batch = self.scheduler.schedule({sid: p.num_rows for sid, p in plans.items()})
+        if not batch:
+            if self.scheduler.waiting:
+                raise RuntimeError("the KV cache cannot hold the next waiting request even when empty")
+            return []
+        drafts = self.propose(batch, plans)
+        batch, drafts, vplan = self.verifier.order(batch, drafts)
+        tokens, chunks, items = self._rows(batch, drafts, vplan)
+        hidden, _ = self.runner.forward(tokens, chunks)
+        self.num_steps += 1
+        updates = self.verify_and_sample(batch, chunks, items, vplan, hidden)
+        self.postprocess(updates, hidden, len(batch))
+        depth = self.depth.step_depth_taken
+        if self.depth.auto is not None and depth is not None and all(i.num_tokens == 1 for i in batch):
+            # A pure decode step: what it cost at this width and depth, for the controller.
+            self.depth.auto.record(width, depth, time.perf_counter() - t0)
+        return [u.seq for u in updates if u.commit or u.seq.is_finished]
+
+    def plan(self) -> dict[int, DraftPlan]:
+        """Phase 1: the draft plan of every running sequence that decodes this step."""
+        self.depth.step_depth_taken = None
+        if self.proposer is None:
+            return {}
+        running = self.scheduler.running
+        decoding = [s for s in running if s.num_pending == 1]
+        if not decoding:
+            return {}
+        rooms = [min(s.params.max_tokens - s.num_output, self.max_model_len - len(s.token_ids)) for s in decoding]
+        plans = self.depth.plans(len(running), rooms)
+        return {s.seq_id: p for s, p in zip(decoding, plans) if p.num_rows > 0}
+
+    def propose(self, batch: list[Scheduled], plans: dict[int, DraftPlan]) -> list[Drafts]:
+        """Phase 3: drafts for every scheduled sequence that got its draft rows (others: none),
+        cut where the confidence stop ended each chain."""
+        out = [NO_DRAFT] * len(batch)
+        if self.proposer is None:
+            return out
+        idx = [i for i, item in enumerate(batch) if item.num_draft_rows > 0]
+        tree = self.spec.tree_shape
+        depths = [plans.get(batch[i].seq.seq_id, NO_DRAFTS).depth for i in idx]
+        reqs = [ProposeRequest(self.states[batch[i].seq.seq_id], batch[i].seq.token_ids, d,
+                               tree.counts[:d] if tree is not None else ())
+                for i, d in zip(idx, depths)]
+        got = self.proposer.propose_batch(reqs) if reqs else []
+        if got is None:
+            got = [self.proposer.propose(r) for r in reqs]
+        for i, d, drafts in zip(idx, depths, got):
+            out[i] = drafts.cut(self.depth.verify_depth(d, drafts.probs))
+        return out
+
+    def _rows(self, batch: list[Scheduled], drafts: list[Drafts], vplan
+              ) -> tuple[list[int], list[SeqChunk], list[VerifyItem]]:
+        """Phase 4's input: the forward tokens and chunks (verifying sequences first, in the
+        plan's order), and each verifying sequence's place in the forward."""
+        tokens: list[int] = []
+        chunks: list[SeqChunk] = []
+        items: list[VerifyItem] = []
+        for i, (item, d) in enumerate(zip(batch, drafts)):
+            seq = item.seq
+            if d.tokens:
+                layout = vplan.seqs[i]
+                rows, chunk = self.verifier.rows(seq, d, layout)
+                items.append(VerifyItem(seq, d, len(tokens), layout))
+            else:
+                rows = seq.token_ids[seq.num_computed:seq.num_computed + item.num_tokens]
+                chunk = SeqChunk(seq.seq_id, seq.num_computed, item.num_tokens)
+            tokens.extend(rows)
+            chunks.append(chunk)
+        return tokens, chunks, items
+
+    def verify_and_sample(self, batch: list[Scheduled], chunks: list[SeqChunk], items: list[VerifyItem],
+                          vplan, hidden: torch.Tensor) -> list[SeqUpdate]:
+        """Phase 5: a `SeqUpdate` per scheduled sequence. Verifying sequences accept drafts; plain
+        rows that reach the end of their known tokens sample one token with the (seed, position)
+        generator; prefill chunks that do not only feed the drafter."""
+        updates: list[SeqUpdate] = []
+        if items:
+            updates += self.verifier.verify(items, self.runner.logits(hidden, vplan.logits_rows))
+        plain: list[tuple[Sequence, int, int]] = []        # (sequence, its first row, rows)
+        row = sum(c.num_tokens for c in chunks[:len(items)])
+        for item, chunk in zip(batch[len(items):], chunks[len(items):]):
+            plain.append((item.seq, row, item.num_tokens))
+            row += chunk.num_tokens
+        last = [(s, r + n - 1) for s, r, n in plain if s.num_computed + n == len(s.token_ids)]
+        sampled: dict[int, int] = {}
+        if last:
+            seqs = [s for s, _ in last]
+            logits = self.runner.logits(hidden, [r for _, r in last])
+            new = sample_rows(logits, [s.params for s in seqs], [s.seed for s in seqs],
+                              [len(s.token_ids) for s in seqs])
+            sampled = {s.seq_id: t for s, t in zip(seqs, new)}
+        for seq, r, n in plain:
+            tok = sampled.get(seq.seq_id)
+            updates.append(SeqUpdate(seq=seq, num_computed=seq.num_computed + n,
+                                     observed=[(range(r, r + n), seq.num_computed)],
+                                     commit=[tok] if tok is not None else []))
+        return updates
+
+    def postprocess(self, updates: list[SeqUpdate], hidden: torch.Tensor, width: int) -> None:
+        """Phase 6, for plain and verify rows alike: move a taken hedge's keys/values, record the
+        verify, set the cached length (rewinding past rejected rows), feed the drafter the rows
+        whose inputs are committed, trim its state, commit the tokens."""
+        now = time.perf_counter()
+        cache = self.runner.cache
+        for u in updates:
+            seq, v = u.seq, u.verify
+            if u.move is not None:
+                cache.move(seq.seq_id, *u.move)
+            if v is not None:
+                self.metrics.record(width, v.drafts, v.targets, v.num_accepted)
+                self.metrics.hedges_taken += int(v.hedge_taken)
+                if self.depth.auto is not None:
+                    self.depth.auto.observe_verify(len(v.drafts), v.num_accepted)
+                seq.num_verifies += 1
+                seq.drafted_tokens += v.num_draft_rows
+                seq.accepted_tokens += v.num_accepted
+                cache.rewind(seq.seq_id, u.num_computed)
+            seq.num_computed = u.num_computed
+            state = self.states.get(seq.seq_id)
+            if state is not None:
+                for rows, at in u.observed:
+                    self.proposer.observe_target(state, hidden, rows, at)
+                if v is not None:
+                    self.proposer.after_verify(state, v.num_accepted)
+            if u.commit:
+                self.commit(seq, u.commit, now)
+        if self.spec.accept_debug and self.metrics.verifies and any(u.verify for u in updates) \
+                and self.metrics.verifies % 200 < sum(u.verify is not None for u in updates):
+            log.info("mtp accept: %s", self.metrics.summary())
+
+    def commit(self, seq: Sequence, new_tokens: list[int], now: float) -> None:
+        """Append tokens to a sequence, stopping at EOS, a stop string, max_tokens or the context."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        eos = () if seq.params.ignore_eos else self.model_config.eos_token_ids
+        reason = None
+        added = 0
+        for tok in new_tokens:
+            seq.token_ids.append(tok)
+            added += 1
+            if tok in eos:
+                reason = "stop"
+            elif seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                reason = "length"
+            if reason:
+                break
+        detok = seq.detokenizer
+        if detok is not None:
+            detok.append(seq.token_ids[len(seq.token_ids) - added:])
+            if reason:
+                detok.finish()
+            if detok.stopped:
+                reason = "stop"
+            seq.text = detok.text
+        if reason:
+            seq.finish_reason = reason
+            seq.finish_time = now
+            self._finish(seq)

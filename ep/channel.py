@@ -1,0 +1,151 @@
+"""The command channel of an EP group: rank 0 broadcasts fixed-layout u32 commands, every rank
+answers each with a status all-reduce, and the start-up handshake, shard loading and the
+gathers every rank joins once at start.
+
+Every command ends with a status all-reduce: a worker that cannot execute a command reports it
+there, every rank skips it together, and rank 0 raises with the worker's rank and reason code.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+from ep.comm import Communicator, u32_to_words, words_to_u32
+from ep.parallel import parallelize
+from ep.protocol import (DTYPE_CODES, EP_CMD_HANDSHAKE, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE, EP_CMD_SLOT_RESERVE,
+                         EP_CMD_SLOT_REWIND, HEADER_WORDS, NO_SLOT, PROTOCOL_VERSION, Command, ProtocolError,
+                         bulk_len, encode, float_bits, parse_stop)
+from ep.topology import EPTopology
+from runtime.config import load_config
+from runtime.model_runner import ModelRunner
+from runtime.weights import checkpoint_files, load_model
+
+MAX_BULK_WORDS = 1 << 24
+OP_CODES = {"reserve": EP_CMD_SLOT_RESERVE, "rewind": EP_CMD_SLOT_REWIND, "free": EP_CMD_SLOT_FREE,
+            "move": EP_CMD_SLOT_MOVE}
+OP_NAMES = {v: k for k, v in OP_CODES.items()}
+# Handshake words every rank must agree on -> the reason code a mismatch is reported with.
+HANDSHAKE_FIELDS = {1: "protocol version", 2: "world size", 3: "model fingerprint", 4: "dtype",
+                    5: "confidence stop"}
+HANDSHAKE_CHECKS = ((0, 1), (1, 2), (2, 3), (3, 3), (4, 4))   # (word, reason); word 5, the stop, is adopted
+
+
+class CommandRefused(RuntimeError):
+    pass
+
+
+class HandshakeError(RuntimeError):
+    pass
+
+
+def model_fingerprint(model_dir: str | Path) -> int:
+    """64 bits over config.json (normalized) and the checkpoint's tensor names."""
+    model_dir = Path(model_dir)
+    cfg = json.dumps(json.loads((model_dir / "config.json").read_text()), sort_keys=True)
+    names = "\n".join(sorted(checkpoint_files(model_dir)))
+    return int.from_bytes(hashlib.sha256((cfg + "\n" + names).encode()).digest()[:8], "little")
+
+
+def load_shard(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: str,
+               kv_cache_tokens: int) -> ModelRunner:
+    """This rank's model shard (reading only its tensors) and its KV cache."""
+    cfg = load_config(model_dir)
+    topo = EPTopology.of(cfg, comm.rank, comm.world_size)
+    model = load_model(model_dir, dtype, expert_range=topo.expert_range(),
+                       transform=lambda m: parallelize(m, topo, comm, moe_mode))
+    return ModelRunner(model, kv_cache_tokens=kv_cache_tokens)
+
+
+def weight_bytes(runner: ModelRunner) -> int:
+    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+
+
+# --- the command channel -------------------------------------------------------------------
+def report_status(comm: Communicator, code: int) -> int:
+    return int(comm.all_reduce(torch.tensor([code], dtype=torch.int64), "max")[0])
+
+
+def send_command(comm: Communicator, cmd: Command) -> None:
+    header, bulk = encode(cmd)
+    comm.broadcast(u32_to_words(header))
+    if bulk:
+        comm.broadcast(u32_to_words(bulk))
+    status = report_status(comm, 0)
+    if status:
+        raise CommandRefused(f"rank {status & 0xFFFF} refused {cmd.name} (reason {status >> 16}); see its log")
+
+
+def recv_command(comm: Communicator) -> tuple[list[int], list[int]]:
+    header_t = comm.broadcast(torch.empty(HEADER_WORDS, dtype=torch.int32))
+    header = words_to_u32(header_t)
+    n = bulk_len(header)
+    if n > MAX_BULK_WORDS:
+        raise ProtocolError(f"bulk of {n} words exceeds {MAX_BULK_WORDS}")
+    bulk = words_to_u32(comm.broadcast(torch.empty(n, dtype=torch.int32))) if n else []
+    return header, bulk
+
+
+def handshake_words(model_dir: str | Path, world_size: int, dtype: str) -> tuple[int, ...]:
+    fp = model_fingerprint(model_dir)
+    return PROTOCOL_VERSION, world_size, fp & 0xFFFFFFFF, fp >> 32, DTYPE_CODES[dtype]
+
+
+def _handshake_failed(status: int) -> HandshakeError:
+    return HandshakeError(f"EP handshake failed: rank {status & 0xFFFF} has another "
+                          f"{HANDSHAKE_FIELDS.get(status >> 16, 'setting')} than rank 0")
+
+
+def driver_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
+                     confidence_stop: float | None = None) -> None:
+    """Rank 0: announce what this group must agree on (protocol version, world size, model
+    fingerprint, dtype) and the confidence stop TAU every rank drafts with (None: no stop).
+    Raises `HandshakeError` naming the first rank that disagrees; every rank stops then."""
+    if confidence_stop is not None and not 0.0 < confidence_stop < 1.0:
+        raise ValueError(f"confidence_stop={confidence_stop} must be in (0, 1) or None")
+    words = (*handshake_words(model_dir, comm.world_size, dtype), float_bits(confidence_stop))
+    header, _ = encode(Command(EP_CMD_HANDSHAKE, NO_SLOT, words))
+    comm.broadcast(u32_to_words(header))
+    status = report_status(comm, 0)
+    if status:
+        raise _handshake_failed(status)
+
+
+def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str) -> float | None:
+    """Ranks above 0: check rank 0's handshake against this rank's own words; returns the group's
+    confidence stop TAU (rank 0's, float32-exact; None for no stop)."""
+    header, _ = recv_command(comm)
+    mine = handshake_words(model_dir, comm.world_size, dtype)
+    kind, stop = 0, None
+    if header[1] != EP_CMD_HANDSHAKE:
+        kind = 1
+    else:
+        theirs = header[2:2 + 6]
+        kind = next((reason for i, reason in HANDSHAKE_CHECKS if theirs[i] != mine[i]), 0)
+        if not kind:
+            try:
+                stop = parse_stop(theirs[5], "HANDSHAKE")
+            except ProtocolError:
+                kind = 5
+    status = report_status(comm, (kind << 16) | comm.rank if kind else 0)
+    if status:
+        raise _handshake_failed(status)
+    return stop
+
+
+def gather_rank_info(comm: Communicator) -> list[dict]:
+    """Every rank's pid and host name (for /health), gathered once at start-up."""
+    name = socket.gethostname().encode()[:64].ljust(64, b"\0")
+    row = torch.tensor([os.getpid(), *name], dtype=torch.int64)
+    rows = comm.all_gather(row[None])
+    return [{"rank": r, "pid": int(rows[r, 0]), "host": bytes(rows[r, 1:].tolist()).rstrip(b"\0").decode()}
+            for r in range(comm.world_size)]
+
+
+def gather_weight_bytes(comm: Communicator, runner: ModelRunner) -> list[int]:
+    out = comm.all_gather(torch.tensor([weight_bytes(runner)], dtype=torch.int64))
+    return out.tolist()

@@ -1,0 +1,97 @@
+"""Rank 0's side of an EP group: `DriverRunner` (the `ModelRunner` interface, broadcasting each
+step's command before running its own shard) and the sharded MTP drafter that tells the workers
+before every propose."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from ep.channel import OP_CODES, send_command
+from ep.comm import Communicator
+from ep.protocol import (EP_CMD_LOGITS, EP_CMD_SHUTDOWN, NO_SLOT, Command, ForwardPayload, Observation, Op,
+                         ProposePayload, forward_command, propose_command)
+from runtime.attention import SeqChunk
+from runtime.model_runner import ModelRunner
+from speculative.knobs import DrafterKnobs
+from speculative.mtp import MTPProposer
+from speculative.proposer import ProposerState, ProposeRequest
+
+
+class DriverRunner:
+    """Rank 0's runner: broadcasts each step to the workers, then runs its own shard.
+
+    `sent` counts the commands that went on the wire, by name (`Command.name`)."""
+
+    def __init__(self, local: ModelRunner, comm: Communicator) -> None:
+        self.local = local
+        self.comm = comm
+        self.model = local.model
+        self.config = local.config
+        self.cache = local.cache
+        self.cache.journal = []
+        # Drafter inputs observed since the last command (they index the last forward's hidden).
+        self.obs_journal: list[Observation] = []
+        # The last FORWARD the workers executed, as they parsed it: a three-word propose is read off it.
+        self.last_forward: ForwardPayload | None = None
+        self.sent: Counter[str] = Counter()
+
+    def send(self, cmd: Command) -> None:
+        """Broadcast one command and wait for every rank's verdict (`CommandRefused` on a refusal)."""
+        send_command(self.comm, cmd)
+        self.sent[cmd.name] += 1
+
+    def take_obs(self) -> list[Observation]:
+        obs, self.obs_journal = self.obs_journal, []
+        return obs
+
+    def take_ops(self) -> list[Op]:
+        ops = [(OP_CODES[op], seq, n) for op, seq, n in self.cache.journal]
+        self.cache.journal.clear()
+        return ops
+
+    def forward(self, tokens: list[int], chunks: list[SeqChunk]):
+        sent = ForwardPayload(ops=self.take_ops(), chunks=[(c.seq_id, c.start, c.num_tokens) for c in chunks],
+                              tokens=list(tokens), obs=self.take_obs(),
+                              trees={i: list(c.parents) for i, c in enumerate(chunks) if c.parents is not None})
+        self.send(forward_command(sent.ops, sent.chunks, sent.tokens, sent.obs, sent.trees))
+        self.last_forward = sent
+        return self.local.forward(tokens, chunks)
+
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        self.send(Command(EP_CMD_LOGITS, NO_SLOT, (len(rows), len(rows)), list(rows)))
+        return self.local.logits(hidden, rows)
+
+    def propose(self, payload: ProposePayload, stop: float | None, pending: list[tuple[int, int]]) -> None:
+        """Tell the workers to run `payload` on their drafter mirror: the three-word MTP_PROPOSE
+        when they can derive it from the last forward, else the batched form. `pending[i]` is
+        (last_token, position) of `payload.seqs[i]`."""
+        self.send(propose_command(self.last_forward, payload, stop, pending))
+
+    def shutdown(self) -> None:
+        self.send(Command(EP_CMD_SHUTDOWN))
+
+
+class ShardedMTPProposer(MTPProposer):
+    """Rank 0's sharded MTP drafter: its propose tells the workers first, so they enter the
+    drafter's collectives with it; the hiddens it is fed are mirrored on every rank. Its
+    `confidence_stop` must be the one given to `driver_handshake` (workers refuse another)."""
+
+    needs_comm = True
+
+    def __init__(self, driver: DriverRunner, confidence_stop: float | None = None,
+                 knobs: DrafterKnobs | None = None) -> None:
+        super().__init__(driver.model, driver.cache, confidence_stop, knobs)
+        self.driver = driver
+
+    def observe_target(self, state: ProposerState, hidden: torch.Tensor, rows: range, start: int) -> None:
+        super().observe_target(state, hidden, rows, start)
+        self.driver.obs_journal.append((state.seq_id, rows.start, len(rows), start))
+
+    def before_draft(self, live: list[ProposeRequest], feeds: list[list[int]]) -> None:
+        # The observations before the ops: they index the last forward, whose rows a FREE among the ops may drop.
+        obs = self.driver.take_obs()
+        payload = ProposePayload(ops=self.driver.take_ops(), obs=obs,
+                                 seqs=[(r.state.seq_id, r.num_drafts, f) for r, f in zip(live, feeds)])
+        self.driver.propose(payload, self.confidence_stop,
+                            [(r.token_ids[-1], len(r.token_ids) - 1) for r in live])

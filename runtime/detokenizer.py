@@ -1,0 +1,82 @@
+"""Incremental detokenization: one per sequence, shared by stop strings and streaming.
+
+Each update decodes a short window of tokens, never the whole output, so its cost does not grow
+with the output's length. The window starts a few tokens before the first undecoded one
+(`prefix_offset`), because a tokenizer may render a token differently with context before it
+(a leading space, a byte-level merge); the new text is what the window decodes to beyond what its
+prefix alone decodes to. A window that ends inside a multi-byte character (the replacement
+character U+FFFD at the end) waits for the next token. Stop strings are searched only in the
+tail the new text can complete; `text` is cut where the first stop string begins.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from runtime.tokenizer import Tokenizer
+
+PREFIX_TOKENS = 5        # context tokens decoded before the new ones
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stops: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stops = tuple(s for s in stops if s)
+        self.max_stop = max((len(s) for s in self.stops), default=0)
+        # The prompt's last tokens are the first window's context, as they are for the model.
+        self.ids: list[int] = list(prompt_ids[-PREFIX_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+        self.stopped = False
+
+    def append(self, new_ids: Sequence[int]) -> str:
+        """Add committed output tokens; returns the text they completed (cut at a stop string,
+        after which nothing more is added)."""
+        if self.stopped or not new_ids:
+            return ""
+        self.ids.extend(new_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        window = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(window) <= len(prefix):
+            return ""   # nothing new yet
+        delta = window[len(prefix):]
+        if window.endswith(REPLACEMENT) and self._first_stop(self.text + delta) is None:
+            return ""   # a character still missing its last bytes (a stop string already there ends it)
+        return self._add(delta)
+
+    def finish(self) -> str:
+        """The sequence ended: add what is still held back (an unfinished character decodes as
+        U+FFFD, as a decode of the whole output would give)."""
+        if self.stopped or self.read_offset == len(self.ids):
+            return ""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        window = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        return self._add(window[len(prefix):]) if len(window) > len(prefix) else ""
+
+    def _add(self, delta: str) -> str:
+        self.prefix_offset = self.read_offset   # a character boundary: the last window ended cleanly there
+        self.read_offset = len(self.ids)
+        old = len(self.text)
+        cut = self._first_stop(self.text + delta)
+        self.text += delta
+        if cut is not None:
+            self.text = self.text[:cut]
+            self.stopped = True
+        return self.text[old:]
+
+    def _first_stop(self, text: str) -> int | None:
+        """Where the earliest stop string begins in `text` (the current text plus new text),
+        searching only from where a stop string could straddle the current text's end."""
+        if not self.stops:
+            return None
+        tail_from = max(0, len(self.text) - self.max_stop + 1)
+        hits = [i for i in (text.find(s, tail_from) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def stable_text(self, finished: bool) -> str:
+        """The text a stream may send now: all of it once finished, else all but the last
+        max_stop - 1 characters, which a stop string still to come could remove."""
+        if finished or self.max_stop <= 1:
+            return self.text
+        return self.text[:max(0, len(self.text) - self.max_stop + 1)]

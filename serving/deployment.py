@@ -1,0 +1,269 @@
+"""The deployment of one model: its ranks, runner and drafter, and their supervision.
+
+A `Deployment` owns everything below the engine that a restart must rebuild: starting the worker
+ranks (through a launcher handed in from above: `launch.mp.MPGroup`, `launch.ray_group.RayGroup`,
+or an already joined communicator under torchrun), the handshake, loading rank 0's shard, the
+runner, and the proposer. `step(engine)` is the one supervised step the offline `LLM`, the server
+and the benchmark all run: a rank that dies (its launcher says so, a collective fails or times
+out) makes it stop every rank, start a fresh group, reload the weights and hand the engine the new
+runner and proposer; the engine queues every unfinished request again from its prompt plus the
+tokens it has committed, so nothing is lost. After `max_restarts` it raises `GroupFailed`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from engine.engine import Engine
+from ep.channel import driver_handshake, gather_rank_info, gather_weight_bytes, load_shard
+from ep.comm import CommError, Communicator
+from ep.driver import DriverRunner, ShardedMTPProposer
+from ep.local_drafter import load_local_drafter
+from runtime.model_runner import ModelRunner
+from runtime.sequence import Sequence
+from runtime.weights import load_model
+from speculative.mtp import MTPProposer
+from speculative.ngram import NgramProposer
+from speculative.proposer import DraftProposer
+from speculative.settings import SpecSettings
+
+log = logging.getLogger("metrale.deployment")
+
+DEFAULT_MAX_RESTARTS = 3
+
+
+class GroupStartError(RuntimeError):
+    """An EP group could not start: no room for its ranks, or a rank failed while joining."""
+
+
+class GroupFailed(RuntimeError):
+    """The group died more often than `--max-restarts` allows."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupConfig:
+    """What a launcher needs to start the worker ranks of one EP group."""
+    model_dir: str
+    dtype: str
+    ep: int
+    moe_a2a: str = "alltoall"
+    kv_cache_tokens: int = 32768
+    timeout_s: float = 60.0
+
+
+class WorkerGroup(Protocol):
+    """The worker ranks of one EP group as a launcher started them; `comm` is rank 0's."""
+    comm: Communicator | None
+
+    def start(self) -> None: ...
+    def nodes(self) -> list[str]: ...
+    def dead(self) -> str | None: ...
+    def failure_report(self) -> str: ...
+    def stop(self, timeout_s: float = 10.0) -> None: ...
+    def close(self) -> None: ...
+
+
+Launcher = Callable[[GroupConfig], WorkerGroup]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeploymentConfig:
+    model_dir: Path
+    dtype: str = "float32"
+    ep: int = 1
+    moe_a2a: str = "alltoall"
+    kv_cache_tokens: int = 32768
+    ep_timeout_s: float = 60.0
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+
+    def __post_init__(self) -> None:
+        if self.ep < 1:
+            raise ValueError(f"ep={self.ep} must be at least 1")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts} must be at least 0")
+        if self.moe_a2a not in ("alltoall", "allreduce"):
+            raise ValueError(f"moe_a2a={self.moe_a2a!r}: expected alltoall or allreduce")
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    done: list[Sequence]     # sequences that got tokens or finished
+    recovered: bool = False  # the group was restarted: every request may have moved on
+
+
+def local_rank_info(rank: int) -> dict:
+    host = socket.gethostname()
+    return {"rank": rank, "pid": os.getpid(), "host": host, "node": host}
+
+
+class Deployment:
+    """One model's ranks, runner and proposer; see the module docstring."""
+
+    def __init__(self, config: DeploymentConfig, spec: SpecSettings, launcher: Launcher | None = None,
+                 comm: Communicator | None = None) -> None:
+        """`ep` > 1 needs `launcher` (it starts ranks 1..ep-1) or `comm` (rank 0 of a group
+        joined already, e.g. by torchrun; then there are no restarts)."""
+        if not config.model_dir.is_dir():
+            raise FileNotFoundError(f"model folder {str(config.model_dir)!r} does not exist")
+        if config.ep > 1 and launcher is None and comm is None:
+            raise ValueError(f"ep={config.ep} needs a launcher (launch.mp.MPGroup, launch.ray_group.RayGroup) "
+                             "or a joined communicator")
+        self.config = config
+        self.spec = spec
+        self.launcher = launcher
+        self.group: WorkerGroup | None = None
+        self.comm: Communicator | None = comm
+        self.rank_info: list[dict] = [local_rank_info(0)]
+        self.rank_weight_bytes: list[int] = []
+        self.restarts = 0
+        self.last_recovery_s: float | None = None
+        if config.ep > 1 and comm is None:
+            self.group = launcher(GroupConfig(model_dir=str(config.model_dir), dtype=config.dtype, ep=config.ep,
+                                              moe_a2a=config.moe_a2a, kv_cache_tokens=config.kv_cache_tokens,
+                                              timeout_s=config.ep_timeout_s))
+            self.comm = self.group.comm
+        try:
+            self.runner, self.proposer = self._build()
+        except BaseException:
+            self._stop_group()
+            raise
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.comm is not None
+
+    @property
+    def is_supervised(self) -> bool:
+        return self.group is not None
+
+    # --- construction ---------------------------------------------------------------------
+    def _build(self) -> tuple[ModelRunner | DriverRunner, DraftProposer | None]:
+        cfg = self.config
+        if self.comm is None:
+            runner = ModelRunner(load_model(cfg.model_dir, cfg.dtype), kv_cache_tokens=cfg.kv_cache_tokens)
+        else:
+            runner = self._join_group(self.comm)
+        try:
+            proposer = self._make_proposer(runner)
+        except BaseException:
+            if isinstance(runner, DriverRunner):
+                runner.shutdown()
+            raise
+        drafter = getattr(proposer, "model", None)
+        if drafter is not None and drafter is not runner.model and self.rank_weight_bytes:  # rank 0's own drafter
+            self.rank_weight_bytes[0] += sum(p.numel() * p.element_size() for p in drafter.parameters())
+        return runner, proposer
+
+    def _join_group(self, comm: Communicator) -> DriverRunner:
+        """Rank 0's part of starting a group: handshake, its shard, every rank's pid and node."""
+        cfg = self.config
+        try:
+            driver_handshake(comm, cfg.model_dir, cfg.dtype, self.spec.confidence_stop)
+            local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a, cfg.kv_cache_tokens)
+            self.rank_weight_bytes = gather_weight_bytes(comm, local)
+            info = gather_rank_info(comm)
+        except BaseException as exc:
+            report = self.group.failure_report() if self.group is not None else ""
+            if report:
+                raise GroupStartError(f"the EP group did not start: {report}") from exc
+            raise
+        nodes = self.group.nodes() if self.group is not None else [r["host"] for r in info]
+        self.rank_info = [{**r, "node": node} for r, node in zip(info, nodes)]
+        return DriverRunner(local, comm)
+
+    def _make_proposer(self, runner: ModelRunner | DriverRunner) -> DraftProposer | None:
+        """The drafter the settings ask for: the checkpoint's MTP layer (sharded across the EP
+        ranks, or rank 0's own when the sharded propose is off), prompt lookup, or none."""
+        spec, cfg = self.spec, self.config
+        if not spec.is_speculating:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer()
+        if runner.model.mtp is None:
+            raise ValueError("this checkpoint has no MTP layer (no model.layers.{num_hidden_layers}.* tensors): "
+                             "MTP speculation needs one")
+        if isinstance(runner, ModelRunner):
+            return MTPProposer(runner.model, runner.cache, spec.confidence_stop, spec.knobs)
+        if not spec.ep_propose:
+            return load_local_drafter(cfg.model_dir, cfg.dtype, runner.comm.rank, runner.comm.world_size,
+                                      runner.cache, spec.confidence_stop, spec.knobs)
+        return ShardedMTPProposer(runner, spec.confidence_stop, spec.knobs)
+
+    # --- supervision ----------------------------------------------------------------------
+    def pending(self) -> str | None:
+        """Why the group must be restarted now, or None while every rank is alive."""
+        return self.group.dead() if self.group is not None else None
+
+    def handles(self, exc: BaseException) -> bool:
+        """Is `exc` a failure of the group (recoverable by a restart)?"""
+        return self.group is not None and (isinstance(exc, CommError) or self.pending() is not None)
+
+    def reason(self, exc: BaseException) -> str:
+        report = self.group.failure_report() if self.group is not None else ""
+        return f"{exc}" + (f" ({report})" if report else "")
+
+    def step(self, engine: Engine) -> StepOutcome:
+        """One supervised engine step: restart a dead group first (also when idle), then step;
+        a failure of the group restarts it and the step's requests continue from what they
+        committed."""
+        why = self.pending()
+        if why is not None:
+            self.recover(engine, why)
+            return StepOutcome([], recovered=True)
+        if not engine.has_unfinished():
+            return StepOutcome([])
+        try:
+            return StepOutcome(engine.step())
+        except Exception as exc:
+            if not self.handles(exc):
+                raise
+            self.recover(engine, self.reason(exc))
+            return StepOutcome([], recovered=True)
+
+    def recover(self, engine: Engine, reason: str) -> None:
+        """Restart the group, retrying a failed restart, until `max_restarts` are spent; then
+        raise `GroupFailed` naming the first reason."""
+        t0 = time.perf_counter()
+        why = reason
+        while True:
+            if self.restarts >= self.config.max_restarts:
+                raise GroupFailed(f"the EP group failed ({why}); gave up after {self.restarts} "
+                                  f"restart(s) (--max-restarts {self.config.max_restarts})")
+            self.restarts += 1
+            log.warning("EP group failed (%s): restart %d of at most %d", why, self.restarts,
+                        self.config.max_restarts)
+            try:
+                self.group.stop(timeout_s=0)
+                self.group.start()
+                self.comm = self.group.comm
+                self.runner, self.proposer = self._build()
+                break
+            except Exception as exc:
+                why = f"restart {self.restarts} failed: {type(exc).__name__}: {exc}"
+        engine.reset(self.runner, self.proposer)
+        self.last_recovery_s = time.perf_counter() - t0
+        log.warning("EP group serving again after %.2f s (%d ranks)", self.last_recovery_s, len(self.rank_info))
+
+    # --- the end --------------------------------------------------------------------------
+    def shutdown(self, graceful: bool = True) -> None:
+        """End the worker ranks (if any). Graceful: send SHUTDOWN, then wait for them. After an
+        error or an interrupt the group may be stuck inside a collective, so the workers are ended
+        without a command."""
+        if graceful and isinstance(getattr(self, "runner", None), DriverRunner):
+            try:
+                self.runner.shutdown()
+            except Exception:  # a broken group: fall through to ending the processes
+                graceful = False
+        self._stop_group(timeout_s=10.0 if graceful else 0.0)
+
+    def _stop_group(self, timeout_s: float = 0.0) -> None:
+        if self.group is not None:
+            self.group.stop(timeout_s=timeout_s)
+            self.group.close()
+            self.group = None

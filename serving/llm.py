@@ -1,0 +1,113 @@
+"""Offline generation: `LLM(model=DIR).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from engine.engine import Engine, EngineConfig
+from ep.comm import Communicator
+from runtime.sampler import SamplingParams
+from runtime.sequence import RequestOutput, Sequence
+from runtime.tokenizer import Tokenizer
+from serving.deployment import DEFAULT_MAX_RESTARTS, Deployment, DeploymentConfig, Launcher
+from speculative.settings import SpecSettings, resolve_spec_settings
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Loads a checkpoint folder and generates for batches of prompts (text or token ids)."""
+
+    def __init__(self, model: str | Path, dtype: str = "float32", *, kv_cache_tokens: int = 32768,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, spec: str = "none",
+                 num_drafts: int = 3, spec_verify: str = "exact", draft_policy: str | None = None,
+                 mtp_k_ladder: str | None = None, mtp_max_seqs: int | None = None,
+                 draft_confidence_stop: float | None = None, tree_shape: str | None = None,
+                 spec_settings: SpecSettings | None = None, ep: int = 1, moe_a2a: str = "alltoall",
+                 ep_timeout_s: float = 60.0, launcher: Launcher | None = None,
+                 max_restarts: int = DEFAULT_MAX_RESTARTS, comm: Communicator | None = None) -> None:
+        """Speculation: `spec` (none, mtp, ngram) with at most `num_drafts` drafts per step, a
+        depth policy (`draft_policy` fixed/ladder/auto, or `mtp_k_ladder` text or "auto"), a
+        width cap `mtp_max_seqs`, a confidence stop, a draft-tree shape ("1,2,2"); resolved once
+        (argument > published > environment > the model folder's metrale.toml > default), or
+        given whole as `spec_settings`.
+
+        `ep` > 1 starts ep - 1 worker ranks with `launcher` (`launch.mp.MPGroup`, or a
+        `launch.ray_group.RayGroup` factory) and supervises them: a dead rank restarts the group
+        up to `max_restarts` times. `comm`, an already joined communicator of rank 0 (torchrun),
+        replaces the launcher (no restarts)."""
+        model_dir = Path(model)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model folder {str(model_dir)!r} does not exist")
+        self.spec = spec_settings or resolve_spec_settings(
+            method=spec, num_drafts=num_drafts, depth_policy=draft_policy, k_ladder=mtp_k_ladder,
+            width_cap=mtp_max_seqs, confidence_stop=draft_confidence_stop, tree_shape=tree_shape,
+            verify=spec_verify, model_dir=model_dir)
+        self.model_dir = model_dir
+        config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        self.deployment = Deployment(
+            DeploymentConfig(model_dir=model_dir, dtype=dtype, ep=ep if comm is None else comm.world_size,
+                             moe_a2a=moe_a2a, kv_cache_tokens=kv_cache_tokens, ep_timeout_s=ep_timeout_s,
+                             max_restarts=max_restarts), self.spec, launcher, comm)
+        self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        self.engine: Engine | None = Engine(self.deployment.runner, self.tokenizer, config, self.spec,
+                                            self.deployment.proposer)
+
+    @property
+    def rank_info(self) -> list[dict]:
+        return self.deployment.rank_info
+
+    @property
+    def rank_weight_bytes(self) -> list[int]:
+        return self.deployment.rank_weight_bytes
+
+    @property
+    def model(self):
+        return self.deployment.runner.model
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir} has no tokenizer.json: give prompts as token id lists")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Serve all prompts together as one batch; outputs come back in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params if params is not None else SamplingParams()
+        per = list(params) if isinstance(params, Seq) else [params] * len(prompts)
+        if len(per) != len(prompts):
+            raise ValueError(f"{len(per)} SamplingParams for {len(prompts)} prompts")
+        seqs: list[Sequence] = []
+        try:
+            for prompt, p in zip(prompts, per):
+                seqs.append(self.engine.add_request(self.encode(prompt), p))
+        except Exception:
+            for s in seqs:
+                self.engine.abort(s)
+            raise
+        try:
+            with torch.inference_mode():
+                while self.engine.has_unfinished():
+                    self.deployment.step(self.engine)
+        except BaseException:
+            self.shutdown(graceful=False)  # an EP error or Ctrl-C leaves the group unusable
+            raise
+        return [RequestOutput.of(i, s) for i, s in enumerate(seqs)]
+
+    def step(self):
+        """One supervised step (the benchmark's closed loop drives the engine through this)."""
+        with torch.inference_mode():
+            return self.deployment.step(self.engine)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """End the EP workers (if any) and release the model and cache."""
+        if self.engine is None:
+            return
+        self.deployment.shutdown(graceful)
+        self.engine = None

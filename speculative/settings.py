@@ -1,0 +1,160 @@
+"""Speculation settings: one frozen, validated object, resolved once and passed down.
+
+`resolve_spec_settings` gives every setting one precedence order: an explicit argument (the CLI's
+flag, an `LLM(...)` keyword) first, then a value published once through the seed's API
+(`set_mtp_k_ladder`, `set_mtp_max_seqs`, `set_draft_confidence_stop`; the CLI publishes what it
+resolved), then the environment (DESIGN §5.7), then the model folder's `metrale.toml`, then the
+default. The engine, the depth policy and the drafters read only the resolved object; nothing
+reads module state while serving.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.config import ConfigError, load_behavior
+from speculative import draft_stop
+from speculative import ladder as ladders
+from speculative.knobs import (DrafterKnobs, canonical_key_min_width, drafter_knobs, mtp_accept_debug,
+                               mtp_ep_propose_enabled, no_canonical_verify_key, tree_shape_env)
+from speculative.ladder import (DEFAULT_MTP_K_LADDER, MtpMaxSeqsSource, ladder_drafts_from_steps, parse_mtp_k_ladder,
+                                resolve_mtp_max_seqs)
+from speculative.tree_shape import TreeShape
+
+SPEC_METHODS = ("none", "mtp", "ngram")
+DEPTH_POLICIES = ("fixed", "ladder", "auto")
+VERIFY_MODES = ("exact", "rejection")
+MAX_NUM_DRAFTS = 16
+Ladder = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpecSettings:
+    """Everything about speculation that holds for the life of an engine.
+
+    `num_drafts` is a depth (drafts per sequence per step, at most), never a row count.
+    """
+    method: str = "none"                 # none | mtp | ngram
+    num_drafts: int = 0                  # the deepest chain a step may draft
+    depth_policy: str = "ladder"         # fixed: num_drafts; ladder: by running width; auto: measured online
+    ladder: Ladder = tuple(parse_mtp_k_ladder(DEFAULT_MTP_K_LADDER))
+    ladder_disabled: bool = False        # METRALE_NO_MTP_K_LADDER: every width gets num_drafts
+    width_cap: int = ladders.DEFAULT_MTP_MAX_SEQS
+    width_cap_source: MtpMaxSeqsSource = MtpMaxSeqsSource.ENGINE_DEFAULT
+    confidence_stop: float | None = None  # TAU of DESIGN §5.4
+    tree_shape: TreeShape | None = None  # draft trees instead of chains (MTP only)
+    verify: str = "exact"                # exact: keyed target draws; rejection: rejection sampling
+    canonical_min_width: int | None = 8  # narrowest verify in canonical order (None: never)
+    ep_propose: bool = True              # the sharded drafter at EP > 1 (METRALE_NO_MTP_EP_PROPOSE=1: rank 0 alone)
+    accept_debug: bool = False           # METRALE_MTP_ACCEPT_DEBUG
+    knobs: DrafterKnobs = field(default_factory=DrafterKnobs)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"spec={self.method!r} is not a speculation method (expected one of "
+                             f"{', '.join(SPEC_METHODS)})")
+        if not 0 <= self.num_drafts <= MAX_NUM_DRAFTS:
+            raise ValueError(f"num_drafts={self.num_drafts} must be in 0..{MAX_NUM_DRAFTS}")
+        if self.depth_policy not in DEPTH_POLICIES:
+            raise ValueError(f"draft_policy={self.depth_policy!r}: expected one of {', '.join(DEPTH_POLICIES)}")
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(f"spec_verify={self.verify!r}: expected one of {', '.join(VERIFY_MODES)}")
+        if not self.ladder or any(n < 1 or d < 0 for n, d in self.ladder):
+            raise ValueError(f"ladder {self.ladder} must be non-empty steps (n_max >= 1, drafts >= 0)")
+        if not 1 <= self.width_cap <= ladders.MAX_MTP_MAX_SEQS:
+            raise ValueError(f"mtp_max_seqs={self.width_cap} is outside 1..={ladders.MAX_MTP_MAX_SEQS}")
+        if self.confidence_stop is not None and not 0.0 < self.confidence_stop < 1.0:
+            raise ValueError(f"draft confidence stop {self.confidence_stop!r} must be strictly between 0 and 1")
+        if self.tree_shape is not None:
+            if self.method != "mtp":
+                raise ValueError(f"a tree shape ({self.tree_shape.text}) needs spec='mtp': hedges are the MTP "
+                                 "drafter's next-best tokens")
+            if self.verify != "exact":
+                raise ValueError(f"tree speculation verifies with keyed target draws only, not spec_verify="
+                                 f"{self.verify!r}")
+
+    @property
+    def is_speculating(self) -> bool:
+        return self.method != "none" and self.num_drafts > 0
+
+    @property
+    def ln_confidence_stop(self) -> float | None:
+        return None if self.confidence_stop is None else math.log(self.confidence_stop)
+
+    def ladder_drafts(self, n_active: int) -> int:
+        """Drafts per sequence for `n_active` running sequences by the ladder (DESIGN §5.3)."""
+        if self.ladder_disabled:
+            return self.num_drafts
+        return ladder_drafts_from_steps(list(self.ladder), n_active, self.num_drafts)
+
+    def canonical_order(self, width: int) -> bool:
+        """Does a verify of `width` sequences take the canonical dispatch order (DESIGN §5.6)?"""
+        return self.canonical_min_width is not None and width >= self.canonical_min_width
+
+
+def model_width_cap(model_dir: Path | None) -> int | None:
+    """`[behavior] mtp_max_seqs` of the model folder's metrale.toml, or None."""
+    if model_dir is None or not Path(model_dir).is_dir():
+        return None
+    value = load_behavior(model_dir).get("mtp_max_seqs")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ConfigError(f"{model_dir}/metrale.toml [behavior] mtp_max_seqs={value!r} is not an integer")
+    return value
+
+
+def resolve_spec_settings(*, method: str = "none", num_drafts: int = 3, depth_policy: str | None = None,
+                          k_ladder: str | None = None, width_cap: int | None = None,
+                          confidence_stop: float | None = None, tree_shape: str | TreeShape | None = None,
+                          verify: str = "exact", model_dir: str | Path | None = None) -> SpecSettings:
+    """Resolve speculation settings once: argument > published > environment > metrale.toml > default.
+
+    `k_ladder` is `--mtp-k-ladder`: a ladder text, or "auto" for the online depth controller. A
+    pinned ladder (given here, published, or METRALE_MTP_K_LADDER present) turns "auto" back into
+    the ladder. Refusals raise ValueError naming the value.
+    """
+    if method not in SPEC_METHODS:
+        raise ValueError(f"spec={method!r} is not a speculation method (expected one of {', '.join(SPEC_METHODS)})")
+    auto = k_ladder is not None and k_ladder.strip() == "auto"
+    steps: list[tuple[int, int]] | None = None
+    if k_ladder is not None and not auto:
+        steps = parse_mtp_k_ladder(k_ladder)
+        if steps is None:
+            raise ValueError(f"--mtp-k-ladder {k_ladder!r} is not a ladder: expected n_max:drafts[,n_max:drafts...], "
+                             "e.g. 4:3,8:3,16:1,32:1")
+    pinned = steps is not None or ladders.mtp_ladder_pinned()
+    if steps is None:
+        steps = ladders.current_ladder()
+    policy = depth_policy or ("auto" if auto else "ladder")
+    if policy == "auto" and pinned:
+        policy = "ladder"
+    disabled = ladders.mtp_ladder_disabled()
+    if width_cap is not None:
+        cap, source = resolve_mtp_max_seqs(width_cap, None, disabled)
+    elif ladders.mtp_max_seqs_published():
+        cap, source = ladders.published_max_seqs()
+    else:
+        cap, source = resolve_mtp_max_seqs(None, model_width_cap(Path(model_dir) if model_dir else None), disabled)
+    stop = confidence_stop if confidence_stop is not None else draft_stop.draft_confidence_stop()
+    shape = _tree_shape(tree_shape, method)
+    return SpecSettings(method=method, num_drafts=num_drafts if method != "none" else 0, depth_policy=policy,
+                        ladder=tuple(steps), ladder_disabled=disabled, width_cap=cap, width_cap_source=source,
+                        confidence_stop=stop, tree_shape=shape, verify=verify,
+                        canonical_min_width=None if no_canonical_verify_key() else canonical_key_min_width(),
+                        ep_propose=mtp_ep_propose_enabled(), accept_debug=mtp_accept_debug(),
+                        knobs=drafter_knobs(cap))
+
+
+def _tree_shape(given: str | TreeShape | None, method: str) -> TreeShape | None:
+    """The draft-tree shape: the argument, else METRALE_TREE_SHAPE when speculating with MTP."""
+    if isinstance(given, TreeShape):
+        return given
+    if given is not None:
+        return TreeShape.parse(given)
+    env = tree_shape_env()
+    if env is None or method != "mtp":
+        return None
+    try:
+        return TreeShape.parse(env)
+    except ValueError as exc:
+        raise ValueError(f"METRALE_TREE_SHAPE: {exc}") from None
