@@ -1,7 +1,6 @@
 """What `metrale bench` writes beside its cells: the machine, the commit, the table and the plot."""
 from __future__ import annotations
 
-import json
 import platform
 import subprocess
 import sys
@@ -66,9 +65,3 @@ def plot(cells: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-def replot(json_path: Path, png_path: Path) -> None:
-    """Draw a PNG again from a recorded JSON."""
-    record = json.loads(Path(json_path).read_text())
-    p = record["params"]
-    plot(record["cells"], Path(png_path), f"{Path(record['model']).name} ({p['dtype']}, ep {p['ep']})")

@@ -80,7 +80,7 @@ class Engine:
         seq = Sequence(seq_id=next(self._ids), prompt_len=len(prompt_ids), token_ids=list(prompt_ids),
                        params=params, seed=seed)
         if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop or ())
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop or ())
         self.scheduler.add(seq)
         if self.proposer is not None:
             self.states[seq.seq_id] = self.proposer.alloc_state(seq.seq_id)
@@ -210,7 +210,7 @@ class Engine:
             if d.tokens:
                 layout = vplan.seqs[i]
                 rows, chunk = self.verifier.rows(seq, d, layout)
-                items.append(VerifyItem(seq, d, len(tokens), layout))
+                items.append(VerifyItem(seq, d, vplan.row_starts[i], layout))
             else:
                 rows = seq.token_ids[seq.num_computed:seq.num_computed + item.num_tokens]
                 chunk = SeqChunk(seq.seq_id, seq.num_computed, item.num_tokens)

@@ -46,10 +46,6 @@ class Communicator:
                                     timeout=dt.timedelta(seconds=timeout_s))
         self.comm_seconds = 0.0  # wall time spent inside collectives (for the step split)
 
-    @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
-
     def _run(self, what: str, fn, *args, **kwargs):
         if self.world_size == 1:
             return None

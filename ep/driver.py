@@ -77,8 +77,6 @@ class ShardedMTPProposer(MTPProposer):
     drafter's collectives with it; the hiddens it is fed are mirrored on every rank. Its
     `confidence_stop` must be the one given to `driver_handshake` (workers refuse another)."""
 
-    needs_comm = True
-
     def __init__(self, driver: DriverRunner, confidence_stop: float | None = None,
                  knobs: DrafterKnobs | None = None) -> None:
         super().__init__(driver.model, driver.cache, confidence_stop, knobs)

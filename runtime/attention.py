@@ -4,7 +4,7 @@ Shapes: T step tokens (sequence-major), B sequences, Q = longest chunk in the st
 context, nh query heads, nkv kv heads, D head dim.
 
 `StepPlan` is everything the attention of one step needs besides q/k/v: where to write this
-step's keys, which cache slots each sequence reads, and which of them each row may see. It is
+step's keys, which cache cells each sequence reads, and which of them each row may see. It is
 built once per step and shared by every layer (and by the MTP layer, on its own cache plane).
 """
 from __future__ import annotations
@@ -78,8 +78,8 @@ class SeqChunk:
 @dataclass(frozen=True, slots=True)
 class StepPlan:
     positions: torch.Tensor      # [T] absolute positions
-    slot_mapping: torch.Tensor   # [T] cache slot each row's k/v is written to
-    gather: torch.Tensor         # [B, K] cache slots of each sequence's context (padding: 0)
+    cell_mapping: torch.Tensor   # [T] cache cell each row's k/v is written to
+    gather: torch.Tensor         # [B, K] cache cells of each sequence's context (padding: 0)
     q_index: torch.Tensor        # [B, Q] row of the step for each (sequence, query) (padding: 0)
     valid: torch.Tensor          # [B, Q] bool, real query rows
     mask: torch.Tensor           # [B, 1, Q, K] bool, True = may attend
@@ -104,8 +104,8 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
         raise ValueError(f"sequence {next(c.seq_id for c in chunks if c.num_tokens < 1)} has an empty chunk")
     spans = [c.positions() for c in chunks]
     positions = torch.cat(spans) if b > 1 else spans[0]
-    ctxs = [cache.slots(c.seq_id, 0, c.end) for c in chunks]
-    slot_mapping = torch.cat([ctx[c.start:] for ctx, c in zip(ctxs, chunks)]) if b > 1 else ctxs[0][chunks[0].start:]
+    ctxs = [cache.cells(c.seq_id, 0, c.end) for c in chunks]
+    cell_mapping = torch.cat([ctx[c.start:] for ctx, c in zip(ctxs, chunks)]) if b > 1 else ctxs[0][chunks[0].start:]
     counts = torch.tensor([c.num_tokens for c in chunks])
     ends = torch.tensor([c.end for c in chunks])
     last_rows = torch.cumsum(counts, 0) - 1
@@ -129,7 +129,7 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
     mode = "explicit"
     if b == 1 and chunks[0].parents is None:
         mode = "none" if chunks[0].num_tokens == 1 else ("causal" if chunks[0].start == 0 else "explicit")
-    return StepPlan(positions=positions, slot_mapping=slot_mapping, gather=gather, q_index=q_index, valid=valid,
+    return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=gather, q_index=q_index, valid=valid,
                     mask=mask, last_rows=last_rows, mask_mode=mode)
 
 
@@ -143,7 +143,7 @@ class PagedAttention:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         p = self.plan
-        self.cache.write(layer_idx, p.slot_mapping, k, v)
+        self.cache.write(layer_idx, p.cell_mapping, k, v)
         keys = self.cache.k[layer_idx][p.gather].transpose(1, 2)    # [B, nkv, K, D]
         values = self.cache.v[layer_idx][p.gather].transpose(1, 2)
         single = p.gather.shape[0] == 1

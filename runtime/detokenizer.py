@@ -2,8 +2,8 @@
 
 Each update decodes a short window of tokens, never the whole output, so its cost does not grow
 with the output's length. The window starts a few tokens before the first undecoded one
-(`prefix_offset`), because a tokenizer may render a token differently with context before it
-(a leading space, a byte-level merge); the new text is what the window decodes to beyond what its
+(`prefix_offset`, the previous window's new tokens), because a tokenizer may render a token
+differently with context before it (a leading space, a byte-level merge); the new text is what the window decodes to beyond what its
 prefix alone decodes to. A window that ends inside a multi-byte character (the replacement
 character U+FFFD at the end) waits for the next token. Stop strings are searched only in the
 tail the new text can complete; `text` is cut where the first stop string begins.
@@ -14,19 +14,19 @@ from collections.abc import Sequence
 
 from runtime.tokenizer import Tokenizer
 
-PREFIX_TOKENS = 5        # context tokens decoded before the new ones
 REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stops: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stops = tuple(s for s in stops if s)
         self.max_stop = max((len(s) for s in self.stops), default=0)
-        # The prompt's last tokens are the first window's context, as they are for the model.
-        self.ids: list[int] = list(prompt_ids[-PREFIX_TOKENS:])
+        # The output alone, as one decode of the whole output reads it (a character split across
+        # the prompt's end and the output's start decodes as U+FFFD there too).
+        self.ids: list[int] = []
         self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self.read_offset = 0
         self.text = ""
         self.stopped = False
 
@@ -73,10 +73,3 @@ class IncrementalDetokenizer:
         tail_from = max(0, len(self.text) - self.max_stop + 1)
         hits = [i for i in (text.find(s, tail_from) for s in self.stops) if i >= 0]
         return min(hits) if hits else None
-
-    def stable_text(self, finished: bool) -> str:
-        """The text a stream may send now: all of it once finished, else all but the last
-        max_stop - 1 characters, which a stop string still to come could remove."""
-        if finished or self.max_stop <= 1:
-            return self.text
-        return self.text[:max(0, len(self.text) - self.max_stop + 1)]

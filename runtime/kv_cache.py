@@ -1,8 +1,9 @@
 """Paged KV cache: a fixed pool of blocks, a block table per sequence, rewind to any shorter length.
 
-Shapes: L cache layers (target layers plus the MTP layer), S slots = num_blocks * block_size,
-nkv key/value heads, D head dim. A token at position p of a sequence lives in slot
-`block_table[p // block_size] * block_size + p % block_size`.
+Shapes: L cache layers (target layers plus the MTP layer), S cells = num_blocks * block_size,
+nkv key/value heads, D head dim. A token at position p of a sequence lives in cell
+`block_table[p // block_size] * block_size + p % block_size` (a cell is one token's place in the
+pool; "slot", elsewhere, names a sequence's place, DESIGN §1).
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ class PagedKVCache:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be at least 1")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        num_slots = num_blocks * block_size
-        self.k = torch.zeros(num_layers, num_slots, num_kv_heads, head_dim, dtype=dtype)  # [L, S, nkv, D]
+        num_cells = num_blocks * block_size
+        self.k = torch.zeros(num_layers, num_cells, num_kv_heads, head_dim, dtype=dtype)  # [L, S, nkv, D]
         self.v = torch.zeros_like(self.k)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[int, list[int]] = {}
@@ -50,7 +51,7 @@ class PagedKVCache:
         # operations give the same block tables everywhere.
         self.journal: list[tuple[str, int, int]] | None = None
         # Slot ids of every position a sequence's blocks cover, rebuilt when its table changes.
-        self._slot_cache: dict[int, torch.Tensor] = {}
+        self._cell_cache: dict[int, torch.Tensor] = {}
 
     def shared_plane(self, *, num_layers: int, num_kv_heads: int, head_dim: int,
                      dtype: torch.dtype) -> "PagedKVCache":
@@ -59,12 +60,12 @@ class PagedKVCache:
         drafter of its own (full attention heads) keeps its rows in one."""
         other = PagedKVCache(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                              num_blocks=1, block_size=self.block_size, dtype=dtype)
-        num_slots = self.num_blocks * self.block_size
+        num_cells = self.num_blocks * self.block_size
         other.num_blocks = self.num_blocks
-        other.k = torch.zeros(num_layers, num_slots, num_kv_heads, head_dim, dtype=dtype)
+        other.k = torch.zeros(num_layers, num_cells, num_kv_heads, head_dim, dtype=dtype)
         other.v = torch.zeros_like(other.k)
         other._free, other._tables, other._lengths = self._free, self._tables, self._lengths
-        other._slot_cache = self._slot_cache
+        other._cell_cache = self._cell_cache
         return other
 
     # --- accounting -------------------------------------------------------------------------
@@ -91,9 +92,6 @@ class PagedKVCache:
     def length(self, seq_id: int) -> int:
         return self._lengths.get(seq_id, 0)
 
-    def has(self, seq_id: int) -> bool:
-        return seq_id in self._tables
-
     # --- changes ----------------------------------------------------------------------------
     def reserve(self, seq_id: int, new_length: int) -> None:
         """Grow `seq_id` to hold `new_length` tokens (allocating blocks); never shrinks."""
@@ -117,7 +115,7 @@ class PagedKVCache:
         table = self._tables[seq_id]
         keep = -(-new_length // self.block_size)
         if len(table) > keep:
-            self._slot_cache.pop(seq_id, None)
+            self._cell_cache.pop(seq_id, None)
         while len(table) > keep:
             self._free.append(table.pop())
         self._lengths[seq_id] = new_length
@@ -131,15 +129,15 @@ class PagedKVCache:
             raise ValueError(f"cannot move position {src} of sequence {seq_id}: length {length}")
         if self.journal is not None:
             self.journal.append(("move", seq_id, word))
-        slots = self.slots(seq_id, 0, src + 1)
-        s, d = int(slots[src]), int(slots[dst])
+        cells = self.cells(seq_id, 0, src + 1)
+        s, d = int(cells[src]), int(cells[dst])
         self.k[:, d] = self.k[:, s]
         self.v[:, d] = self.v[:, s]
 
     def free(self, seq_id: int) -> None:
         if self.journal is not None:
             self.journal.append(("free", seq_id, 0))
-        self._slot_cache.pop(seq_id, None)
+        self._cell_cache.pop(seq_id, None)
         for block in reversed(self._tables.pop(seq_id, [])):
             self._free.append(block)
         self._lengths.pop(seq_id, None)
@@ -158,20 +156,20 @@ class PagedKVCache:
             raise ValueError(f"unknown cache operation {op!r}")
 
     # --- addressing -------------------------------------------------------------------------
-    def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
-        """Slot ids of positions start..end-1 of `seq_id` (all must be reserved) [end - start]."""
+    def cells(self, seq_id: int, start: int, end: int) -> torch.Tensor:
+        """Cell ids of positions start..end-1 of `seq_id` (all must be reserved) [end - start]."""
         if end > self._lengths.get(seq_id, 0):
             raise ValueError(f"positions up to {end} of sequence {seq_id} are not reserved "
                              f"(length {self._lengths.get(seq_id, 0)})")
         table = self._tables[seq_id]
-        cached = self._slot_cache.get(seq_id)
+        cached = self._cell_cache.get(seq_id)
         if cached is None or cached.shape[0] != len(table) * self.block_size:
             blocks = torch.tensor(table, dtype=torch.long)
             cached = (blocks[:, None] * self.block_size + torch.arange(self.block_size)[None, :]).reshape(-1)
-            self._slot_cache[seq_id] = cached
+            self._cell_cache[seq_id] = cached
         return cached[start:end]
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k/v [T, nkv, D] into `slots` [T] of cache layer `layer`."""
-        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+    def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [T, nkv, D] into `cells` [T] of cache layer `layer`."""
+        self.k[layer].index_copy_(0, cells, k.to(self.k.dtype))
+        self.v[layer].index_copy_(0, cells, v.to(self.v.dtype))

@@ -1,4 +1,4 @@
-"""Tokenizer: `tokenizer.json` through the `tokenizers` library, and stop-string matching."""
+"""Tokenizer: `tokenizer.json` through the `tokenizers` library."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,11 +25,3 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
-
-
-def find_stop(text: str, stops: tuple[str, ...] | None) -> int | None:
-    """Index where the earliest stop string begins in `text`, or None."""
-    if not stops:
-        return None
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None

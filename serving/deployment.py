@@ -135,10 +135,6 @@ class Deployment:
             raise
 
     @property
-    def is_distributed(self) -> bool:
-        return self.comm is not None
-
-    @property
     def is_supervised(self) -> bool:
         return self.group is not None
 

@@ -28,6 +28,7 @@ from serving.openai_api import APIError, ParsedRequest, parse_request, render_ch
 from serving.server_metrics import ServerMetrics
 
 MAX_BODY_BYTES = 1 << 20
+DRAIN_LIMIT_BYTES = 16 << 20   # an oversized body is read (and dropped) up to this before the 413
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,19 +48,17 @@ def load_chat_template(model_dir: Path) -> str | None:
 
 
 class TextStream:
-    """Incremental detokenization: text deltas that never split a UTF-8 character or a stop string."""
+    """Text deltas of a sequence's output text, which its engine-side incremental detokenizer
+    keeps (one decode of a short window per update, shared with stop strings). Until the end it
+    holds back the last characters a stop string still to come could remove; the detokenizer
+    itself never shows half a UTF-8 character."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...] | None) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, stops: tuple[str, ...] | None) -> None:
         self.holdback = max((len(s) for s in stops), default=1) - 1 if stops else 0
         self.sent = 0
 
-    def delta(self, token_ids: list[int], final_text: str | None) -> str:
-        if final_text is not None:
-            text = final_text
-        else:
-            text = self.tokenizer.decode(token_ids)
-            text = text.rstrip("\ufffd")  # an unfinished multi-byte character: wait for its last byte
+    def delta(self, text: str, finished: bool) -> str:
+        if not finished:
             text = text[:max(self.sent, len(text) - self.holdback)]
         out = text[self.sent:]
         self.sent = len(text)
@@ -87,6 +86,13 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
     async def read_json(request: Request):
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
+            # Read what the client is sending anyway (up to a bound) before refusing: closing the
+            # socket with unread bytes makes the client see a reset instead of the 413.
+            drained = 0
+            async for chunk in request.stream():
+                drained += len(chunk)
+                if drained > DRAIN_LIMIT_BYTES:
+                    break
             raise APIError(413, f"request body of {declared} bytes exceeds {config.max_body_bytes}")
         body = b""
         async for chunk in request.stream():
@@ -195,7 +201,7 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
     async def stream(request, handle, req, rid, chat, prompt_len):
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
-        text = TextStream(tokenizer, req.params.stop)
+        text = TextStream(req.params.stop)
 
         def event(delta: str | None, finish: str | None, role: bool = False) -> str:
             if chat:
@@ -214,8 +220,7 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
                 if upd is None:
                     return
                 seq = handle.seq
-                final = seq.text if upd.finished else None
-                delta = text.delta(seq.token_ids[seq.prompt_len:seq.prompt_len + upd.num_output], final)
+                delta = text.delta(seq.text, upd.finished)
                 if delta or upd.finished:
                     yield event(delta, seq.finish_reason if upd.finished else None)
                 if upd.finished:

@@ -54,9 +54,6 @@ class ProposeRequest:
 class DraftProposer(ABC):
     """A source of draft tokens. Implementations must not change any committed state of the target."""
 
-    #: True when a propose runs collectives (the sharded MTP drafter): every rank must join it.
-    needs_comm: bool = False
-
     def alloc_state(self, seq_id: int) -> ProposerState:
         return ProposerState(seq_id=seq_id)
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
-from runtime.attention import NO_PARENT, ancestor_mask, row_depths
+from runtime.attention import NO_PARENT
 
 MAX_COUNT = 4
 MAX_NODES = 7
@@ -73,13 +72,6 @@ class TreeShape:
     def nodes_at(self, depth: int) -> int:
         """Nodes of the shape cut to its first `depth` depths (the draft rows of a verify)."""
         return sum(self.counts[:depth])
-
-    def depth_for_nodes(self, num_nodes: int) -> int:
-        """The deepest cut of the shape whose nodes fit in `num_nodes` rows."""
-        d = 0
-        while d < self.spine_len and self.nodes_at(d + 1) <= num_nodes:
-            d += 1
-        return d
 
     def parents(self, depth: int) -> list[int]:
         """Parent row of each verify row of the shape cut to `depth` depths (the root's is -1)."""

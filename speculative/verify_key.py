@@ -6,8 +6,9 @@ descending laid onto that order, so every arrangement of the same depths over th
 shares one key. Canonical applies at widths of at least `canonical_key_min_width()` unless
 METRALE_NO_CANONICAL_VERIFY_KEY is present.
 
-Graph key: the `(slot, depth)` words in dispatch order, then one sentinel word
-`0xFFFFFFFF - flags`. A slot's cached plans are found by its slot words alone.
+Graph key (the seed's name): the `(slot, depth)` words in dispatch order, then one sentinel word
+`0xFFFFFFFF - flags`. Today it keys the cache of prepared verify plans (speculative.verify_plan);
+no CUDA graph hangs off it yet. A slot's cached plans are found by its slot words alone.
 """
 from __future__ import annotations
 
@@ -22,11 +23,6 @@ FLAG_TREE = 1          # a tree verify (rows carry a tree mask), not a chain
 def canonical_key_min_width() -> int:
     """METRALE_CANONICAL_KEY_MIN_WIDTH (default 8), read once per process."""
     return knobs.canonical_key_min_width()
-
-
-def canonical_order_applies(width: int) -> bool:
-    """True when a batched verify of `width` sequences takes the canonical order."""
-    return not knobs.no_canonical_verify_key() and width >= canonical_key_min_width()
 
 
 def verify_batch_order(slots: list[int], ks: list[int], canonical: bool) -> tuple[list[int], list[int]]:

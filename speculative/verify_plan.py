@@ -89,8 +89,3 @@ class VerifyPlanCache:
 
     def __len__(self) -> int:
         return len(self.plans)
-
-    def stats(self) -> dict:
-        total = self.hits + self.misses
-        return {"hits": self.hits, "misses": self.misses, "hit_rate": round(self.hits / total, 4) if total else None,
-                "plans": len(self.plans)}

@@ -70,7 +70,7 @@ def test_kv_cache_accounting():
     assert cache.can_reserve(0, 16) and not cache.can_reserve(0, 17)
     cache.reserve(0, 5)
     assert cache.num_free_tokens() == 8 and cache.length(0) == 5
-    assert cache.slots(0, 0, 5).tolist()[:4] == [0, 1, 2, 3]
+    assert cache.cells(0, 0, 5).tolist()[:4] == [0, 1, 2, 3]
     cache.rewind(0, 4)
     assert cache.num_free_tokens() == 12
     with pytest.raises(ValueError, match="cannot rewind"):

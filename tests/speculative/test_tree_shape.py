@@ -4,11 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.attention import SeqChunk, build_plan
+from runtime.attention import SeqChunk, ancestor_mask, build_plan, row_depths
 from runtime.kv_cache import PagedKVCache
-
-from speculative.tree_shape import (TreeShape, accepted_path, ancestor_mask, row_depths,
-                                    verify_rows)
+from speculative.tree_shape import TreeShape, accepted_path, verify_rows
 
 
 def test_valid_shapes():
@@ -35,7 +33,6 @@ def test_refused_shapes(text, match):
 def test_cuts_of_a_shape():
     s = TreeShape.parse("1,2,2")
     assert [s.nodes_at(d) for d in range(4)] == [0, 1, 3, 5]
-    assert [s.depth_for_nodes(n) for n in range(7)] == [0, 1, 1, 2, 2, 3, 3]
     assert s.parents(3) == [-1, 0, 1, 2, 1, 2]
     assert s.parents(1) == [-1, 0]
     assert TreeShape.parse("2,1,3").parents(3) == [-1, 0, 1, 2, 0, 2, 2]

@@ -70,7 +70,8 @@ def test_canonical_min_width(env, want):
                                        ({"METRALE_CANONICAL_KEY_MIN_WIDTH": "3"}, "False True True True"),
                                        ({"METRALE_CANONICAL_KEY_MIN_WIDTH": "9"}, "False False False True")])
 def test_canonical_order_applies_by_width_and_kill_switch(env, want):
-    expr = "__import__('speculative.verify_key').verify_key.canonical_order_applies(w) for w in (1, 3, 8, 9)"
+    expr = ("__import__('speculative.settings').settings.resolve_spec_settings().canonical_order(w) "
+            "for w in (1, 3, 8, 9)")
     assert read_in_subprocess(f"' '.join(str(x) for x in [{expr}])", env) == want
 
 
