@@ -1,9 +1,13 @@
 """`metrale bench`: a closed-loop concurrency sweep over held-out code prompts, arms side by side.
 
-Every arm runs the same prompts at the same concurrency levels in one process and one run, after a
-warm-up that is not measured. Greedy decoding with EOS ignored, so every request produces the same
-number of tokens in every arm. Per cell: aggregate output tokens/s, acceptance (for arms that
-speculate), TTFT and TPOT percentiles. The record goes to JSON, the curves to a PNG.
+Every arm runs the same prompts at the same concurrency levels in one run, after a warm-up that is
+not measured, and the arms take turns (at EP 1 all are loaded and rotate at each concurrency; at
+EP > 1, where a process holds one process group, each repeat starts every arm's group in turn).
+Greedy decoding with EOS ignored, so every request produces the same number of tokens in every
+arm. Fixed arms (none, k1..k4, ngram, trees) speculate at every width; ladder and auto run with the
+width cap a user of the model gets. Per cell: aggregate output tokens/s (median run, with min and
+max over the repeats), acceptance, drafts per verify, the width cap, TTFT and TPOT percentiles,
+thread count and process layout. The record (with its provenance) goes to JSON, the curves to a PNG.
 """
 from __future__ import annotations
 
@@ -17,19 +21,24 @@ from pathlib import Path
 
 import torch
 
-from bench.report import git_sha, machine, plot, print_table, verify_key_settings
+from bench.cells import add_ratios, summarize
 from bench.corpus import heldout_prompts
+from bench.report import check_provenance, machine, plot, print_table, provenance, verify_key_settings
 from runtime.sampler import SamplingParams
 from serving.deployment import Launcher
 from serving.llm import LLM
+from speculative.ladder import MAX_MTP_MAX_SEQS
 
 # Engine arms: name -> (speculation method, most drafts per step, draft policy, confidence stop TAU).
 # Arm tree drafts trees of the shape --tree-shape gives (its policy and depth come from the shape).
+# Arms with the fixed policy speculate at every width (no width cap); ladder and auto take the cap
+# the model folder gives (metrale.toml), as a user of the model would.
 ENGINE_ARMS = {"none": ("none", 0, "fixed", None), "k1": ("mtp", 1, "fixed", None), "k2": ("mtp", 2, "fixed", None),
                "k3": ("mtp", 3, "fixed", None), "k4": ("mtp", 4, "fixed", None), "ngram": ("ngram", 3, "fixed", None),
                "ladder": ("mtp", 3, "ladder", None), "ladder+stop": ("mtp", 3, "ladder", 0.5),
                "auto": ("mtp", 3, "auto", None), "tree": ("mtp", 3, "fixed", None)}
 BUILT_ARMS = (*ENGINE_ARMS, "hf")
+MIN_REQUESTS = 16   # requests behind a cell by default (at least 2 x concurrency)
 TREE_ARM = re.compile(r"^tree([1-4]{1,7})$")   # tree122: the shape 1,2,2, beside other shapes in one run
 
 
@@ -71,13 +80,16 @@ class BenchConfig:
             raise ValueError(f"--ep {self.ep} must be at least 1")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency levels {self.concurrency} must be positive")
+        if max(self.concurrency) > MAX_MTP_MAX_SEQS:
+            raise ValueError(f"concurrency {max(self.concurrency)} is above {MAX_MTP_MAX_SEQS}, the most sequences "
+                             "that may speculate together: the fixed arms would stop speculating")
         if self.repeats < 1:
             raise ValueError(f"--repeats {self.repeats} must be at least 1")
         if self.max_tokens < 2:
             raise ValueError(f"max_tokens={self.max_tokens} must be at least 2 (TPOT needs two tokens)")
 
     def num_requests(self, concurrency: int) -> int:
-        return self.requests or max(4, 2 * concurrency)
+        return self.requests or max(MIN_REQUESTS, 2 * concurrency)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -117,8 +129,11 @@ class EngineArm:
         self.llm = LLM(config.model, dtype=config.dtype, kv_cache_tokens=65536,
                        max_num_seqs=max(config.concurrency), spec=spec, num_drafts=k, ep=config.ep,
                        launcher=launcher, draft_policy=policy, draft_confidence_stop=tau,
-                       tree_shape=self.tree_shape)
+                       tree_shape=self.tree_shape,
+                       mtp_max_seqs=MAX_MTP_MAX_SEQS if policy == "fixed" and spec != "none" else None)
         self.comm = self.llm.deployment.comm
+        self.layout = {"ep": config.ep, "launcher": config.launcher if config.ep > 1 else None,
+                       "ranks": [{k: r[k] for k in ("rank", "pid", "host", "node")} for r in self.llm.rank_info]}
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -151,6 +166,12 @@ class EngineArm:
         m = engine.metrics
         cell = _cell(self.name, concurrency, ep, tokens, wall, ttft, tpot, requests=n, verifies=m.verifies,
                      accepted=m.accepted_tokens, p1=_round(m.positional(0)), p2_uncond=_round(m.positional(1)))
+        spec = self.llm.spec
+        plain = tokens - m.accepted_tokens - m.verifies     # tokens that came from plain decode rows
+        cell.update(width_cap=spec.width_cap if spec.is_speculating else None,
+                    drafts_per_verify=round(m.drafted_tokens / m.verifies, 3) if m.verifies else None,
+                    speculated_share=round(m.verifies / (m.verifies + plain), 4) if spec.is_speculating else None,
+                    threads=torch.get_num_threads(), layout=self.layout)
         steps = max(1, engine.num_steps - steps0)
         cell["step_ms"] = round(1000 * wall / steps, 3)
         if self.tree_shape is not None:
@@ -172,12 +193,23 @@ class HFArm:
     def close(self) -> None:
         self.model = None
 
-    def __init__(self, config: BenchConfig) -> None:
+    def __init__(self, config: BenchConfig, threads: int) -> None:
         from transformers import Glm4MoeForCausalLM
         from runtime.weights import DTYPES
         self.model = Glm4MoeForCausalLM.from_pretrained(config.model, dtype=DTYPES[config.dtype]).eval()
+        self.threads = threads
 
     def run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int, ep: int) -> dict:
+        # The machine's threads, whatever an EP group set for rank 0: a single process, like ours at EP 1.
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            cell = self._run(prompts, concurrency, n, max_tokens)
+        finally:
+            torch.set_num_threads(before)
+        return cell
+
+    def _run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int) -> dict:
         tokens = 0
         t0 = time.perf_counter()
         for start in range(0, n, concurrency):
@@ -190,11 +222,13 @@ class HFArm:
                                           min_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
                                           pad_token_id=0)
             tokens += (out.shape[1] - width) * len(batch)
-        return _cell("hf", concurrency, 1, tokens, time.perf_counter() - t0, [], [], requests=n)
+        cell = _cell("hf", concurrency, 1, tokens, time.perf_counter() - t0, [], [], requests=n)
+        cell.update(threads=torch.get_num_threads(), layout={"ep": 1, "launcher": None, "ranks": []})
+        return cell
 
 
-def build_arm(name: str, config: BenchConfig, launcher: Launcher | None = None):
-    return HFArm(config) if name == "hf" else EngineArm(name, config, launcher)
+def build_arm(name: str, config: BenchConfig, launcher: Launcher | None, threads: int):
+    return HFArm(config, threads) if name == "hf" else EngineArm(name, config, launcher)
 
 
 def bench_prompts(config: BenchConfig) -> list[list[int]]:
@@ -213,69 +247,52 @@ def progress(arm: str, concurrency: int, runs: list[dict]) -> None:
     print(f"    {arm} c={concurrency} run {len(runs)}: {runs[-1]['tok_s']:.1f} tok/s", flush=True)
 
 
-def median_cell(runs: list[dict]) -> dict:
-    """The run with the median tokens/s (the lower middle one for an even count), with every
-    run's tokens/s beside it."""
-    ranked = sorted(runs, key=lambda c: c["tok_s"])
-    cell = dict(ranked[(len(ranked) - 1) // 2])
-    cell["tok_s_runs"] = [r["tok_s"] for r in runs]
-    return cell
-
-
 def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path | None = None,
               launcher: Launcher | None = None) -> dict:
     """Run the sweep; `launcher` starts each arm's worker ranks at EP > 1 (the CLI passes the one
     `--launcher` names)."""
+    start = provenance()
+    threads = torch.get_num_threads()
     prompts = bench_prompts(config)
     print(f"bench: {len(prompts)} held-out prompts, arms {','.join(config.arms)}, concurrency "
-          f"{','.join(map(str, config.concurrency))}, {config.max_tokens} tokens per request", flush=True)
-    # At EP 1 every arm is loaded first and the arms take turns at each concurrency (in a rotating
-    # order when repeated), so a slow spell of the machine falls on all of them alike. At EP > 1 a
-    # process holds one process group, so the arms run one after another, each with its group.
+          f"{','.join(map(str, config.concurrency))}, {config.max_tokens} tokens per request, "
+          f"{config.repeats} repeat(s), commit {start['git_sha']}{' (dirty)' if start['dirty'] else ''}", flush=True)
     runs: dict[tuple[str, int], list[dict]] = {(a, c): [] for a in config.arms for c in config.concurrency}
+
+    def measure(name: str, arm, c: int) -> None:
+        runs[name, c].append(arm.run(prompts, c, config.num_requests(c), config.max_tokens, config.ep))
+        progress(name, c, runs[name, c])
+
+    names = list(config.arms)
     if config.ep == 1:
-        arms = {name: build_arm(name, config, launcher) for name in config.arms}
+        # Every arm loaded first; at each concurrency the arms take turns, in a rotating order.
+        arms = {name: build_arm(name, config, launcher, threads) for name in names}
         try:
             for arm in arms.values():
                 arm.run(prompts[:2], 2, 2, 4, config.ep)  # warm-up, not recorded
             for c in config.concurrency:
                 for r in range(config.repeats):
-                    names = list(arms)
                     for name in names[r % len(names):] + names[:r % len(names)]:
-                        runs[name, c].append(arms[name].run(prompts, c, config.num_requests(c), config.max_tokens,
-                                                            config.ep))
-                        progress(name, c, runs[name, c])
+                        measure(name, arms[name], c)
         finally:
             for arm in arms.values():
                 arm.close()
     else:
-        for name in config.arms:
-            arm = build_arm(name, config, launcher)
-            try:
-                arm.run(prompts[:2], 2, 2, 4, config.ep)
-                for c in config.concurrency:
-                    for _ in range(config.repeats):
-                        runs[name, c].append(arm.run(prompts, c, config.num_requests(c), config.max_tokens, config.ep))
-                        progress(name, c, runs[name, c])
-            finally:
-                arm.close()
-    print("cells (median run):", flush=True)
-    cells: list[dict] = []
-    for c in config.concurrency:
-        for name in config.arms:
-            cell = median_cell(runs[name, c])
-            cells.append(cell)
-            rate = cell.get("plan_cache", {}).get("hit_rate")
-            print(f"  {name:>11} c={c:<3} {cell['tok_s']:9.1f} tok/s  accept_len {cell['accept_len']}  "
-                  f"plan hits {rate}" + (f"  runs {cell['tok_s_runs']}" if config.repeats > 1 else ""), flush=True)
-    base = {c["concurrency"]: c["tok_s"] for c in cells if c["arm"] == config.arms[0]}
-    fixed = [a for a in ("none", "k1", "k2", "k3") if a in config.arms]
-    for c in cells:
-        c["tok_s_ratio_vs_" + config.arms[0]] = round(c["tok_s"] / base[c["concurrency"]], 3)
-        if fixed and c["arm"] not in fixed:  # DESIGN §5.3's comparison: the best fixed depth here
-            best = max(x["tok_s"] for x in cells if x["concurrency"] == c["concurrency"] and x["arm"] in fixed)
-            c["tok_s_ratio_vs_best_fixed"] = round(c["tok_s"] / best, 3)
-    record = {"model": str(config.model), "git_sha": git_sha(),
+        # A process holds one process group: each repeat starts every arm's group in turn (start-up
+        # is not measured), so the arms take turns across repeats as they do at EP 1.
+        for r in range(config.repeats):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                arm = build_arm(name, config, launcher, threads)
+                try:
+                    arm.run(prompts[:2], 2, 2, 4, config.ep)
+                    for c in config.concurrency:
+                        measure(name, arm, c)
+                finally:
+                    arm.close()
+    end = check_provenance(start)
+    cells = [summarize(runs[name, c]) for c in config.concurrency for name in names]
+    add_ratios(cells, names[0])
+    record = {"model": str(config.model), **start, **end,
               "recorded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": machine(), "params": asdict(config), "verify_key": verify_key_settings(), "cells": cells}
     print_table(cells)
@@ -284,6 +301,7 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
         json_out.write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {json_out}")
     if plot_out:
-        plot(cells, plot_out, f"{Path(config.model).name} ({config.dtype}, ep {config.ep})")
+        plot(cells, plot_out, f"{Path(config.model).name} ({config.dtype}, ep {config.ep}, "
+                              f"{config.repeats} repeat(s))")
         print(f"wrote {plot_out}")
     return record

@@ -1,6 +1,7 @@
 """What `metrale bench` writes beside its cells: the machine, the commit, the table and the plot."""
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -8,18 +9,44 @@ from pathlib import Path
 
 import torch
 
+from bench.cells import ratio_text
 
-def git_sha() -> str | None:
+
+def _git(*args: str) -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
     except (OSError, subprocess.SubprocessError):
         return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def provenance() -> dict:
+    """What produced a record: the commit, whether the tree had changes to tracked files or new
+    untracked (not ignored) files, and the command line. Read when a run starts."""
+    status = _git("status", "--porcelain", "--untracked-files=normal")
+    return {"git_sha": _git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
+            "dirty_files": [] if not status else [line[3:] for line in status.splitlines()][:20],
+            "command": " ".join(sys.argv)}
+
+
+def check_provenance(start: dict) -> dict:
+    """The same reading at the end of a run: a changed commit or tree means the record may not
+    come from the code its start names (reported, and printed as a warning)."""
+    end = provenance()
+    changed = end["git_sha"] != start["git_sha"] or end["dirty"] != start["dirty"] \
+        or end["dirty_files"] != start["dirty_files"]
+    if changed:
+        print(f"WARNING: the tree changed during the run (start {start['git_sha']} dirty={start['dirty']}, "
+              f"end {end['git_sha']} dirty={end['dirty']})", flush=True)
+    return {"git_sha_at_end": end["git_sha"], "dirty_at_end": end["dirty"], "changed_during_run": changed}
 
 
 def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.machine(), "cpus": torch.get_num_threads(),
-            "python": sys.version.split()[0], "torch": torch.__version__}
+    """The machine: its real CPU count (and the CPUs this process may use), not torch's threads."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"platform": platform.platform(), "processor": platform.machine(), "cpu_count": os.cpu_count(),
+            "usable_cpus": usable, "python": sys.version.split()[0], "torch": torch.__version__}
 
 
 def verify_key_settings() -> dict:
@@ -30,9 +57,19 @@ def verify_key_settings() -> dict:
 
 
 def print_table(cells: list[dict]) -> None:
-    cols = ["arm", "concurrency", "tok_s", "accept_len", "p1", "p2_uncond", "verifies", "ttft_p50_ms",
-            "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms"]
-    rows = [[("-" if c[k] is None else str(c[k])) for k in cols] for c in cells]
+    """One row per cell: the median run's tokens/s with the [min - max] of its repeats, and the
+    ratio to the best fixed arm ("tie" when their runs overlap)."""
+    cols = ["arm", "conc", "tok_s", "tok_s [min - max]", "vs best fixed", "accept_len", "drafts/verify",
+            "cap", "p1", "p2_uncond", "requests", "ttft_p50_ms", "tpot_p50_ms"]
+
+    def row(c: dict) -> list[str]:
+        spread = f"[{c['tok_s_min']:.1f} - {c['tok_s_max']:.1f}]" if "tok_s_min" in c else "-"
+        vals = [c["arm"], c["concurrency"], f"{c['tok_s']:.1f}", spread, ratio_text(c), c.get("accept_len"),
+                c.get("drafts_per_verify"), c.get("width_cap"), c.get("p1"), c.get("p2_uncond"), c.get("requests"),
+                c.get("ttft_p50_ms"), c.get("tpot_p50_ms")]
+        return ["-" if v is None else str(v) for v in vals]
+
+    rows = [row(c) for c in cells]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(cols)]
     print("  ".join(h.rjust(w) for h, w in zip(cols, widths)))
     for r in rows:
@@ -40,6 +77,8 @@ def print_table(cells: list[dict]) -> None:
 
 
 def plot(cells: list[dict], path: Path, title: str) -> None:
+    """Tokens/s per arm over concurrency (the median run, bars from the slowest to the fastest
+    repeat), and acceptance of the speculating arms."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -48,11 +87,15 @@ def plot(cells: list[dict], path: Path, title: str) -> None:
     for i, arm in enumerate(dict.fromkeys(c["arm"] for c in cells)):
         mine = sorted((c for c in cells if c["arm"] == arm), key=lambda c: c["concurrency"])
         xs = [c["concurrency"] for c in mine]
+        ys = [c["tok_s"] for c in mine]
+        lo = [y - c.get("tok_s_min", y) for y, c in zip(ys, mine)]
+        hi = [c.get("tok_s_max", y) - y for y, c in zip(ys, mine)]
         color = colors[i % len(colors)]  # the same arm has the same colour in both panels
-        ax1.plot(xs, [c["tok_s"] for c in mine], marker="o", label=arm, color=color)
+        ax1.errorbar(xs, ys, yerr=[lo, hi], marker="o", label=arm, color=color, capsize=3)
         if any(c["accept_len"] is not None for c in mine):
             ax2.plot(xs, [c["accept_len"] or float("nan") for c in mine], marker="o", label=arm, color=color)
-    for ax, label in ((ax1, "output tokens/s"), (ax2, "accept_len (1 + mean accepted)")):
+    for ax, label in ((ax1, "output tokens/s (median; bars: min-max of repeats)"),
+                      (ax2, "accept_len (1 + mean accepted)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
         ax.set_ylabel(label)
@@ -64,4 +107,3 @@ def plot(cells: list[dict], path: Path, title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-

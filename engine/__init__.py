@@ -1,1 +1,1 @@
-"""Rank 0's step: schedule, propose, verify, commit (DESIGN §2)."""
+"""Rank 0's step: schedule, propose, verify, commit (docs/design.md §2)."""

@@ -1,4 +1,4 @@
-"""The verify phase of a speculative step (DESIGN §5.2, §5.5, §5.6): dispatch order, the verify
+"""The verify phase of a speculative step (docs/design.md §5.2, §5.5, §5.6): dispatch order, the verify
 rows of chains and trees, and acceptance. It returns a result per sequence; the engine's one
 postprocess applies it.
 

@@ -17,9 +17,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--launcher", default="mp", choices=["mp", "ray"],
                    help="how --ep > 1 starts its ranks (each arm starts its own group; start-up is not measured)")
     b.add_argument("--max-tokens", type=int, default=None, help="output tokens per request")
-    b.add_argument("--requests", type=int, default=None, help="requests per cell (default: 2 x concurrency, >= 4)")
+    b.add_argument("--requests", type=int, default=None, help="requests per cell (default: 2 x concurrency, at least 16)")
     b.add_argument("--repeats", type=int, default=1,
-                   help="runs per cell, arms taking turns; the cell is the median run")
+                   help="runs per cell, arms taking turns; the cell is the median run, with min and max beside it")
     b.add_argument("--json-out", type=Path, default=None)
     b.add_argument("--plot-out", type=Path, default=None)
 

@@ -3,7 +3,7 @@
 Shapes: L cache layers (target layers plus the MTP layer), S cells = num_blocks * block_size,
 nkv key/value heads, D head dim. A token at position p of a sequence lives in cell
 `block_table[p // block_size] * block_size + p % block_size` (a cell is one token's place in the
-pool; "slot", elsewhere, names a sequence's place, DESIGN §1).
+pool; "slot", elsewhere, names a sequence's place, docs/design.md §1).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class PagedKVCache:
         # the caches of other ranks can replay it: the allocator is deterministic, so the same
         # operations give the same block tables everywhere.
         self.journal: list[tuple[str, int, int]] | None = None
-        # Slot ids of every position a sequence's blocks cover, rebuilt when its table changes.
+        # Cell ids of every position a sequence's blocks cover, rebuilt when its table changes.
         self._cell_cache: dict[int, torch.Tensor] = {}
 
     def shared_plane(self, *, num_layers: int, num_kv_heads: int, head_dim: int,

@@ -2,7 +2,7 @@
 
 Shapes: T tokens flattened over sequences, H hidden, V vocab.
 `forward` returns hidden states *before* the final norm; `compute_logits` applies the norm and
-the head. The MTP drafter needs the pre-norm hidden of the last committed position (DESIGN §3).
+the head. The MTP drafter needs the pre-norm hidden of the last committed position (docs/design.md §3).
 """
 from __future__ import annotations
 

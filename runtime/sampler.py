@@ -2,7 +2,7 @@
 
 The generator for the token at absolute position p of a request with seed s is seeded from
 (s, p) alone, so a request's tokens never depend on what else is in the batch, on batch width,
-or on whether speculation verified them (DESIGN §5.2).
+or on whether speculation verified them (docs/design.md §5.2).
 
 Shapes: N rows, V vocab.
 """

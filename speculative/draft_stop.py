@@ -1,4 +1,4 @@
-"""Per-position confidence stop for MTP draft chains (`--draft-confidence-stop TAU`, DESIGN §5.4).
+"""Per-position confidence stop for MTP draft chains (`--draft-confidence-stop TAU`, docs/design.md §5.4).
 
 The drafter keeps extending a chain only while its last draft's top-1 probability is at least
 TAU. The one rule, used by the drafter and by the scheduler's depth planner alike, is

@@ -1,4 +1,4 @@
-"""`hidden_fingerprint`: a 64-bit FNV-1a over a hidden row's bfloat16 values (DESIGN §5.7)."""
+"""`hidden_fingerprint`: a 64-bit FNV-1a over a hidden row's bfloat16 values (docs/design.md §5.7)."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""The documented METRALE_* knobs (DESIGN §5.7), read once per process in this one module.
+"""The documented METRALE_* knobs (docs/design.md §5.7), read once per process in this one module.
 
 No other module reads the environment for behaviour. Each reader caches its first answer.
 """

@@ -1,5 +1,5 @@
 """Per-step MTP draft count as a function of the number of active sequences (the K-versus-width
-ladder), and the multi-sequence MTP width cap (DESIGN §5.3).
+ladder), and the multi-sequence MTP width cap (docs/design.md §5.3).
 
 A ladder is a list of steps `n_max:drafts` sorted by n_max. For `n_active` sequences the first
 step with n_active <= n_max gives the drafts (the last step beyond the largest n_max), clamped to

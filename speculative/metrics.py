@@ -1,4 +1,4 @@
-"""Acceptance metrics (DESIGN §5.8): per width bucket and per draft position."""
+"""Acceptance metrics (docs/design.md §5.8): per width bucket and per draft position."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -30,7 +30,7 @@ log = logging.getLogger("metrale.mtp")
 
 def extends(probs: list[float], ln_tau: float) -> bool:
     """May a chain with these top-1 probabilities grow? Only while `chain_depth` over it plus one
-    more place reaches past it, i.e. no draft so far fell below TAU (DESIGN §5.4)."""
+    more place reaches past it, i.e. no draft so far fell below TAU (docs/design.md §5.4)."""
     lps = [math.log(p) if p > 0 else -math.inf for p in probs]
     return chain_depth(lps + [0.0], ln_tau) > len(lps)
 
@@ -39,7 +39,7 @@ class MTPProposer(DraftProposer):
     def __init__(self, model: Glm4MoeForCausalLM, cache: PagedKVCache, confidence_stop: float | None = None,
                  knobs: DrafterKnobs | None = None) -> None:
         """`confidence_stop`: TAU of the confidence stop (None: chains are never stopped early);
-        `knobs`: the debugging knobs of DESIGN §5.7, resolved once."""
+        `knobs`: the debugging knobs of docs/design.md §5.7, resolved once."""
         if model.mtp is None:
             raise ValueError("this checkpoint has no MTP layer (no model.layers.{num_hidden_layers}.* tensors): "
                              "MTP speculation needs one")
@@ -129,7 +129,7 @@ class MTPProposer(DraftProposer):
                 if widths[j] > 1:  # the spine is the arg-max; the hedges the best of the rest
                     depth = len(out[i].tokens)
                     out[i].hedges.extend((depth, t) for t in [t for t in cand[j] if t != top_t[j]][:widths[j] - 1])
-            # The confidence stop (DESIGN §5.4): a chain whose last draft fell below TAU is not extended.
+            # The confidence stop (docs/design.md §5.4): a chain whose last draft fell below TAU is not extended.
             keep = [j for j, i in enumerate(active) if len(out[i].tokens) < num_drafts[i]
                     and (ln_tau is None or extends(out[i].probs, ln_tau))]
             if not keep:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-# The seed's propose command word (DESIGN §4): header (slot, EP_CMD_MTP_PROPOSE), then exactly three
+# The seed's propose command word (docs/design.md §4): header (slot, EP_CMD_MTP_PROPOSE), then exactly three
 # u32 words last_token, position, num_drafts. ep.protocol's table takes it from here.
 EP_CMD_MTP_PROPOSE = 0xFFFFFFF5
 

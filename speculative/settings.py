@@ -3,13 +3,14 @@
 `resolve_spec_settings` gives every setting one precedence order: an explicit argument (the CLI's
 flag, an `LLM(...)` keyword) first, then a value published once through the seed's API
 (`set_mtp_k_ladder`, `set_mtp_max_seqs`, `set_draft_confidence_stop`; the CLI publishes what it
-resolved), then the environment (DESIGN §5.7), then the model folder's `metrale.toml`, then the
+resolved), then the environment (docs/design.md §5.7), then the model folder's `metrale.toml`, then the
 default. The engine, the depth policy and the drafters read only the resolved object; nothing
 reads module state while serving.
 """
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +43,7 @@ class SpecSettings:
     ladder_disabled: bool = False        # METRALE_NO_MTP_K_LADDER: every width gets num_drafts
     width_cap: int = ladders.DEFAULT_MTP_MAX_SEQS
     width_cap_source: MtpMaxSeqsSource = MtpMaxSeqsSource.ENGINE_DEFAULT
-    confidence_stop: float | None = None  # TAU of DESIGN §5.4
+    confidence_stop: float | None = None  # TAU of docs/design.md §5.4
     tree_shape: TreeShape | None = None  # draft trees instead of chains (MTP only)
     verify: str = "exact"                # exact: keyed target draws; rejection: rejection sampling
     canonical_min_width: int | None = 8  # narrowest verify in canonical order (None: never)
@@ -80,16 +81,19 @@ class SpecSettings:
 
     @property
     def ln_confidence_stop(self) -> float | None:
-        return None if self.confidence_stop is None else math.log(self.confidence_stop)
+        """ln TAU, with TAU rounded to float32 as the drafters on every EP rank receive it."""
+        if self.confidence_stop is None:
+            return None
+        return math.log(struct.unpack("<f", struct.pack("<f", self.confidence_stop))[0])
 
     def ladder_drafts(self, n_active: int) -> int:
-        """Drafts per sequence for `n_active` running sequences by the ladder (DESIGN §5.3)."""
+        """Drafts per sequence for `n_active` running sequences by the ladder (docs/design.md §5.3)."""
         if self.ladder_disabled:
             return self.num_drafts
         return ladder_drafts_from_steps(list(self.ladder), n_active, self.num_drafts)
 
     def canonical_order(self, width: int) -> bool:
-        """Does a verify of `width` sequences take the canonical dispatch order (DESIGN §5.6)?"""
+        """Does a verify of `width` sequences take the canonical dispatch order (docs/design.md §5.6)?"""
         return self.canonical_min_width is not None and width >= self.canonical_min_width
 
 

@@ -1,4 +1,4 @@
-"""Draft trees (DESIGN §5.5): a spine of top-1 drafts with hedge leaves, its verify rows and the
+"""Draft trees (docs/design.md §5.5): a spine of top-1 drafts with hedge leaves, its verify rows and the
 accepted path.
 
 Shapes: n verify rows (root plus nodes), C committed context positions.

@@ -1,4 +1,4 @@
-"""Verification: which drafts a target forward accepts, and what the step commits (DESIGN §5.2).
+"""Verification: which drafts a target forward accepts, and what the step commits (docs/design.md §5.2).
 
 The target's token at each verify row is the token the request would emit there without
 speculation: the arg-max for greedy requests, else a draw keyed by (request seed, absolute

@@ -1,4 +1,4 @@
-"""The verify key (DESIGN §5.6): the dispatch order of a batched verify and the graph key that
+"""The verify key (docs/design.md §5.6): the dispatch order of a batched verify and the graph key that
 names its prepared plan.
 
 Legacy order: by (-depth, slot). Canonical order: by slot, with the multiset of depths sorted

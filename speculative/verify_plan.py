@@ -1,4 +1,4 @@
-"""Prepared verify plans, cached under the verify graph key (DESIGN §5.6).
+"""Prepared verify plans, cached under the verify graph key (docs/design.md §5.6).
 
 Shapes: n verify rows of one sequence (root plus drafts), R verify rows of the step.
 

@@ -54,7 +54,7 @@ def make_checkpoint(path: Path, name: str = "plain", seed: int = 0, **overrides)
 
 
 def add_random_mtp(path: Path, seed: int = 5, copy_from_last: bool = True) -> Path:
-    """Give a transformers checkpoint an MTP layer at index num_hidden_layers (DESIGN §3).
+    """Give a transformers checkpoint an MTP layer at index num_hidden_layers (docs/design.md §3).
 
     With `copy_from_last` the MTP decoder layer starts as a copy of the last target layer and
     eh_proj passes the hidden through, so drafts agree with the target often enough for

@@ -13,6 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from launch import LAUNCHERS, launcher_for  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
 
 PROMPTS = [
@@ -29,6 +30,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-drafts", type=int, default=3)
     ap.add_argument("--ep", type=int, default=2, help="ranks for the EP arm (1 skips it)")
+    ap.add_argument("--launcher", default="ray", choices=LAUNCHERS, help="what starts the EP arm's worker ranks")
     args = ap.parse_args()
     if not Path(args.model).is_dir():
         print(f"make run: model folder {args.model!r} does not exist", file=sys.stderr)
@@ -38,10 +40,12 @@ def main() -> int:
     texts = None
     arms = [("no speculation", "none", 1), (f"MTP, {args.num_drafts} drafts", "mtp", 1)]
     if args.ep > 1:
-        arms.append((f"EP {args.ep} (Ray), MTP {args.num_drafts}", "mtp", args.ep))
+        name = {"ray": "Ray"}.get(args.launcher, args.launcher)
+        arms.append((f"EP {args.ep} ({name}), MTP {args.num_drafts}", "mtp", args.ep))
     for label, spec, ep in arms:
         print(f"[{label}] loading {args.model} ...", flush=True)
-        llm = LLM(args.model, dtype="float32", spec=spec, num_drafts=args.num_drafts, ep=ep)
+        llm = LLM(args.model, dtype="float32", spec=spec, num_drafts=args.num_drafts, ep=ep,
+                  launcher=launcher_for(args.launcher) if ep > 1 else None)
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4))  # warm-up
         t0 = time.perf_counter()
         outs = llm.generate(PROMPTS, params)

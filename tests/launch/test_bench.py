@@ -5,37 +5,69 @@ import json
 import subprocess
 from pathlib import Path
 
-from bench.benchmark import median_cell
+from bench.cells import add_ratios, ratio_text, summarize
 from tests.conftest import metrale_cmd, run_env
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
 
 
-def test_median_cell_keeps_the_middle_run_and_lists_all():
+def test_a_cell_is_its_median_run_with_the_spread():
     runs = [{"tok_s": 30.0, "x": "a"}, {"tok_s": 10.0, "x": "b"}, {"tok_s": 20.0, "x": "c"}]
-    cell = median_cell(runs)
+    cell = summarize(runs)
     assert cell["x"] == "c" and cell["tok_s_runs"] == [30.0, 10.0, 20.0]
-    assert median_cell(runs[:2])["x"] == "b"  # even count: the lower middle
+    assert (cell["tok_s_min"], cell["tok_s_median"], cell["tok_s_max"], cell["repeats"]) == (10.0, 20.0, 30.0, 3)
+    assert summarize(runs[:2])["x"] == "b"  # even count: the lower middle run
+
+
+def cell(arm, tok_s, lo, hi, c=1):
+    return {"arm": arm, "concurrency": c, "tok_s": tok_s, "tok_s_min": lo, "tok_s_max": hi}
+
+
+def test_ratios_against_every_fixed_arm_with_ties():
+    cells = [cell("none", 100.0, 95.0, 104.0), cell("k1", 120.0, 118.0, 121.0), cell("k2", 110.0, 100.0, 130.0),
+             cell("k4", 125.0, 124.0, 126.0), cell("ladder", 131.0, 127.0, 140.0), cell("auto", 126.0, 122.0, 128.0),
+             cell("none", 50.0, 50.0, 50.0, c=4), cell("ladder", 40.0, 39.0, 41.0, c=4)]
+    add_ratios(cells, "none")
+    by = {(x["arm"], x["concurrency"]): x for x in cells}
+    # k4 is the best fixed arm at concurrency 1 (125 > 120 > 110 > 100), not k1..k3 only.
+    assert by["ladder", 1]["best_fixed_arm"] == "k4" and by["ladder", 1]["tok_s_ratio_vs_best_fixed"] == 1.048
+    assert by["ladder", 1]["tok_s_ratio_vs_best_fixed_range"] == [round(127 / 126, 3), round(140 / 124, 3)]
+    assert by["ladder", 1]["tie_with_best_fixed"] is False and ratio_text(by["ladder", 1]) == "1.048 vs k4"
+    assert by["auto", 1]["tie_with_best_fixed"] is True and ratio_text(by["auto", 1]) == "tie vs k4"
+    assert by["k4", 1]["best_fixed_arm"] == "k1"          # a fixed arm against the best of the others
+    assert by["k2", 1]["tok_s_ratio_vs_none"] == 1.1 and by["none", 1]["tok_s_ratio_vs_none"] == 1.0
+    assert by["ladder", 4]["tok_s_ratio_vs_best_fixed"] == 0.8 and "best_fixed_arm" not in by["none", 4]
 
 
 def test_bench_writes_record_and_plot(tmp_path):
-    out = subprocess.run(metrale_cmd("bench", "--model", str(EMBEDDED), "--arms", "none,k2,ladder",
+    import shutil
+    model = tmp_path / "m"
+    shutil.copytree(EMBEDDED, model)
+    (model / "metrale.toml").write_text("[behavior]\nmtp_max_seqs = 1\n")   # ladder: speculation off at 2
+    out = subprocess.run(metrale_cmd("bench", "--model", str(model), "--arms", "none,k2,ladder,hf",
                                      "--concurrency", "1,2", "--max-tokens", "6", "--requests", "2", "--repeats", "2",
                                      "--json-out", str(tmp_path / "b.json"), "--plot-out", str(tmp_path / "b.png")),
                          env=run_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     record = json.loads((tmp_path / "b.json").read_text())
+    assert record["git_sha"] and isinstance(record["dirty"], bool) and "bench --model" in record["command"]
+    assert record["git_sha_at_end"] == record["git_sha"] and record["machine"]["cpu_count"] >= 1
     cells = {(c["arm"], c["concurrency"]): c for c in record["cells"]}
-    assert set(cells) == {(a, c) for a in ("none", "k2", "ladder") for c in (1, 2)}
-    for (arm, c), cell in cells.items():
-        assert len(cell["tok_s_runs"]) == 2 and cell["tok_s"] in cell["tok_s_runs"]
-        assert cell["output_tokens"] == 2 * 6
-        if arm == "none":
-            assert cell["tok_s_ratio_vs_none"] == 1.0 and "tok_s_ratio_vs_best_fixed" not in cell
-        else:
-            assert cell["accept_len"] >= 1.0
-    best = max(cells[("none", 1)]["tok_s"], cells[("k2", 1)]["tok_s"])
-    assert abs(cells[("ladder", 1)]["tok_s_ratio_vs_best_fixed"] - cells[("ladder", 1)]["tok_s"] / best) < 1e-3
+    assert set(cells) == {(a, c) for a in ("none", "k2", "ladder", "hf") for c in (1, 2)}
+    for (arm, c), x in cells.items():
+        assert len(x["tok_s_runs"]) == 2 and x["tok_s"] in x["tok_s_runs"]
+        assert x["tok_s_min"] <= x["tok_s"] <= x["tok_s_max"] and x["requests"] == 2
+        assert x["output_tokens"] == 2 * 6 and x["threads"] >= 1 and x["layout"]["ep"] == 1
+        fixed = {k: v for k, v in cells.items() if k[1] == c and k[0] in ("none", "k2") and k[0] != arm}
+        best = max(fixed.values(), key=lambda v: v["tok_s"])
+        assert abs(x["tok_s_ratio_vs_best_fixed"] - x["tok_s"] / best["tok_s"]) < 2e-3
+    # The fixed arm speculates at every width; the ladder takes the folder's cap of 1.
+    assert cells["k2", 2]["width_cap"] == 128 and cells["k2", 2]["verifies"] > 0
+    assert cells["k2", 1]["drafts_per_verify"] > 1.0
+    assert cells["ladder", 2]["width_cap"] == 1 and cells["ladder", 2]["verifies"] == 0
+    assert cells["ladder", 1]["verifies"] > 0 and cells["none", 1]["width_cap"] is None
+    assert cells["hf", 1]["accept_len"] is None and cells["hf", 2]["output_tokens"] == 12
+    assert "vs best fixed" in out.stdout and "[" in out.stdout   # the table shows ratios and spreads
     assert (tmp_path / "b.png").stat().st_size > 10_000
 
 
@@ -60,9 +92,10 @@ def test_tree_arms_name_their_shape():
 
 def test_bench_at_ep2_runs_each_arm_with_its_own_group(tmp_path):
     out = subprocess.run(metrale_cmd("bench", "--model", str(EMBEDDED), "--arms", "none,k1", "--ep", "2",
-                                     "--concurrency", "1", "--max-tokens", "4", "--requests", "2",
+                                     "--concurrency", "1", "--max-tokens", "4", "--requests", "2", "--repeats", "2",
                                      "--json-out", str(tmp_path / "b.json")),
                          env=run_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     cells = json.loads((tmp_path / "b.json").read_text())["cells"]
     assert [(c["arm"], c["ep"], c["output_tokens"]) for c in cells] == [("none", 2, 8), ("k1", 2, 8)]
+    assert all(len(c["layout"]["ranks"]) == 2 and c["layout"]["launcher"] == "mp" for c in cells)

@@ -1,4 +1,4 @@
-"""The K-versus-width ladder, the width cap and the confidence stop, with exact values (DESIGN §5.3, §5.4)."""
+"""The K-versus-width ladder, the width cap and the confidence stop, with exact values (docs/design.md §5.3, §5.4)."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""Draft tree shapes, verify rows, accepted paths and tree masks, with exact values (DESIGN §5.5)."""
+"""Draft tree shapes, verify rows, accepted paths and tree masks, with exact values (docs/design.md §5.5)."""
 from __future__ import annotations
 
 import pytest

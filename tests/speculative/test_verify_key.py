@@ -1,4 +1,4 @@
-"""Verify dispatch order, graph keys, slot matching and the canonical-order knobs (DESIGN §5.6)."""
+"""Verify dispatch order, graph keys, slot matching and the canonical-order knobs (docs/design.md §5.6)."""
 from __future__ import annotations
 
 import itertools

@@ -1,0 +1,69 @@
+"""A benchmark cell from its repeated runs, and the ratios between arms, with their spread.
+
+A cell (one arm at one concurrency) is its median run (by tokens/s; the lower middle one for an
+even count) with the min / median / max tokens/s of every run beside it. A ratio between two
+cells comes with its range (worst run against best run and back); when the two cells' runs
+overlap, the ratio is a tie: the noise between runs is as large as the difference.
+"""
+from __future__ import annotations
+
+import re
+from statistics import median
+
+FIXED_ARM = re.compile(r"^(none|k\d+)$")   # a fixed depth: no speculation, or k drafts at every width
+
+
+def summarize(runs: list[dict]) -> dict:
+    """The median run of `runs` with the spread of tokens/s over all of them."""
+    if not runs:
+        raise ValueError("a cell needs at least one run")
+    ranked = sorted(runs, key=lambda c: c["tok_s"])
+    cell = dict(ranked[(len(ranked) - 1) // 2])
+    rates = [r["tok_s"] for r in runs]
+    cell["tok_s_runs"] = rates
+    cell["tok_s_min"], cell["tok_s_median"], cell["tok_s_max"] = min(rates), round(median(rates), 2), max(rates)
+    cell["repeats"] = len(runs)
+    return cell
+
+
+def overlaps(a: dict, b: dict) -> bool:
+    """Do the tokens/s ranges of two cells' runs overlap?"""
+    return a["tok_s_min"] <= b["tok_s_max"] and b["tok_s_min"] <= a["tok_s_max"]
+
+
+def ratio(a: dict, b: dict) -> dict:
+    """a's tokens/s over b's: the medians' ratio, its range over the runs, and whether it is a tie."""
+    return {"ratio": round(a["tok_s"] / b["tok_s"], 3),
+            "range": [round(a["tok_s_min"] / b["tok_s_max"], 3), round(a["tok_s_max"] / b["tok_s_min"], 3)],
+            "tie": overlaps(a, b)}
+
+
+def add_ratios(cells: list[dict], first_arm: str) -> None:
+    """Per concurrency: every cell's ratio to the first arm's cell, and every cell's ratio to the
+    best fixed-depth arm present (none, k1, k2, ...: the highest median tokens/s among them; a
+    fixed arm is compared with the best of the others)."""
+    for c in {x["concurrency"] for x in cells}:
+        level = [x for x in cells if x["concurrency"] == c]
+        base = next(x for x in level if x["arm"] == first_arm)
+        fixed = [x for x in level if FIXED_ARM.match(x["arm"])]
+        for cell in level:
+            r = ratio(cell, base)
+            cell[f"tok_s_ratio_vs_{first_arm}"] = r["ratio"]
+            cell[f"tok_s_ratio_vs_{first_arm}_range"] = r["range"]
+            others = [x for x in fixed if x is not cell]
+            if not others:
+                continue
+            best = max(others, key=lambda x: x["tok_s"])
+            r = ratio(cell, best)
+            cell["best_fixed_arm"] = best["arm"]
+            cell["tok_s_ratio_vs_best_fixed"] = r["ratio"]
+            cell["tok_s_ratio_vs_best_fixed_range"] = r["range"]
+            cell["tie_with_best_fixed"] = r["tie"]
+
+
+def ratio_text(cell: dict) -> str:
+    """'1.053 vs k2', 'tie vs k2' when the runs overlap, or '-' without a fixed arm to compare."""
+    if "tok_s_ratio_vs_best_fixed" not in cell:
+        return "-"
+    word = "tie" if cell["tie_with_best_fixed"] else f"{cell['tok_s_ratio_vs_best_fixed']:.3f}"
+    return f"{word} vs {cell['best_fixed_arm']}"
