@@ -167,8 +167,36 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] (global ids) -> weighted sum over the local experts [T, H].
 
-        Rows routed to experts outside this shard contribute zero.
+        Rows routed to experts outside this shard contribute zero. float32 and bfloat16 take the
+        grouped path (no host synchronisation); float64, the reference mode, loops over experts.
         """
+        if x.dtype == torch.float64:
+            return self._looped(x, weights, ids)
+        return self._grouped(x, weights, ids)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Choices sorted by local expert, two grouped matmuls over the runs, no host sync.
+
+        Non-local choices sort after every local one, beyond the last group offset; their rows
+        are never read (masked to zero before the combine).
+        """
+        t, k = ids.shape
+        e_local = self.num_local_experts
+        local = (ids - self.expert_offset).reshape(-1)                          # [T*k]
+        is_local = (local >= 0) & (local < e_local)
+        key = torch.where(is_local, local, e_local)                            # non-local: a last group
+        order = torch.argsort(key, stable=True)                                # [T*k]
+        offs = torch.cumsum(torch.bincount(key, minlength=e_local + 1)[:e_local], 0).to(torch.int32)  # [E]
+        xs = x[order // k]                                                     # [T*k, H], expert-major
+        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [T*k, H]
+        per_choice = torch.empty_like(ys).index_copy_(0, order, ys)             # back to choice order
+        per_choice = torch.where(is_local[:, None], per_choice, 0.0)
+        # Sum over the k choices in a fixed order: the result does not depend on the batch.
+        return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
+
+    def _looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The reference path: one pair of matmuls per touched local expert (syncs with the host)."""
         t, k = ids.shape
         flat = (ids - self.expert_offset).reshape(-1)              # [T*k] local expert of each choice
         is_local = (flat >= 0) & (flat < self.num_local_experts)
@@ -188,7 +216,6 @@ class RoutedExperts(nn.Module):
                 gate, up = F.linear(xs, self.gate_up_proj[e]).chunk(2, dim=-1)
                 per_choice[slots[start:start + n]] = F.linear(F.silu(gate) * up, self.down_proj[e]).to(x.dtype)
                 start += n
-        # Sum over the k choices in a fixed order: the result does not depend on the batch.
         return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
 
 
