@@ -23,7 +23,7 @@ from runtime.attention import SeqChunk
 from runtime.config import ModelConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.model_runner import ModelRunner
-from runtime.sampler import SamplingParams, sample_rows
+from runtime.sampler import RowSpec, SamplingParams, TokenLogprobs, prompt_token_logprobs, sample_rows
 from runtime.scheduler import Scheduled, Scheduler, SchedulerConfig
 from runtime.sequence import Sequence, SequenceStatus
 from runtime.tokenizer import Tokenizer
@@ -37,7 +37,11 @@ NO_DRAFT = Drafts([], [])
 
 
 class RequestError(ValueError):
-    """A request this engine refuses; the message names the bad value."""
+    """A request this engine refuses; the message names the bad value, `param` the field."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,7 +82,12 @@ class Engine:
         self.validate_request(prompt_ids, params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(seq_id=next(self._ids), prompt_len=len(prompt_ids), token_ids=list(prompt_ids),
-                       params=params, seed=seed)
+                       params=params, seed=seed,
+                       stop_ids=() if params.ignore_eos else tuple(self.model_config.eos_token_ids))
+        if params.logprobs is not None:
+            seq.logprobs = []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop or ())
         self.scheduler.add(seq)
@@ -97,6 +106,10 @@ class Engine:
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"prompt of {len(prompt_ids)} tokens does not fit the context of "
                                f"{self.max_model_len} tokens (one output token needs room too)")
+        bad = next((t for t, _ in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                               param="logit_bias")
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         if not seq.is_finished:
@@ -222,7 +235,8 @@ class Engine:
                           vplan, hidden: torch.Tensor) -> list[SeqUpdate]:
         """Phase 5: a `SeqUpdate` per scheduled sequence. Verifying sequences accept drafts; plain
         rows that reach the end of their known tokens sample one token with the (seed, position)
-        generator; prefill chunks that do not only feed the drafter."""
+        generator after the same per-row processing as verify rows; prefill chunks that do not only
+        feed the drafter (and score the prompt when asked)."""
         updates: list[SeqUpdate] = []
         if items:
             updates += self.verifier.verify(items, self.runner.logits(hidden, vplan.logits_rows))
@@ -231,20 +245,41 @@ class Engine:
         for item, chunk in zip(batch[len(items):], chunks[len(items):]):
             plain.append((item.seq, row, item.num_tokens))
             row += chunk.num_tokens
+        self.score_prompts(plain, hidden)
         last = [(s, r + n - 1) for s, r, n in plain if s.num_computed + n == len(s.token_ids)]
-        sampled: dict[int, int] = {}
+        sampled = {}
         if last:
-            seqs = [s for s, _ in last]
             logits = self.runner.logits(hidden, [r for _, r in last])
-            new = sample_rows(logits, [s.params for s in seqs], [s.seed for s in seqs],
-                              [len(s.token_ids) for s in seqs])
-            sampled = {s.seq_id: t for s, t in zip(seqs, new)}
+            rows = [RowSpec(s.params, s.seed, len(s.token_ids), s.history()) for s, _ in last]
+            sampled = {s.seq_id: x for (s, _), x in zip(last, sample_rows(logits, rows))}
         for seq, r, n in plain:
-            tok = sampled.get(seq.seq_id)
+            x = sampled.get(seq.seq_id)
             updates.append(SeqUpdate(seq=seq, num_computed=seq.num_computed + n,
                                      observed=[(range(r, r + n), seq.num_computed)],
-                                     commit=[tok] if tok is not None else []))
+                                     commit=[x.token] if x is not None else [],
+                                     logprobs=[x.logprobs] if x is not None and x.logprobs is not None else None))
         return updates
+
+    def score_prompts(self, plain: list[tuple[Sequence, int, int]], hidden: torch.Tensor) -> None:
+        """Prompt logprobs of the prompt positions this step's prefill rows predict for the first
+        time (a recompute after preemption or restart scores nothing twice)."""
+        want = []                                           # (sequence, forward rows, prompt tokens)
+        for seq, r, n in plain:
+            if seq.prompt_logprobs is None:
+                continue
+            # Row i of the chunk predicts position num_computed + i + 1.
+            first, end = len(seq.prompt_logprobs), min(seq.num_computed + n + 1, seq.prompt_len)
+            if first < end:
+                rows = [r + p - 1 - seq.num_computed for p in range(first, end)]
+                want.append((seq, rows, seq.token_ids[first:end]))
+        if not want:
+            return
+        logits = self.runner.logits(hidden, [x for _, rows, _ in want for x in rows])
+        at = 0
+        for seq, rows, tokens in want:
+            seq.prompt_logprobs += prompt_token_logprobs(logits[at:at + len(rows)], tokens, seq.params,
+                                                         seq.params.prompt_logprobs)
+            at += len(rows)
 
     def postprocess(self, updates: list[SeqUpdate], hidden: torch.Tensor, width: int) -> None:
         """Phase 6, for plain and verify rows alike: move a taken hedge's keys/values, record the
@@ -273,22 +308,25 @@ class Engine:
                 if v is not None:
                     self.proposer.after_verify(state, v.num_accepted)
             if u.commit:
-                self.commit(seq, u.commit, now)
+                self.commit(seq, u.commit, now, u.logprobs)
         if self.spec.accept_debug and self.metrics.verifies and any(u.verify for u in updates) \
                 and self.metrics.verifies % 200 < sum(u.verify is not None for u in updates):
             log.info("mtp accept: %s", self.metrics.summary())
 
-    def commit(self, seq: Sequence, new_tokens: list[int], now: float) -> None:
-        """Append tokens to a sequence, stopping at EOS, a stop string, max_tokens or the context."""
+    def commit(self, seq: Sequence, new_tokens: list[int], now: float,
+               logprobs: list[TokenLogprobs] | None = None) -> None:
+        """Append tokens (and their logprobs, when kept) to a sequence, stopping at EOS, a stop
+        string, max_tokens or the context."""
         if seq.first_token_time is None:
             seq.first_token_time = now
-        eos = () if seq.params.ignore_eos else self.model_config.eos_token_ids
         reason = None
         added = 0
-        for tok in new_tokens:
+        for i, tok in enumerate(new_tokens):
             seq.token_ids.append(tok)
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprobs[i])
             added += 1
-            if tok in eos:
+            if tok in seq.stop_ids:
                 reason = "stop"
             elif seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 reason = "length"

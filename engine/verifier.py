@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.attention import SeqChunk
-from runtime.sampler import sample_rows, target_probs
+from runtime.sampler import TokenLogprobs, process_logits, sampling_probs, token_logprobs
 from runtime.scheduler import Scheduled
 from runtime.sequence import Sequence
 from speculative.proposer import Drafts
 from speculative.settings import SpecSettings
 from speculative.tree_shape import accepted_path, verify_rows
-from speculative.verify import committed_tokens, rejection_tokens, target_tokens
+from speculative.verify import chain_rows, committed_tokens, rejection_tokens, target_tokens, tree_rows
 from speculative.verify_key import verify_batch_order
 from speculative.verify_plan import SeqLayout, VerifyPlan, VerifyPlanCache
 
@@ -47,12 +47,14 @@ class SeqUpdate:
     `observed`: forward rows whose inputs are now committed, with the position of the first
     (the drafter is fed them in this order). `num_computed`: the sequence's cached length after
     the step (a verify rewinds the cache to it). `move`: a taken hedge's keys/values go from cache
-    position src to dst. `commit`: tokens to append.
+    position src to dst. `commit`: tokens to append; `logprobs`: theirs, one each from the row that
+    produced it, when the request keeps them.
     """
     seq: Sequence
     num_computed: int
     observed: list[tuple[range, int]] = field(default_factory=list)
     commit: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
     move: tuple[int, int] | None = None
     verify: VerifyStats | None = None
 
@@ -116,17 +118,25 @@ class Verifier:
     def _chain(self, item: VerifyItem, rows_logits: torch.Tensor) -> SeqUpdate:
         seq, d, row = item.seq, item.drafts, item.row
         k, start = len(d.tokens), seq.num_computed
+        rows = chain_rows(seq, d.tokens)
+        logprobs = None
         if self.spec.verify == "rejection" and not seq.params.is_greedy:
             # The drafters here are deterministic (top-1 or lookup): q is one-hot at each draft.
-            dists = [target_probs(r, seq.params) for r in rows_logits]
+            processed = [process_logits(lg, seq.params, r.history) for lg, r in zip(rows_logits, rows)]
+            dists = [sampling_probs(p, seq.params) for p in processed]
             na, commit = rejection_tokens(d.tokens, None, dists, seq.seed, start + 1)
             targets = commit + [-1] * (k + 1 - len(commit))
+            if seq.params.logprobs is not None:
+                logprobs = [token_logprobs(p, t, seq.params.logprobs) for p, t in zip(processed, commit)]
         else:
-            targets = target_tokens(rows_logits, seq.params, seq.seed, start + 1)
+            sampled = target_tokens(rows_logits, rows)
+            targets = [s.token for s in sampled]
             na, commit = committed_tokens(d.tokens, targets)
+            if seq.params.logprobs is not None:
+                logprobs = [s.logprobs for s in sampled[:na + 1]]
         # Rows 0..na had committed inputs (the pending token and the accepted drafts).
         return SeqUpdate(seq=seq, num_computed=start + na + 1, observed=[(range(row, row + na + 1), start)],
-                         commit=commit, verify=VerifyStats(d.tokens, targets, na, k))
+                         commit=commit, logprobs=logprobs, verify=VerifyStats(d.tokens, targets, na, k))
 
     def _tree(self, item: VerifyItem, rows_logits: torch.Tensor) -> SeqUpdate:
         seq, d, row = item.seq, item.drafts, item.row
@@ -134,9 +144,12 @@ class Verifier:
         rows = verify_rows(seq.token_ids[start], d.tokens, d.hedges)
         n = len(rows)
         # The token after a row at depth δ sits at start + δ + 1: the position plain decoding draws it at.
-        targets = sample_rows(rows_logits, [seq.params] * n, [seq.seed] * n, [start + dep + 1 for _, dep, _ in rows])
+        sampled = target_tokens(rows_logits, tree_rows(seq, rows))
+        targets = [s.token for s in sampled]
         path, bonus = accepted_path(d.tokens, d.hedges, targets)
         na = len(path)
+        # Each committed token came from the row before it on the path: the root, then the path's rows.
+        logprobs = [sampled[r].logprobs for r in [0, *path]] if seq.params.logprobs is not None else None
         observed = [(range(row, row + na + 1), start)]
         move = None
         hedge = bool(path) and path[-1] > len(d.tokens)
@@ -144,5 +157,5 @@ class Verifier:
             move = (start + path[-1], start + na)
             observed = [(range(row, row + na), start), (range(row + path[-1], row + path[-1] + 1), start + na)]
         return SeqUpdate(seq=seq, num_computed=start + na + 1, observed=observed,
-                         commit=[rows[r][0] for r in path] + [bonus], move=move,
+                         commit=[rows[r][0] for r in path] + [bonus], logprobs=logprobs, move=move,
                          verify=VerifyStats(d.tokens, targets, na, n - 1, hedge_taken=hedge))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -247,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, RequestError, ConfigError, CheckpointError, FileNotFoundError, ValueError,
             CommError, HandshakeError, CommandRefused, GroupFailed, GroupStartError) as exc:
         print(f"metrale {args.command}: error: {exc}", file=sys.stderr)
+        if isinstance(exc, (CommError, HandshakeError, CommandRefused, GroupFailed)):
+            # A broken process group leaves torch's communication threads unjoinable, and the
+            # interpreter's teardown then aborts (std::terminate). The error is printed: leave now.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
         return 2
     except KeyboardInterrupt:
         print(f"metrale {args.command}: interrupted", file=sys.stderr)

@@ -11,6 +11,7 @@ import logging
 import multiprocessing as mp
 import socket
 import sys
+import time
 
 from ep.comm import Communicator, free_port
 from ep.worker import serve_rank
@@ -72,8 +73,15 @@ class MPGroup:
                 return f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
         return None
 
-    def failure_report(self) -> str:
-        return self.dead() or ""
+    def failure_report(self, wait_s: float = 1.0) -> str:
+        """The dead worker, as words. A collective can fail a moment before the dead process is
+        reaped, so this waits up to `wait_s` for one to show up."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            why = self.dead()
+            if why is not None or time.monotonic() >= deadline:
+                return why or ""
+            time.sleep(0.05)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Wait up to `timeout_s` for the workers to leave (after SHUTDOWN), then kill the rest."""

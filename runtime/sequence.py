@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from runtime.detokenizer import IncrementalDetokenizer
-from runtime.sampler import SamplingParams
+from runtime.sampler import History, SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -22,6 +22,7 @@ class Sequence:
     token_ids: list[int]            # prompt followed by every committed output token
     params: SamplingParams
     seed: int                       # the request seed, or one drawn at arrival when none was given
+    stop_ids: tuple[int, ...] = ()  # token ids that end it (EOS), masked until params.min_tokens
     num_computed: int = 0           # leading tokens whose keys/values are in the cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
@@ -34,6 +35,10 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    # One entry per output token, from the verify or decode row that produced it (params.logprobs).
+    logprobs: list[TokenLogprobs] | None = None
+    # One entry per prompt token, None for the first (params.prompt_logprobs); filled by the prefill.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def output_ids(self) -> list[int]:
@@ -52,6 +57,15 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def history(self, path: list[int] | tuple[int, ...] = ()) -> History:
+        """The tokens before a row's token: everything committed, then `path` (drafts on the row's path)."""
+        return History(self.token_ids, self.prompt_len, path, self.stop_ids)
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the output tokens' logprobs (None when they are not kept)."""
+        return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RequestOutput:
@@ -65,12 +79,18 @@ class RequestOutput:
     accepted_tokens: int = 0
     ttft_s: float | None = None
     latency_s: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    cumulative_logprob: float | None = None
 
     @classmethod
-    def of(cls, index: int, seq: Sequence) -> "RequestOutput":
+    def of(cls, index: int, seq: Sequence) -> RequestOutput:
         ttft = None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
         latency = None if seq.finish_time is None else seq.finish_time - seq.arrival_time
         return cls(index=index, prompt_token_ids=seq.token_ids[:seq.prompt_len], token_ids=list(seq.output_ids),
                    text=seq.text, finish_reason=seq.finish_reason, num_verifies=seq.num_verifies,
                    drafted_tokens=seq.drafted_tokens, accepted_tokens=seq.accepted_tokens,
-                   ttft_s=ttft, latency_s=latency)
+                   ttft_s=ttft, latency_s=latency,
+                   logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                   prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs),
+                   cumulative_logprob=seq.cumulative_logprob)

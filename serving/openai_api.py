@@ -1,16 +1,30 @@
 """OpenAI request bodies -> prompts and SamplingParams, with errors that name the field.
 
-Only what this server implements is accepted: n=1, one prompt per completion request, no logprobs.
+Each endpoint has a whitelist of the fields it implements; any other field, and any known field
+this server does not implement (structured outputs, tools, suffix), is a 400 naming it. Nothing
+is accepted and then ignored, except `user`, which only labels a request.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from runtime.sampler import SamplingParams
+from runtime.sampler import MAX_LOGPROBS, SamplingParamError, SamplingParams
 
 DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+MAX_N = 128
+MAX_SEQS_PER_REQUEST = 256      # prompts x best_of
+
+_SAMPLING = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+             "presence_penalty", "frequency_penalty", "logit_bias", "user", "response_format",
+             "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos"}    # the last five: vLLM's
+COMPLETION_FIELDS = _SAMPLING | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+CHAT_FIELDS = _SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice"}
+# Known fields this server refuses whenever they carry a value.
+REFUSED = {"suffix": "suffix (insertion) is not supported",
+           "tools": "tool calling is not supported", "tool_choice": "tool calling is not supported"}
+MESSAGE_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class APIError(Exception):
@@ -28,98 +42,235 @@ class APIError(Exception):
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
     model: str
-    prompt: str | list[int] | None
+    prompts: list[str | list[int]]      # completions: one or more; chat: none (see messages)
     messages: list[dict] | None
-    params: SamplingParams
+    params: SamplingParams              # every choice's, before its seed is derived (choice_seed)
+    n: int                              # choices returned per prompt
+    best_of: int                        # sequences generated per prompt (>= n; the best n by cumulative logprob)
+    echo: bool
+    logprobs: int | None                # top alternatives shown per token; None: no logprobs in the response
     stream: bool
     include_usage: bool
+    max_key: str                        # the field that set max_tokens (chat: max_completion_tokens or max_tokens)
+    max_tokens_given: bool
 
 
-def _bad(field: str, message: str) -> APIError:
+def bad(field: str, message: str) -> APIError:
     return APIError(400, f"'{field}': {message}", param=field)
 
 
 def _get(body: dict, field: str, types: tuple[type, ...], default: Any, *, name: str) -> Any:
-    value = body.get(field, default)
+    value = body.get(field)
     if value is None:
         return default
     if isinstance(value, bool) and bool not in types:
-        raise _bad(field, f"expected {name}, got a boolean")
+        raise bad(field, f"expected {name}, got a boolean")
     if not isinstance(value, types):
-        raise _bad(field, f"expected {name}, got {type(value).__name__}")
+        raise bad(field, f"expected {name}, got {type(value).__name__}")
     return value
 
 
-def parse_request(body: Any, *, chat: bool, default_max_tokens: int) -> ParsedRequest:
+def _number(body: dict, field: str, default: float, lo: float, hi: float) -> float:
+    value = float(_get(body, field, (int, float), default, name="a number"))
+    if not lo <= value <= hi:
+        raise bad(field, f"must be in [{lo:g}, {hi:g}], got {value:g}")
+    return value
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def parse_prompts(prompt: Any) -> list[str | list[int]]:
+    """A string, a list of token ids, or a non-empty list of either (not mixed)."""
+    if prompt is None:
+        raise bad("prompt", "a prompt (string, token ids, or a list of either) is required")
+    if isinstance(prompt, str) or _is_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                 or all(isinstance(p, list) for p in prompt)):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and not prompt:
+        raise bad("prompt", "the prompt is empty")
+    else:
+        raise bad("prompt", "expected a string, a list of token ids, or a list of strings or of token id lists")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise bad("prompt", "the prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty")
+        if isinstance(p, list) and not _is_ids(p):
+            raise bad("prompt", f"prompt {i} must be a list of integer token ids")
+    return prompts
+
+
+def parse_messages(messages: Any) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "a non-empty list of {role, content} objects is required")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise bad(f"messages[{i}]", "expected an object with string 'role' and 'content'")
+        if m["role"] not in MESSAGE_ROLES:
+            raise bad(f"messages[{i}].role", f"unknown role {m['role']!r}")
+        extra = sorted(set(m) - {"role", "content"})
+        if extra:
+            raise bad(f"messages[{i}].{extra[0]}", "is not supported (only role and content)")
+    return messages
+
+
+def parse_logit_bias(value: Any, vocab_size: int) -> dict[int, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad("logit_bias", f"expected an object of token id -> bias, got {type(value).__name__}")
+    out = {}
+    for key, bias in value.items():
+        if not isinstance(key, str) or not key.isdigit() or int(key) >= vocab_size:
+            raise bad("logit_bias", f"key {key!r} is not a token id in 0..{vocab_size - 1}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad("logit_bias", f"bias {bias!r} of token {key} must be a number in [-100, 100]")
+        out[int(key)] = float(bias)
+    return out
+
+
+def _check_fields(body: dict, chat: bool) -> None:
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for field, value in body.items():
+        if field not in known:
+            raise bad(field, f"unknown field for {'/v1/chat/completions' if chat else '/v1/completions'}")
+        if field in REFUSED and value not in (None, [], ""):
+            raise bad(field, REFUSED[field])
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise bad("response_format", f"{kind!r} is not supported (structured outputs are not implemented; "
+                                     "only {'type': 'text'})")
+
+
+def parse_request(body: Any, *, chat: bool, default_max_tokens: int, vocab_size: int) -> ParsedRequest:
+    """One request body -> what to generate; raises `APIError` (400 naming the field) on anything
+    unknown, unsupported or malformed."""
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    _check_fields(body, chat)
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _bad("model", "a model name (string) is required")
-    prompt = messages = None
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise _bad("messages", "a non-empty list of {role, content} objects is required")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                    or not isinstance(m.get("content"), str):
-                raise _bad(f"messages[{i}]", "expected an object with string 'role' and 'content'")
-            if m["role"] not in ("system", "user", "assistant", "tool", "developer"):
-                raise _bad(f"messages[{i}].role", f"unknown role {m['role']!r}")
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise _bad("prompt", "the prompt is empty")
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                          for t in prompt):
-            pass
-        elif isinstance(prompt, list) and not prompt:
-            raise _bad("prompt", "the prompt is empty")
-        elif prompt is None:
-            raise _bad("prompt", "a prompt (string or list of token ids) is required")
-        else:
-            raise _bad("prompt", "expected a string or a list of token ids (one prompt per request)")
+        raise bad("model", "a model name (string) is required")
+    messages = parse_messages(body.get("messages")) if chat else None
+    prompts = [] if chat else parse_prompts(body.get("prompt"))
+    n, best_of = _parse_counts(body, max(1, len(prompts)))
+    stream, include_usage = _parse_stream(body)
+    if stream and best_of > n:
+        raise bad("best_of", f"best_of={best_of} above n={n} cannot be streamed")
+    logprobs, echo = _parse_logprobs(body, chat)
+    max_key = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        if body.get("max_tokens") is not None:
+            raise bad("max_tokens", "give max_completion_tokens or max_tokens, not both")
+        max_key = "max_completion_tokens"
+    # best_of ranks by cumulative logprob, so its sequences keep logprobs even when the response shows none.
+    keep = logprobs if logprobs is not None else (0 if best_of > n else None)
+    params = _parse_sampling(body, chat, max_key, default_max_tokens, vocab_size, logprobs=keep,
+                             prompt_logprobs=logprobs if echo else None)
+    return ParsedRequest(model=model, prompts=prompts, messages=messages, params=params, n=n, best_of=best_of,
+                         echo=echo, logprobs=logprobs, stream=stream, include_usage=include_usage,
+                         max_key=max_key, max_tokens_given=body.get(max_key) is not None)
+
+
+def _parse_counts(body: dict, num_prompts: int) -> tuple[int, int]:
     n = _get(body, "n", (int,), 1, name="an integer")
-    if n != 1:
-        raise _bad("n", f"n={n} is not supported; only n=1")
-    max_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    if not 1 <= n <= MAX_N:
+        raise bad("n", f"must be in 1..{MAX_N}, got {n}")
+    best_of = _get(body, "best_of", (int,), n, name="an integer")
+    if not n <= best_of <= MAX_N:
+        raise bad("best_of", f"must be in n..{MAX_N} (n={n}), got {best_of}")
+    if num_prompts * best_of > MAX_SEQS_PER_REQUEST:
+        raise bad("best_of" if best_of > n else "n", f"{num_prompts} prompts x {best_of} sequences exceeds "
+                                                      f"{MAX_SEQS_PER_REQUEST} per request")
+    return n, best_of
+
+
+def _parse_stream(body: dict) -> tuple[bool, bool]:
+    stream = _get(body, "stream", (bool,), False, name="a boolean")
+    options = _get(body, "stream_options", (dict,), None, name="an object")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad("stream_options", "is only allowed with stream: true")
+    extra = sorted(set(options) - {"include_usage"})
+    if extra:
+        raise bad(f"stream_options.{extra[0]}", "is not supported (only include_usage)")
+    if not isinstance(options.get("include_usage", False), bool):
+        raise bad("stream_options.include_usage", "expected a boolean")
+    return stream, bool(options.get("include_usage", False))
+
+
+def _parse_logprobs(body: dict, chat: bool) -> tuple[int | None, bool]:
+    """(top alternatives per token or None for no logprobs, echo)."""
+    if chat:
+        want = _get(body, "logprobs", (bool,), False, name="a boolean")
+        top = _get(body, "top_logprobs", (int,), None, name="an integer")
+        if top is not None and not want:
+            raise bad("top_logprobs", "needs logprobs: true")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise bad("top_logprobs", f"must be in 0..{MAX_LOGPROBS}, got {top}")
+        return ((top or 0) if want else None), False
+    logprobs = _get(body, "logprobs", (int,), None, name="an integer")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad("logprobs", f"must be in 0..{MAX_LOGPROBS}, got {logprobs}")
+    return logprobs, _get(body, "echo", (bool,), False, name="a boolean")
+
+
+def _parse_sampling(body: dict, chat: bool, max_key: str, default_max_tokens: int, vocab_size: int, *,
+                    logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
     max_tokens = _get(body, max_key, (int,), default_max_tokens, name="an integer")
     if max_tokens < 1:
-        raise _bad(max_key, f"must be at least 1, got {max_tokens}")
-    temperature = float(_get(body, "temperature", (int, float), 1.0, name="a number"))
-    if temperature < 0 or temperature > 2:
-        raise _bad("temperature", f"must be in [0, 2], got {temperature}")
+        raise bad(max_key, f"must be at least 1, got {max_tokens}")
+    min_tokens = _get(body, "min_tokens", (int,), 0, name="an integer")
+    if not 0 <= min_tokens <= max_tokens:
+        raise bad("min_tokens", f"must be in 0..{max_key} ({max_tokens}), got {min_tokens}")
     top_p = float(_get(body, "top_p", (int, float), 1.0, name="a number"))
     if not 0 < top_p <= 1:
-        raise _bad("top_p", f"must be in (0, 1], got {top_p}")
+        raise bad("top_p", f"must be in (0, 1], got {top_p}")
     top_k = _get(body, "top_k", (int,), 0, name="an integer")
     if top_k < 0:
-        raise _bad("top_k", f"must be 0 (off) or positive, got {top_k}")
+        raise bad("top_k", f"must be 0 (off) or positive, got {top_k}")
+    repetition = float(_get(body, "repetition_penalty", (int, float), 1.0, name="a number"))
+    if not 0 < repetition <= 10:
+        raise bad("repetition_penalty", f"must be in (0, 10] (1 = off), got {repetition:g}")
     seed = _get(body, "seed", (int,), None, name="an integer")
-    if seed is not None and seed < 0:
-        raise _bad("seed", f"must be non-negative, got {seed}")
+    if seed is not None and not 0 <= seed < 1 << 63:
+        raise bad("seed", f"must be in 0..2^63-1, got {seed}")
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
-    if stop is not None:
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-            raise _bad("stop", "expected a non-empty string or a list of up to 4 non-empty strings")
-    stream = _get(body, "stream", (bool,), False, name="a boolean")
-    options = _get(body, "stream_options", (dict,), {}, name="an object")
-    ignore_eos = _get(body, "ignore_eos", (bool,), False, name="a boolean")
+    if stop is not None and (not isinstance(stop, list) or len(stop) > 4
+                             or not all(isinstance(s, str) and s for s in stop)):
+        raise bad("stop", "expected a non-empty string or a list of up to 4 non-empty strings")
     _get(body, "user", (str,), None, name="a string")
-    for unsupported in ("logprobs", "best_of", "echo", "suffix", "tools", "functions"):
-        value = body.get(unsupported)
-        if value not in (None, False, 0, 1) or (unsupported in ("tools", "functions") and value):
-            raise _bad(unsupported, "is not supported by this server")
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
-                            ignore_eos=ignore_eos, stop=stop)
-    return ParsedRequest(model=model, prompt=prompt, messages=messages, params=params, stream=stream,
-                         include_usage=bool(options.get("include_usage", False)))
+    try:
+        return SamplingParams(
+            temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=top_p, top_k=top_k,
+            min_p=_number(body, "min_p", 0.0, 0.0, 1.0), max_tokens=max_tokens, min_tokens=min_tokens, seed=seed,
+            ignore_eos=_get(body, "ignore_eos", (bool,), False, name="a boolean"), stop=stop,
+            presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0), repetition_penalty=repetition,
+            logit_bias=parse_logit_bias(body.get("logit_bias"), vocab_size), logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs)
+    except SamplingParamError as exc:
+        raise bad(api_field(exc.field, chat, max_key), str(exc)) from None
+
+
+def api_field(field: str, chat: bool, max_key: str = "max_tokens") -> str:
+    """The request field a `SamplingParams` field came from."""
+    return {"max_tokens": max_key, "logprobs": "top_logprobs" if chat else "logprobs",
+            "prompt_logprobs": "logprobs"}.get(field, field)
+
+
+def with_max_tokens(params: SamplingParams, max_tokens: int, chat: bool) -> SamplingParams:
+    """`params` with max_tokens lowered (chat without a limit: the room left in the context)."""
+    try:
+        return replace(params, max_tokens=max_tokens)
+    except SamplingParamError as exc:
+        raise bad(api_field(exc.field, chat), f"{exc} (the context leaves room for {max_tokens} tokens)") from None
 
 
 def render_chat(messages: list[dict], template: str | None) -> str:

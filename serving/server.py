@@ -3,7 +3,12 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or not),
 GET /v1/models, GET /health, GET /metrics. Every refusal is a 4xx with an OpenAI-style error body
 that names the field; the server keeps serving after each. A client that disconnects cancels its
-request and frees its slot.
+request and frees its slots.
+
+A request becomes best_of (= n unless asked) sequences per prompt, all submitted together; choice
+i of a seeded request samples with `choice_seed(seed, i)`. Choices are indexed prompt-major
+(prompt p, choice j: index p * n + j); a stream sends each choice's chunks as its tokens commit,
+the choices of one engine step in index order.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -22,9 +27,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from serving.async_engine import AsyncEngine, RequestHandle, Update
 from engine.engine import RequestError
-from serving.openai_api import APIError, ParsedRequest, parse_request, render_chat
+from runtime.sampler import SamplingParams, choice_seed
+from serving.async_engine import AsyncEngine, RequestHandle, Update
+from serving.openai_api import APIError, ParsedRequest, parse_request, render_chat, with_max_tokens
+from serving.responses import ChoiceStream, TokenText, best_sequences, chat_choice, completion_choice, usage
 from serving.server_metrics import ServerMetrics
 
 MAX_BODY_BYTES = 1 << 20
@@ -45,24 +52,6 @@ def load_chat_template(model_dir: Path) -> str | None:
         template = json.loads(path.read_text()).get("chat_template")
         return template if isinstance(template, str) else None
     return None
-
-
-class TextStream:
-    """Text deltas of a sequence's output text, which its engine-side incremental detokenizer
-    keeps (one decode of a short window per update, shared with stop strings). Until the end it
-    holds back the last characters a stop string still to come could remove; the detokenizer
-    itself never shows half a UTF-8 character."""
-
-    def __init__(self, stops: tuple[str, ...] | None) -> None:
-        self.holdback = max((len(s) for s in stops), default=1) - 1 if stops else 0
-        self.sent = 0
-
-    def delta(self, text: str, finished: bool) -> str:
-        if not finished:
-            text = text[:max(self.sent, len(text) - self.holdback)]
-        out = text[self.sent:]
-        self.sent = len(text)
-        return out
 
 
 def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
@@ -104,50 +93,69 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"malformed JSON body: {exc}") from None
 
-    def prompt_ids(req: ParsedRequest) -> list[int]:
-        if req.messages is not None:
-            return tokenizer.encode(render_chat(req.messages, config.chat_template))
-        if isinstance(req.prompt, str):
+    text_of = TokenText(tokenizer)
+
+    def encode(prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
             if tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-            return tokenizer.encode(req.prompt)
-        return list(req.prompt)
+            return tokenizer.encode(prompt)
+        return list(prompt)
+
+    def echo_text(prompt: str | list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return tokenizer.decode(prompt) if tokenizer is not None else ""
+
+    def fit(req: ParsedRequest, ids: list[int], chat: bool) -> SamplingParams:
+        """The params of one prompt: a chat request without a limit gets the room left in the context."""
+        room = engine.max_model_len - len(ids)
+        if len(ids) < engine.max_model_len and req.params.max_tokens > room:
+            if chat and not req.max_tokens_given:
+                return with_max_tokens(req.params, room, chat)
+            raise APIError(400, f"'{req.max_key}': {req.params.max_tokens} exceeds the {room} tokens left in "
+                                f"the context of {engine.max_model_len} after a {len(ids)}-token prompt",
+                           param=req.max_key)
+        return req.params
 
     async def generate(request: Request, chat: bool) -> Response:
         try:
             check_auth(request)
             body = await read_json(request)
-            req = parse_request(body, chat=chat, default_max_tokens=16 if not chat else 256)
+            req = parse_request(body, chat=chat, default_max_tokens=16 if not chat else 256,
+                                vocab_size=engine.model_config.vocab_size)
             if req.model != config.served_model_name:
                 raise APIError(404, f"model {req.model!r} does not exist (serving {config.served_model_name!r})",
                                param="model", code="model_not_found")
-            ids = prompt_ids(req)
-            room = engine.max_model_len - len(ids)
-            if len(ids) < engine.max_model_len and req.params.max_tokens > room:
-                if chat and "max_tokens" not in body and "max_completion_tokens" not in body:
-                    from dataclasses import replace
-                    req = replace(req, params=replace(req.params, max_tokens=room))
-                else:
-                    raise APIError(400, f"'max_tokens': {req.params.max_tokens} exceeds the {room} tokens left in "
-                                        f"the context of {engine.max_model_len} after a {len(ids)}-token prompt",
-                                   param="max_tokens")
+            if chat:
+                prompts = [encode(render_chat(req.messages, config.chat_template))]
+            else:
+                prompts = [encode(p) for p in req.prompts]
+            seqs = []
+            for ids in prompts:
+                params = fit(req, ids, chat)
+                seqs += [(ids, params if params.seed is None else replace(params, seed=choice_seed(params.seed, i)))
+                         for i in range(req.best_of)]
             try:
-                handle = await aengine.submit(ids, req.params)
+                handle = await aengine.submit(seqs)
             except RequestError as exc:
-                raise APIError(400, str(exc), param="messages" if chat else "prompt") from None
+                param = "messages" if chat and exc.param == "prompt" else exc.param
+                raise APIError(400, str(exc), param=param) from None
         except APIError as exc:
             return error(exc)
         except ClientDisconnect:
             return Response(status_code=499)
-        metrics.prompt_tokens.inc(len(ids))
+        num_prompt_tokens = sum(len(ids) for ids in prompts)
+        metrics.prompt_tokens.inc(num_prompt_tokens)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        echoes = [echo_text(p) if req.echo else None for p in req.prompts] or [None]
         if req.stream:
-            return StreamingResponse(stream(request, handle, req, rid, chat, len(ids)),
+            return StreamingResponse(stream(request, handle, req, rid, chat, num_prompt_tokens, echoes),
                                      media_type="text/event-stream")
-        return await complete(request, handle, req, rid, chat, len(ids))
+        return await complete(request, handle, req, rid, chat, num_prompt_tokens, echoes)
 
-    async def next_update(request: Request, handle: RequestHandle) -> Update | None:
-        """The next update, or None when the client went away (the request is then aborted)."""
+    async def next_update(request: Request, handle: RequestHandle) -> list[Update] | None:
+        """The next step's updates, or None when the client went away (the request is then aborted)."""
         while True:
             try:
                 item = await asyncio.wait_for(handle.updates.get(), timeout=0.25)
@@ -161,12 +169,6 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
                 raise item
             return item
 
-    def usage(seq, prompt_len: int) -> dict:
-        return {"prompt_tokens": prompt_len, "completion_tokens": seq.num_output,
-                "total_tokens": prompt_len + seq.num_output,
-                "completion_tokens_details": {"accepted_prediction_tokens": seq.accepted_tokens,
-                                              "rejected_prediction_tokens": seq.drafted_tokens - seq.accepted_tokens}}
-
     def finished(seq) -> None:
         metrics.requests.labels(outcome=seq.finish_reason or "unknown").inc()
         metrics.generation_tokens.inc(seq.num_output)
@@ -175,56 +177,56 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
         if seq.first_token_time is not None:
             metrics.ttft.observe(seq.first_token_time - seq.arrival_time)
 
-    async def complete(request, handle, req, rid, chat, prompt_len) -> Response:
+    async def complete(request, handle, req, rid, chat, num_prompt_tokens, echoes) -> Response:
+        remaining = len(handle.seqs)
         try:
-            while True:
-                upd = await next_update(request, handle)
-                if upd is None:
+            while remaining:
+                updates = await next_update(request, handle)
+                if updates is None:
                     return Response(status_code=499)
-                if upd.finished:
-                    break
+                remaining -= sum(u.finished for u in updates)
         except Exception as exc:
             return JSONResponse(APIError(500, f"generation failed: {exc}", type_="server_error").body(), 500)
-        seq = handle.seq
-        finished(seq)
-        created = int(time.time())
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": seq.text},
-                      "finish_reason": seq.finish_reason, "logprobs": None}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": seq.text, "finish_reason": seq.finish_reason, "logprobs": None}
-            obj = "text_completion"
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": config.served_model_name,
-                             "choices": [choice], "usage": usage(seq, prompt_len)})
+        for seq in handle.seqs:
+            finished(seq)
+        choices = []
+        show = req.logprobs is not None
+        for p, echo in enumerate(echoes):
+            group = best_sequences(handle.seqs[p * req.best_of:(p + 1) * req.best_of], req.n)
+            for j, seq in enumerate(group):
+                index = p * req.n + j
+                choices.append(chat_choice(index, seq, text_of, logprobs=show) if chat else
+                               completion_choice(index, seq, text_of, echo=echo, logprobs=show))
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": config.served_model_name,
+                             "choices": choices, "usage": usage(handle.seqs, num_prompt_tokens)})
 
-    async def stream(request, handle, req, rid, chat, prompt_len):
+    async def stream(request, handle, req, rid, chat, num_prompt_tokens, echoes):
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
-        text = TextStream(req.params.stop)
 
-        def event(delta: str | None, finish: str | None, role: bool = False) -> str:
-            if chat:
-                d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
-                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+        def event(choices: list[dict], **extra) -> str:
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created,
-                                          "model": config.served_model_name, "choices": [choice]}) + "\n\n"
+                                          "model": config.served_model_name, "choices": choices, **extra}) + "\n\n"
 
+        # best_of == n when streaming: sequence k is choice k. The engine thread sets handle.seqs[k]
+        # before the first update of sequence k, so a choice reads its sequence only from then on.
+        choices = [ChoiceStream(k, text_of, stops=req.params.stop, chat=chat, echo=echoes[k // req.n],
+                                logprobs=req.logprobs is not None) for k in range(len(handle.seqs))]
         if chat:
-            yield event(None, None, role=True)
+            for c in choices:
+                yield event([c.role()])
+        remaining = len(choices)
         try:
-            while True:
-                upd = await next_update(request, handle)
-                if upd is None:
+            while remaining:
+                updates = await next_update(request, handle)
+                if updates is None:
                     return
-                seq = handle.seq
-                delta = text.delta(seq.text, upd.finished)
-                if delta or upd.finished:
-                    yield event(delta, seq.finish_reason if upd.finished else None)
-                if upd.finished:
-                    break
+                for u in updates:
+                    chunk = choices[u.index].next(handle.seqs[u.index], u.num_output, u.finished)
+                    if chunk is not None:
+                        yield event([chunk])
+                    remaining -= u.finished
         except asyncio.CancelledError:
             aengine.abort(handle)
             metrics.requests.labels(outcome="cancelled").inc()
@@ -232,11 +234,10 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
         except Exception as exc:
             yield "data: " + json.dumps(APIError(500, f"generation failed: {exc}", type_="server_error").body()) + "\n\n"
             return
-        finished(handle.seq)
+        for seq in handle.seqs:
+            finished(seq)
         if req.include_usage:
-            yield "data: " + json.dumps({"id": rid, "object": obj, "created": created,
-                                         "model": config.served_model_name, "choices": [],
-                                         "usage": usage(handle.seq, prompt_len)}) + "\n\n"
+            yield event([], usage=usage(handle.seqs, num_prompt_tokens))
         yield "data: [DONE]\n\n"
 
     async def completions(request: Request) -> Response:

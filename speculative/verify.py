@@ -1,24 +1,44 @@
 """Verification: which drafts a target forward accepts, and what the step commits (docs/design.md §5.2).
 
 The target's token at each verify row is the token the request would emit there without
-speculation: the arg-max for greedy requests, else a draw keyed by (request seed, absolute
-position of that token). So the accepted prefix and the bonus token reproduce exactly what plain
-decoding gives, at any batch width.
+speculation: the arg-max of the processed logits for greedy requests, else a draw keyed by
+(request seed, absolute position of that token). Each row is processed with the tokens plain
+decoding would have committed before it if the row's token is used: the committed output and the
+drafts on the row's path. So the accepted prefix and the bonus token reproduce exactly what plain
+decoding gives, penalties included, at any batch width.
 """
 from __future__ import annotations
 
 import torch
 
-from runtime.sampler import SamplingParams, draw, position_generator, sample_rows
+from runtime.sampler import RowSpec, Sampled, draw, position_generator, sample_rows
+from runtime.sequence import Sequence
 
 
-def target_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> list[int]:
-    """logits [K+1, V] of one sequence's verify rows -> the target's token after each row.
+def chain_rows(seq: Sequence, drafts: list[int]) -> list[RowSpec]:
+    """The rows of a chain verify of `seq` (pending token, then `drafts`): row r draws position
+    num_computed + r + 1 after drafts 0..r-1."""
+    start = seq.num_computed
+    return [RowSpec(seq.params, seq.seed, start + r + 1, seq.history(drafts[:r])) for r in range(len(drafts) + 1)]
 
-    Row r predicts the token at absolute position `first_position + r`.
-    """
-    n = logits.shape[0]
-    return sample_rows(logits, [params] * n, [seed] * n, list(range(first_position, first_position + n)))
+
+def tree_rows(seq: Sequence, rows: list[tuple[int, int, int]]) -> list[RowSpec]:
+    """The rows of a tree verify (`verify_rows`' (token, depth, parent row) list): the row at depth
+    δ draws position num_computed + δ + 1 after the tokens of its ancestors and itself (below the
+    root, which is committed already)."""
+    start = seq.num_computed
+    paths: list[list[int]] = []
+    for r, (token, depth, parent) in enumerate(rows):
+        paths.append([] if r == 0 else [*paths[parent], token])
+    return [RowSpec(seq.params, seq.seed, start + depth + 1, seq.history(path))
+            for (_, depth, _), path in zip(rows, paths)]
+
+
+def target_tokens(logits: torch.Tensor, rows: list[RowSpec]) -> list[Sampled]:
+    """logits [n, V] of one sequence's verify rows -> the target's token (and logprobs) after each row."""
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} verify rows")
+    return sample_rows(logits, rows)
 
 
 def accepted_prefix(drafts: list[int], targets: list[int]) -> int:

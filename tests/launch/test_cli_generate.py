@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -35,9 +36,19 @@ def test_generate_json_lines_in_input_order(ckpt_plain, tmp_path):
 
 
 def test_generate_plain_text(ckpt_plain):
+    from serving import LLM, SamplingParams
     res = run("generate", "--model", str(ckpt_plain), "--prompt", "x = 1", "--max-tokens", "4")
     assert res.returncode == 0, res.stderr
-    assert "tok/s" in res.stderr
+    # stdout is the continuation itself: what the same model generates in-process, and nothing more.
+    want = LLM(ckpt_plain, kv_cache_tokens=256).generate("x = 1", SamplingParams(max_tokens=4))[0]
+    assert len(want.token_ids) == 4 and want.text
+    assert res.stdout == want.text + "\n"
+    # stderr is one summary line whose counts are the prompts and tokens just generated.
+    [summary] = res.stderr.strip().splitlines()
+    m = re.fullmatch(r"\[1 prompt\(s\), (\d+) tokens in (\d+\.\d\d)s, (\d+\.\d) tok/s\]", summary)
+    assert m, summary
+    assert int(m.group(1)) == len(want.token_ids)
+    assert float(m.group(3)) > 0
 
 
 @pytest.mark.parametrize("extra, needle", [

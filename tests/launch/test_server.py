@@ -33,12 +33,13 @@ def http(method: str, url: str, body: bytes | None = None, headers: dict | None 
         return e.code, e.read()
 
 
-@pytest.fixture(scope="module")
-def server(ckpt_plain):
+def start_server(ckpt, *args: str) -> tuple[subprocess.Popen, str]:
+    """`metrale serve` on `ckpt` (float64, served as MODEL with API_KEY); returns it and its base URL
+    once /health answers."""
     port = free_port()
-    proc = subprocess.Popen(metrale_cmd("serve", "--model", str(ckpt_plain), "--port", str(port),
+    proc = subprocess.Popen(metrale_cmd("serve", "--model", str(ckpt), "--port", str(port),
                                         "--served-model-name", MODEL, "--api-key", API_KEY, "--dtype", "float64",
-                                        "--kv-cache-tokens", "4096", "--max-num-seqs", "16"),
+                                        *args),
                             env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 90
@@ -53,12 +54,22 @@ def server(ckpt_plain):
     else:
         proc.kill()
         raise RuntimeError("server did not come up in 90 s")
-    yield base
+    return proc, base
+
+
+def stop_server(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(ckpt_plain):
+    proc, base = start_server(ckpt_plain, "--kv-cache-tokens", "4096", "--max-num-seqs", "16")
+    yield base
+    stop_server(proc)
 
 
 @pytest.fixture
@@ -124,7 +135,7 @@ BAD = [
     (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "prompt"),
     (json.dumps({"model": MODEL, "prompt": "word " * 400}).encode(), 400, "prompt"),
     (json.dumps({"model": MODEL, "prompt": [1, 999999]}).encode(), 400, "prompt"),
-    (json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), 400, "n"),
+    (json.dumps({"model": MODEL, "prompt": "x", "n": 0}).encode(), 400, "n"),
     (json.dumps({"model": MODEL, "prompt": "x", "stop": 5}).encode(), 400, "stop"),
     (json.dumps({"model": "other", "prompt": "x"}).encode(), 404, "model"),
     (json.dumps({"model": MODEL, "prompt": "x" * (2 << 20)}).encode(), 413, None),

@@ -1,0 +1,168 @@
+"""OpenAI response pieces: choices, logprobs in the completions and chat shapes, usage, and the
+per-choice state of a stream.
+
+Logprobs are the engine's (docs/design.md §5.2): for each output token, log_softmax of the
+target's logits after penalties, bias and temperature, from the row that produced it; for echoed
+prompt tokens, after temperature only, the first being null. A token's text is what the tokenizer
+decodes it to alone (a byte-level token holding part of a UTF-8 character decodes to U+FFFD; its
+`bytes` are those of that text).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from runtime.sampler import TokenLogprobs
+from runtime.sequence import Sequence
+from runtime.tokenizer import Tokenizer
+
+
+class TokenText:
+    """Token id -> its text, cached (without a tokenizer: "token_id:N")."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        text = self.cache.get(token)
+        if text is None:
+            text = self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
+            self.cache[token] = text
+        return text
+
+
+class TextStream:
+    """Text deltas of a sequence's output text, which its engine-side incremental detokenizer
+    keeps (one decode of a short window per update, shared with stop strings). Until the end it
+    holds back the last characters a stop string still to come could remove; the detokenizer
+    itself never shows half a UTF-8 character."""
+
+    def __init__(self, stops: tuple[str, ...] | None) -> None:
+        self.holdback = max((len(s) for s in stops), default=1) - 1 if stops else 0
+        self.sent = 0
+
+    def delta(self, text: str, finished: bool) -> str:
+        if not finished:
+            text = text[:max(self.sent, len(text) - self.holdback)]
+        out = text[self.sent:]
+        self.sent = len(text)
+        return out
+
+
+def completion_logprobs(text_of: TokenText, tokens: Seq[int], entries: Seq[TokenLogprobs | None],
+                        offset: int) -> dict:
+    """The completions shape: tokens, token_logprobs, top_logprobs (the top alternatives plus the
+    chosen token, as OpenAI returns up to logprobs + 1), text_offset from `offset`."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, e in zip(tokens, entries):
+        text = text_of(token)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        out["token_logprobs"].append(None if e is None else e.logprob)
+        if e is None:
+            out["top_logprobs"].append(None)
+        else:
+            top: dict[str, float] = {}
+            for t, lp in e.top:     # best first: of ids that decode alike, the dict keeps the likeliest
+                top.setdefault(text_of(t), lp)
+            top.setdefault(text, e.logprob)
+            out["top_logprobs"].append(top)
+    return out
+
+
+def chat_logprobs(text_of: TokenText, tokens: Seq[int], entries: Seq[TokenLogprobs]) -> dict:
+    """The chat shape: content = [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]."""
+    def item(token: int, logprob: float) -> dict:
+        text = text_of(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for token, e in zip(tokens, entries)], "refusal": None}
+
+
+def best_sequences(seqs: list[Sequence], n: int) -> list[Sequence]:
+    """The n sequences with the highest cumulative logprob (ties: lower index first); all of them,
+    in order, when there are n."""
+    if len(seqs) == n:
+        return seqs
+    return sorted(seqs, key=lambda s: -s.cumulative_logprob)[:n]
+
+
+def usage(seqs: list[Sequence], prompt_tokens: int) -> dict:
+    """Prompt tokens once per prompt; completion tokens over every sequence generated (best_of too)."""
+    completion = sum(s.num_output for s in seqs)
+    drafted = sum(s.drafted_tokens for s in seqs)
+    accepted = sum(s.accepted_tokens for s in seqs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": drafted - accepted}}
+
+
+def completion_choice(index: int, seq: Sequence, text_of: TokenText, *, echo: str | None,
+                      logprobs: bool) -> dict:
+    """One finished choice of /v1/completions (`echo`: the prompt text to put in front)."""
+    lp = None
+    if logprobs:
+        lp = completion_logprobs(text_of, seq.output_ids, seq.logprobs, len(echo or ""))
+        if echo is not None:
+            prompt = completion_logprobs(text_of, seq.token_ids[:seq.prompt_len], seq.prompt_logprobs, 0)
+            lp = {k: prompt[k] + lp[k] for k in lp}
+    return {"index": index, "text": (echo or "") + seq.text, "logprobs": lp, "finish_reason": seq.finish_reason}
+
+
+def chat_choice(index: int, seq: Sequence, text_of: TokenText, *, logprobs: bool) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": seq.text},
+            "logprobs": chat_logprobs(text_of, seq.output_ids, seq.logprobs) if logprobs else None,
+            "finish_reason": seq.finish_reason}
+
+
+class ChoiceStream:
+    """One choice of a stream: what it has sent of the text and of the tokens' logprobs."""
+
+    def __init__(self, index: int, text_of: TokenText, *, stops: tuple[str, ...] | None, chat: bool,
+                 echo: str | None, logprobs: bool) -> None:
+        self.index, self.text_of = index, text_of
+        self.chat, self.echo, self.logprobs = chat, echo, logprobs
+        self.text = TextStream(stops)
+        self.num_tokens = 0                     # output tokens whose logprobs went out
+        self.offset = 0                         # text_offset of the next token
+        self.started = False
+
+    def role(self) -> dict:
+        """A chat choice's first chunk."""
+        return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def next(self, seq: Sequence, num_output: int, finished: bool) -> dict | None:
+        """The choice's next chunk after an update of its sequence (None when there is nothing to
+        say yet): the text delta and the logprobs of the tokens committed since the last chunk; a
+        completion's first chunk carries the echoed prompt (and its logprobs) in front."""
+        delta = self.text.delta(seq.text, finished)
+        span = slice(seq.prompt_len + self.num_tokens, seq.prompt_len + num_output)
+        tokens = seq.token_ids[span]
+        entries = seq.logprobs[num_output - len(tokens):num_output] if self.logprobs else []
+        self.num_tokens = num_output
+        echo = not self.started and not self.chat and self.echo is not None
+        self.started = True
+        lp = None
+        if self.logprobs and self.chat:
+            lp = chat_logprobs(self.text_of, tokens, entries) if tokens else None
+        elif self.logprobs:
+            prompt = None
+            if echo:
+                prompt = completion_logprobs(self.text_of, seq.token_ids[:seq.prompt_len], seq.prompt_logprobs, 0)
+                self.offset = len(self.echo)
+            lp = completion_logprobs(self.text_of, tokens, entries, self.offset)
+            self.offset += sum(len(t) for t in lp["tokens"])
+            if prompt is not None:
+                lp = {k: prompt[k] + lp[k] for k in lp}
+        if not (delta or echo or finished or (self.logprobs and tokens)):
+            return None
+        finish = seq.finish_reason if finished else None
+        if self.chat:
+            return {"index": self.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                    "finish_reason": finish}
+        return {"index": self.index, "text": (self.echo if echo else "") + delta, "logprobs": lp,
+                "finish_reason": finish}

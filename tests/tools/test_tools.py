@@ -1,0 +1,193 @@
+"""One tiny run of every script in tools/, as a user runs it: a subprocess from the repository root.
+
+Each test checks what the script promises (its printed rows or its output files, with values that
+make sense) and, where the script validates its arguments, the one-line refusal of a bad one.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, run_env
+
+MODEL = ROOT / "models" / "tiny-glm-moe"
+
+
+def run_tool(script: str, *args: object, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "tools" / script), *map(str, args)], cwd=ROOT, env=run_env(),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, \
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def refused(proc: subprocess.CompletedProcess, code: int = 2) -> str:
+    """A clean refusal: the exit code, no traceback; returns the last stderr line (the error)."""
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_ep_comm_bench_prints_layer_and_raw_comm_per_mode_and_size():
+    rows = json_lines(ok(run_tool("ep_comm_bench.py", "--model", MODEL, "--iters", 3, timeout=120)))
+    assert [(r["mode"], r["tokens"]) for r in rows] == [(m, t) for m in ("allreduce", "alltoall") for t in (1, 16, 64)]
+    for r in rows:
+        assert r["raw_comm_ms"] > 0 and r["layer_comm_ms"] > 0, r
+        assert r["layer_comm_ms"] <= r["layer_ms"], r  # the layer's collectives run inside its wall time
+        assert r["ratio"] == pytest.approx(r["layer_comm_ms"] / r["raw_comm_ms"], rel=0.03, abs=0.02), r
+
+
+def test_launcher_bench_mp_survives_a_killed_rank(tmp_path):
+    out = tmp_path / "launcher.json"
+    stdout = ok(run_tool("launcher_bench.py", "--model", MODEL, "--launchers", "mp", "--max-tokens", 48,
+                         "--kill-at-token", 2, "--json-out", out))
+    record = json.loads(out.read_text())
+    assert record["model"] == str(MODEL)
+    [row] = record["rows"]
+    assert json_lines(stdout) == [row]
+    assert (row["launcher"], row["ep"], row["restarts"]) == ("mp", 2, 1)
+    # The request outlives the kill of rank 1: it finishes with every token it asked for.
+    assert (row["finished"], row["output_tokens"]) == ("length", 48)
+    assert 2 <= row["tokens_before_kill"] < 48
+    assert {"ready_s", "shutdown_s"} <= set(row)
+    assert 0 < row["restart_s"] <= row["kill_to_group_back_s"] <= row["kill_to_next_token_s"]
+
+
+def test_launcher_bench_refuses_an_unknown_launcher():
+    line = refused(run_tool("launcher_bench.py", "--launchers", "mp,slurm", timeout=60))
+    assert "'slurm'" in line and "ray" in line and "mp" in line
+
+
+def test_load_serve_completes_every_request_in_both_arms(tmp_path):
+    out = tmp_path / "nested" / "load.json"
+    stdout = ok(run_tool("load_serve.py", "--model", MODEL, "--clients", 2, "--requests", 2, "--max-tokens", 4,
+                         "--arms", "none,mtp", "--json-out", out))
+    rows = json.loads(out.read_text())
+    assert json_lines(stdout) == rows
+    assert [r["arm"] for r in rows] == ["none", "mtp"]
+    for r in rows:
+        assert (r["clients"], r["requests"], r["completed"], r["failed"], r["errors"]) == (2, 4, 4, 0, []), r
+        assert r["tok_s"] > 0 and r["server_peak_rss_mib"] > 0, r
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"], r
+        assert r["tpot_p50_ms"] <= r["tpot_p99_ms"], r
+
+
+def test_moe_bench_times_both_expert_paths_per_dtype_and_row_count(tmp_path):
+    out = tmp_path / "nested" / "moe.json"
+    stdout = ok(run_tool("moe_bench.py", "--model", MODEL, "--rows", "1,4", "--dtypes", "float32,bfloat16",
+                         "--repeats", 2, "--json-out", out, timeout=120))
+    record = json.loads(out.read_text())  # exit 0 also says the two paths gave equal outputs
+    assert record["model"] == str(MODEL) and record["threads"] >= 1
+    rows = record["rows"]
+    assert [(r["dtype"], r["rows"]) for r in rows] == [(d, t) for d in ("float32", "bfloat16") for t in (1, 4)]
+    for r in rows:
+        assert r["loop_us"] > 0 and r["grouped_us"] > 0, r
+        assert r["speedup"] == pytest.approx(r["loop_us"] / r["grouped_us"], rel=0.01, abs=0.002), r
+    table = stdout.splitlines()
+    assert table[0].split() == ["dtype", "rows", "loop_us", "grouped_us", "speedup"] and table[-1] == f"wrote {out}"
+    assert len(table) == 2 + len(rows)
+
+
+def test_moe_bench_refuses_a_zero_row_count():
+    assert "must be at least 1" in refused(run_tool("moe_bench.py", "--rows", "0,4", timeout=60))
+
+
+def test_random_checkpoint_writes_a_model_the_runtime_serves(tmp_path):
+    from serving import LLM, SamplingParams
+    out = tmp_path / "random"
+    tokenizer = MODEL / "tokenizer.json"
+    stdout = ok(run_tool("random_checkpoint.py", out, "--tokenizer", tokenizer, "--hidden", 32, "--layers", 2,
+                         "--experts", 4, timeout=120))
+    assert stdout.strip() == f"wrote {out}"
+    cfg = json.loads((out / "config.json").read_text())
+    vocab = len(json.loads(tokenizer.read_text())["model"]["vocab"])
+    got = (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["n_routed_experts"], cfg["vocab_size"])
+    assert got == (32, 2, 4, vocab)
+    assert (out / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    llm = LLM(out, dtype="float32", kv_cache_tokens=256)
+    [res] = llm.generate("def main(", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(res.token_ids) == 3 and all(0 <= t < vocab for t in res.token_ids)
+    llm.shutdown()
+
+
+def arm_rows(stdout: str) -> dict[str, list[str]]:
+    """The final table of tools/run_main.py: {arm label: [tokens, seconds, tok/s, accept_len, vs none]}."""
+    lines = stdout.splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("arm ")) + 1:]
+    return {line[:20].strip(): line[20:].split() for line in table}
+
+
+def test_run_main_prints_the_same_text_in_every_arm():
+    stdout = ok(run_tool("run_main.py", "--model", MODEL, "--max-tokens", 4, "--ep", 2, "--launcher", "mp"))
+    assert stdout.count("same text as without speculation") == 2  # MTP at EP 1 and at EP 2
+    assert "warning" not in stdout
+    rows = arm_rows(stdout)
+    assert list(rows) == ["no speculation", "MTP, 3 drafts", "EP 2 (mp), MTP 3"]
+    assert [int(r[0]) for r in rows.values()] == [4 * 4] * 3  # four prompts, four tokens each
+    assert rows["no speculation"][3] == "None"
+    assert all(1.0 <= float(rows[arm][3]) <= 4.0 for arm in ("MTP, 3 drafts", "EP 2 (mp), MTP 3"))
+
+
+def test_run_main_refuses_a_missing_model_folder(tmp_path):
+    missing = tmp_path / "nope"
+    proc = run_tool("run_main.py", "--model", missing, timeout=60)
+    assert refused(proc) == proc.stderr.strip() == f"make run: model folder {str(missing)!r} does not exist"
+
+
+def test_step_split_splits_each_depth_into_draft_target_and_host(tmp_path):
+    out = tmp_path / "split.json"
+    stdout = ok(run_tool("step_split.py", "--model", MODEL, "--num-drafts", 2, "--max-tokens", 5,
+                         "--prompts", 1, "--json-out", out))
+    record = json.loads(out.read_text())
+    assert record["model"] == str(MODEL)
+    rows = record["rows"]
+    assert stdout.splitlines()[0].split() == list(rows[0])
+    assert [r["drafts"] for r in rows] == [0, 2]
+    for r in rows:
+        assert r["tokens"] == 5, r
+        assert r["tokens_per_step"] == pytest.approx(r["tokens"] / r["steps"], abs=1e-3), r
+        assert r["tok_s"] > 0 and r["target_ms"] > 0 and r["host_ms"] > 0, r
+        assert r["step_ms"] == pytest.approx(r["draft_ms"] + r["target_ms"] + r["host_ms"], abs=0.03), r
+        assert 1.0 <= r["tokens_per_step"] <= r["drafts"] + 1, r
+    assert (rows[0]["steps"], rows[0]["draft_ms"]) == (5, 0.0)  # no speculation: one token per step
+    assert rows[1]["draft_ms"] > 0
+
+
+def test_train_tiny_trains_resumes_and_exports_a_servable_model(tmp_path):
+    from serving import LLM, SamplingParams
+    run, export = tmp_path / "run", tmp_path / "export"
+    tiny = ["--out", run, "--batch", 2, "--seq", 16, "--vocab", 300, "--hidden", 32, "--layers", 2, "--heads", 2,
+            "--experts", 4, "--moe-intermediate", 16, "--warmup", 1, "--fp32", "--eval-every", 100]
+    first = ok(run_tool("train_tiny.py", *tiny, "--steps", 2))
+    assert "tokenizer: 300 tokens" in first and "eval step 2:" in first
+    second = ok(run_tool("train_tiny.py", *tiny, "--steps", 3, "--resume"))
+    assert "resumed at step 2" in second and "eval step 3:" in second and "tokenizer:" not in second
+    summary = json.loads(ok(run_tool("train_tiny.py", *tiny, "--export", export)).splitlines()[-1])
+
+    meta = json.loads((export / "training.json").read_text())
+    assert summary == {k: v for k, v in meta.items() if k != "history"}
+    assert meta["steps"] == 3 and meta["train_tokens_seen"] == 3 * 2 * 16
+    assert [h["step"] for h in meta["history"]] == [2, 3]  # the resumed run kept the first run's history
+    # Barely trained: the held-out losses sit near a uniform guess over the vocabulary.
+    for loss in (meta["held_out_loss"], meta["held_out_mtp_loss"]):
+        assert abs(loss - math.log(300)) < 0.5, meta
+    cfg = json.loads((export / "config.json").read_text())
+    assert (cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"]) == \
+        (300, 32, 2, 1)
+    prompts = (export / "heldout_prompts.jsonl").read_text().splitlines()
+    assert len(prompts) == 64 and all(json.loads(p)["prompt"].strip() for p in prompts)
+    llm = LLM(export, dtype="float32", spec="mtp", num_drafts=2, kv_cache_tokens=256)  # needs the exported MTP layer
+    [res] = llm.generate("def main(", SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(res.token_ids) == 4
+    llm.shutdown()
