@@ -40,6 +40,12 @@ ENGINE_ARMS = {"none": ("none", 0, "fixed", None), "k1": ("mtp", 1, "fixed", Non
 BUILT_ARMS = (*ENGINE_ARMS, "hf")
 MIN_REQUESTS = 16   # requests behind a cell by default (at least 2 x concurrency)
 TREE_ARM = re.compile(r"^tree([1-4]{1,7})$")   # tree122: the shape 1,2,2, beside other shapes in one run
+EAGER = "-eager"   # an engine arm named with this suffix runs without torch.compile (none-eager, k2-eager)
+
+
+def arm_base(arm: str) -> str:
+    """The arm without its -eager suffix."""
+    return arm[:-len(EAGER)] if arm.endswith(EAGER) else arm
 
 
 def arm_tree_shape(arm: str, default: str | None) -> str | None:
@@ -64,16 +70,21 @@ class BenchConfig:
     quick: bool = False
     num_prompts: int = 64
     tree_shape: str | None = None
+    enforce_eager: bool = False   # every engine arm without torch.compile
 
     def __post_init__(self) -> None:
         from speculative.tree_shape import TreeShape
-        if "tree" in self.arms and self.tree_shape is None:
+        if "tree" in map(arm_base, self.arms) and self.tree_shape is None:
             raise ValueError("bench arm 'tree' needs --tree-shape, e.g. 1,2,2")
         if self.tree_shape is not None:
             TreeShape.parse(self.tree_shape)
-        for arm in self.arms:
+        for name in self.arms:
+            arm = arm_base(name)
             if arm not in BUILT_ARMS and not TREE_ARM.match(arm):
-                raise ValueError(f"unknown bench arm {arm!r} (built: {', '.join(BUILT_ARMS)}, treeDIGITS)")
+                raise ValueError(f"unknown bench arm {name!r} (built: {', '.join(BUILT_ARMS)}, treeDIGITS; "
+                                 f"an engine arm may end in {EAGER})")
+            if arm == "hf" and name != arm:
+                raise ValueError(f"bench arm {name!r}: hf is transformers' generate, never compiled here")
             if TREE_ARM.match(arm):
                 TreeShape.parse(arm_tree_shape(arm, None))
         if self.ep < 1:
@@ -124,13 +135,14 @@ class EngineArm:
 
     def __init__(self, name: str, config: BenchConfig, launcher: Launcher | None = None) -> None:
         self.name = name
-        self.tree_shape = arm_tree_shape(name, config.tree_shape)
-        spec, k, policy, tau = ENGINE_ARMS["tree" if self.tree_shape else name]
+        self.tree_shape = arm_tree_shape(arm_base(name), config.tree_shape)
+        spec, k, policy, tau = ENGINE_ARMS["tree" if self.tree_shape else arm_base(name)]
         self.llm = LLM(config.model, dtype=config.dtype, kv_cache_tokens=65536,
                        max_num_seqs=max(config.concurrency), spec=spec, num_drafts=k, ep=config.ep,
                        launcher=launcher, draft_policy=policy, draft_confidence_stop=tau,
                        tree_shape=self.tree_shape,
-                       mtp_max_seqs=MAX_MTP_MAX_SEQS if policy == "fixed" and spec != "none" else None)
+                       mtp_max_seqs=MAX_MTP_MAX_SEQS if policy == "fixed" and spec != "none" else None,
+                       enforce_eager=config.enforce_eager or name.endswith(EAGER))
         self.comm = self.llm.deployment.comm
         self.layout = {"ep": config.ep, "launcher": config.launcher if config.ep > 1 else None,
                        "ranks": [{k: r[k] for k in ("rank", "pid", "host", "node")} for r in self.llm.rank_info]}
@@ -171,7 +183,8 @@ class EngineArm:
         cell.update(width_cap=spec.width_cap if spec.is_speculating else None,
                     drafts_per_verify=round(m.drafted_tokens / m.verifies, 3) if m.verifies else None,
                     speculated_share=round(m.verifies / (m.verifies + plain), 4) if spec.is_speculating else None,
-                    threads=torch.get_num_threads(), layout=self.layout)
+                    threads=torch.get_num_threads(), layout=self.layout,
+                    compiled=self.llm.engine.runner.compiled)
         steps = max(1, engine.num_steps - steps0)
         cell["step_ms"] = round(1000 * wall / steps, 3)
         if self.tree_shape is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from statistics import median
 
-FIXED_ARM = re.compile(r"^(none|k\d+)$")   # a fixed depth: no speculation, or k drafts at every width
+FIXED_ARM = re.compile(r"^(none|k\d+)(-eager)?$")   # a fixed depth: no speculation, or k drafts at every width
 
 
 def summarize(runs: list[dict]) -> dict:

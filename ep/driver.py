@@ -25,6 +25,7 @@ class DriverRunner:
 
     def __init__(self, local: ModelRunner, comm: Communicator) -> None:
         self.local = local
+        self.compiled = False   # EP ranks run the step eagerly (collectives inside the forward)
         self.comm = comm
         self.model = local.model
         self.config = local.config

@@ -11,7 +11,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     b.add_argument("--quick", action="store_true", help="small sweep that finishes in a few minutes")
     b.add_argument("--concurrency", default=None, help="comma list, e.g. 1,2,4,8,16,32")
-    b.add_argument("--arms", default="none", help="comma list of arms: none, hf, k1, k2, k3, ..., tree")
+    b.add_argument("--arms", default="none", help="comma list of arms: none, hf, k1, k2, k3, ..., tree; an engine arm + '-eager' runs "
+                        "without torch.compile (none-eager)")
     b.add_argument("--tree-shape", default=None, metavar="COUNTS", help="the draft tree of arm tree, e.g. 1,2,2")
     b.add_argument("--ep", type=int, default=1)
     b.add_argument("--launcher", default="mp", choices=["mp", "ray"],
@@ -20,6 +21,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--requests", type=int, default=None, help="requests per cell (default: 2 x concurrency, at least 16)")
     b.add_argument("--repeats", type=int, default=1,
                    help="runs per cell, arms taking turns; the cell is the median run, with min and max beside it")
+    b.add_argument("--enforce-eager", action="store_true", help="every engine arm runs without torch.compile")
     b.add_argument("--json-out", type=Path, default=None)
     b.add_argument("--plot-out", type=Path, default=None)
 
@@ -36,7 +38,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          concurrency=tuple(levels), ep=args.ep, launcher=args.launcher,
                          max_tokens=args.max_tokens or (48 if args.quick else 128),
                          requests=args.requests, repeats=args.repeats, quick=args.quick,
-                         tree_shape=args.tree_shape)
+                         tree_shape=args.tree_shape, enforce_eager=args.enforce_eager)
     from launch import launcher_for
     run_bench(config, json_out=args.json_out, plot_out=args.plot_out,
               launcher=launcher_for(args.launcher) if config.ep > 1 else None)

@@ -53,6 +53,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="restarts of the EP group after a rank dies before giving up (0: none)")
     p.add_argument("--moe-a2a", default="alltoall", choices=["alltoall", "allreduce"], help="MoE dispatch mode")
     p.add_argument("--ep-timeout", type=float, default=60.0, help="seconds before a collective is declared dead")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run the target step eagerly, without torch.compile (float64 and EP always do)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,7 +146,8 @@ def make_llm(args: argparse.Namespace):
 
     spec = resolve_speculation(args)
     common = dict(dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
-                  spec_settings=spec, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout)
+                  spec_settings=spec, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout,
+                  enforce_eager=args.enforce_eager)
     tr = torchrun_rank()
     if tr is not None:
         rank, world = tr

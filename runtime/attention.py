@@ -9,7 +9,9 @@ built once per step and shared by every layer (and by the MTP layer, on its own 
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +157,49 @@ class PagedAttention:
         if single:
             return out[0].transpose(0, 1)                           # [T, nh, D]
         return out.transpose(1, 2)[p.valid]                          # [T, nh, D]
+
+
+# --- the compiled step ---------------------------------------------------------------------
+# Inductor cannot hold the paged KV cache: functionalizing the in-place write copies the whole
+# cache. So a compiled forward calls attention through an opaque custom op, which finds this
+# step's cache and plan in a forward context set by the runner for the length of the call (as
+# vLLM's unified attention does); everything around it is fused.
+_step_context = threading.local()   # .paged: the PagedAttention of the forward running on this thread
+
+
+@contextmanager
+def forward_context(paged: PagedAttention):
+    """Make `paged` the attention of the forward that runs inside this block."""
+    if getattr(_step_context, "paged", None) is not None:
+        raise RuntimeError("a forward is already running on this thread: forward contexts do not nest")
+    _step_context.paged = paged
+    try:
+        yield
+    finally:
+        _step_context.paged = None
+
+
+@torch.library.custom_op("metrale::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
+                    scale: float) -> torch.Tensor:
+    """q [T, nh, D], k/v [T, nkv, D] -> [T, nh, D], through the forward context's cache."""
+    paged = getattr(_step_context, "paged", None)
+    if paged is None:
+        raise RuntimeError("paged_attention called outside a forward context")
+    return paged.attend(layer_idx, q, k, v, scale).contiguous()
+
+
+@paged_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+class ContextAttention:
+    """`AttentionContext` of a compiled forward: every layer goes through `paged_attention`."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        return paged_attention(q, k, v, layer_idx, scale)
 
 
 class CausalAttention:

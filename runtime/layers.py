@@ -172,6 +172,8 @@ class RoutedExperts(nn.Module):
         """
         if x.dtype == torch.float64:
             return self._looped(x, weights, ids)
+        if torch.compiler.is_compiling():   # opaque to inductor: grouped_mm has no float32 meta kernel
+            return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
         return self._grouped(x, weights, ids)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -217,6 +219,22 @@ class RoutedExperts(nn.Module):
                 per_choice[slots[start:start + n]] = F.linear(F.silu(gate) * up, self.down_proj[e]).to(x.dtype)
                 start += n
         return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
+
+
+@torch.library.custom_op("metrale::grouped_experts", mutates_args=())
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                    down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
+    """`RoutedExperts._grouped` as an opaque op of a compiled graph."""
+    experts = RoutedExperts.__new__(RoutedExperts)
+    nn.Module.__init__(experts)
+    experts.expert_offset, experts.gate_up_proj, experts.down_proj = expert_offset, gate_up_proj, down_proj
+    return experts._grouped(x, weights, ids)
+
+
+@grouped_experts.register_fake
+def _(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+      down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
+    return x.new_empty(x.shape)
 
 
 class MoE(nn.Module):

@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import torch
 
-from runtime.attention import PagedAttention, SeqChunk, StepPlan, build_plan
+from runtime.attention import ContextAttention, PagedAttention, SeqChunk, StepPlan, build_plan, forward_context
 from runtime.kv_cache import PagedKVCache
 from runtime.model import Glm4MoeForCausalLM
 
+CONTEXT_ATTENTION = ContextAttention()
+
 
 class ModelRunner:
-    def __init__(self, model: Glm4MoeForCausalLM, *, kv_cache_tokens: int, block_size: int = 16) -> None:
+    def __init__(self, model: Glm4MoeForCausalLM, *, kv_cache_tokens: int, block_size: int = 16,
+                 compiled: bool = False) -> None:
+        """`compiled`: the target forward runs through `torch.compile` (inductor, dynamic shapes),
+        with paged attention and the routed experts as opaque ops; float64 always runs eager."""
         cfg = model.config
         self.model = model
+        self.compiled = compiled and model.dtype != torch.float64
+        self._compiled_forward = torch.compile(model.forward, dynamic=True) if self.compiled else None
         self.config = cfg
         num_blocks = max(1, kv_cache_tokens // block_size)
         self.cache = PagedKVCache(num_layers=cfg.num_cache_layers if model.mtp is not None else cfg.num_hidden_layers,
@@ -29,8 +36,11 @@ class ModelRunner:
         """
         plan = build_plan(self.cache, chunks)
         token_tensor = torch.tensor(tokens, dtype=torch.long)
-        hidden = self.model(token_tensor, plan.positions, PagedAttention(self.cache, plan))
-        return hidden, plan
+        paged = PagedAttention(self.cache, plan)
+        if self._compiled_forward is None:
+            return self.model(token_tensor, plan.positions, paged), plan
+        with forward_context(paged):
+            return self._compiled_forward(token_tensor, plan.positions, CONTEXT_ATTENTION), plan
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -81,6 +81,7 @@ class DeploymentConfig:
     kv_cache_tokens: int = 32768
     ep_timeout_s: float = 60.0
     max_restarts: int = DEFAULT_MAX_RESTARTS
+    enforce_eager: bool = False   # no torch.compile of the target step (single process; EP ranks run eager)
 
     def __post_init__(self) -> None:
         if self.ep < 1:
@@ -142,7 +143,8 @@ class Deployment:
     def _build(self) -> tuple[ModelRunner | DriverRunner, DraftProposer | None]:
         cfg = self.config
         if self.comm is None:
-            runner = ModelRunner(load_model(cfg.model_dir, cfg.dtype), kv_cache_tokens=cfg.kv_cache_tokens)
+            runner = ModelRunner(load_model(cfg.model_dir, cfg.dtype), kv_cache_tokens=cfg.kv_cache_tokens,
+                                 compiled=not cfg.enforce_eager)
         else:
             runner = self._join_group(self.comm)
         try:

@@ -27,7 +27,8 @@ class LLM:
                  draft_confidence_stop: float | None = None, tree_shape: str | None = None,
                  spec_settings: SpecSettings | None = None, ep: int = 1, moe_a2a: str = "alltoall",
                  ep_timeout_s: float = 60.0, launcher: Launcher | None = None,
-                 max_restarts: int = DEFAULT_MAX_RESTARTS, comm: Communicator | None = None) -> None:
+                 max_restarts: int = DEFAULT_MAX_RESTARTS, comm: Communicator | None = None,
+                 enforce_eager: bool = False) -> None:
         """Speculation: `spec` (none, mtp, ngram) with at most `num_drafts` drafts per step, a
         depth policy (`draft_policy` fixed/ladder/auto, or `mtp_k_ladder` text or "auto"), a
         width cap `mtp_max_seqs`, a confidence stop, a draft-tree shape ("1,2,2"); resolved once
@@ -37,7 +38,10 @@ class LLM:
         `ep` > 1 starts ep - 1 worker ranks with `launcher` (`launch.mp.MPGroup`, or a
         `launch.ray_group.RayGroup` factory) and supervises them: a dead rank restarts the group
         up to `max_restarts` times. `comm`, an already joined communicator of rank 0 (torchrun),
-        replaces the launcher (no restarts)."""
+        replaces the launcher (no restarts).
+
+        The target step is compiled with `torch.compile` (inductor) unless `enforce_eager`; float64
+        (the reference mode) and EP groups run eager."""
         model_dir = Path(model)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model folder {str(model_dir)!r} does not exist")
@@ -50,7 +54,7 @@ class LLM:
         self.deployment = Deployment(
             DeploymentConfig(model_dir=model_dir, dtype=dtype, ep=ep if comm is None else comm.world_size,
                              moe_a2a=moe_a2a, kv_cache_tokens=kv_cache_tokens, ep_timeout_s=ep_timeout_s,
-                             max_restarts=max_restarts), self.spec, launcher, comm)
+                             max_restarts=max_restarts, enforce_eager=enforce_eager), self.spec, launcher, comm)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.engine: Engine | None = Engine(self.deployment.runner, self.tokenizer, config, self.spec,
                                             self.deployment.proposer)

@@ -44,7 +44,7 @@ def test_bench_writes_record_and_plot(tmp_path):
     model = tmp_path / "m"
     shutil.copytree(EMBEDDED, model)
     (model / "metrale.toml").write_text("[behavior]\nmtp_max_seqs = 1\n")   # ladder: speculation off at 2
-    out = subprocess.run(metrale_cmd("bench", "--model", str(model), "--arms", "none,k2,ladder,hf",
+    out = subprocess.run(metrale_cmd("bench", "--model", str(model), "--arms", "none,none-eager,k2,ladder,hf",
                                      "--concurrency", "1,2", "--max-tokens", "6", "--requests", "2", "--repeats", "2",
                                      "--json-out", str(tmp_path / "b.json"), "--plot-out", str(tmp_path / "b.png")),
                          env=run_env(), capture_output=True, text=True, timeout=300)
@@ -53,12 +53,12 @@ def test_bench_writes_record_and_plot(tmp_path):
     assert record["git_sha"] and isinstance(record["dirty"], bool) and "bench --model" in record["command"]
     assert record["git_sha_at_end"] == record["git_sha"] and record["machine"]["cpu_count"] >= 1
     cells = {(c["arm"], c["concurrency"]): c for c in record["cells"]}
-    assert set(cells) == {(a, c) for a in ("none", "k2", "ladder", "hf") for c in (1, 2)}
+    assert set(cells) == {(a, c) for a in ("none", "none-eager", "k2", "ladder", "hf") for c in (1, 2)}
     for (arm, c), x in cells.items():
         assert len(x["tok_s_runs"]) == 2 and x["tok_s"] in x["tok_s_runs"]
         assert x["tok_s_min"] <= x["tok_s"] <= x["tok_s_max"] and x["requests"] == 2
         assert x["output_tokens"] == 2 * 6 and x["threads"] >= 1 and x["layout"]["ep"] == 1
-        fixed = {k: v for k, v in cells.items() if k[1] == c and k[0] in ("none", "k2") and k[0] != arm}
+        fixed = {k: v for k, v in cells.items() if k[1] == c and k[0] in ("none", "none-eager", "k2") and k[0] != arm}
         best = max(fixed.values(), key=lambda v: v["tok_s"])
         assert abs(x["tok_s_ratio_vs_best_fixed"] - x["tok_s"] / best["tok_s"]) < 2e-3
     # The fixed arm speculates at every width; the ladder takes the folder's cap of 1.
@@ -67,6 +67,7 @@ def test_bench_writes_record_and_plot(tmp_path):
     assert cells["ladder", 2]["width_cap"] == 1 and cells["ladder", 2]["verifies"] == 0
     assert cells["ladder", 1]["verifies"] > 0 and cells["none", 1]["width_cap"] is None
     assert cells["hf", 1]["accept_len"] is None and cells["hf", 2]["output_tokens"] == 12
+    assert cells["none", 1]["compiled"] is True and cells["none-eager", 1]["compiled"] is False
     assert "vs best fixed" in out.stdout and "[" in out.stdout   # the table shows ratios and spreads
     assert (tmp_path / "b.png").stat().st_size > 10_000
 
@@ -88,6 +89,9 @@ def test_tree_arms_name_their_shape():
         BenchConfig(model="m", arms=("tree4444",))
     with pytest.raises(ValueError, match="unknown bench arm 'tree5'"):
         BenchConfig(model="m", arms=("tree5",))
+    BenchConfig(model="m", arms=("none-eager", "k2-eager", "tree122-eager"))
+    with pytest.raises(ValueError, match="hf is transformers' generate"):
+        BenchConfig(model="m", arms=("hf-eager",))
 
 
 def test_bench_at_ep2_runs_each_arm_with_its_own_group(tmp_path):
