@@ -10,7 +10,10 @@ plan in a forward context, as vLLM's unified attention does), and the grouped ro
 (`torch._grouped_mm` has no float32 meta kernel). Everything else (embedding, norms, rotary,
 projections, the router, shared experts, residuals) is fused. The probe checks that both modes
 give the same greedy tokens, then alternates them per concurrency and keeps the best of the
-repeats. Nothing here changes the runtime; it measures what wiring this into `ModelRunner` buys.
+repeats. Both arms here call attention and the experts through the custom ops, so the eager arm
+pays their dispatch too and the ratio overstates what compiling buys the runtime; for that, run
+`metrale bench --arms none,none-eager` (the runtime's compiled step against its plain eager one;
+bench/records/compiled_vs_eager.json).
 """
 from __future__ import annotations
 
