@@ -72,10 +72,15 @@ def server(ckpt_plain):
     stop_server(proc)
 
 
+def openai_client(base: str):
+    """The official client against a test server (no retries: a failure shows at once)."""
+    from openai import OpenAI
+    return OpenAI(base_url=base + "/v1", api_key=API_KEY, timeout=60, max_retries=0)
+
+
 @pytest.fixture
 def client(server):
-    from openai import OpenAI
-    return OpenAI(base_url=server + "/v1", api_key=API_KEY, timeout=60, max_retries=0)
+    return openai_client(server)
 
 
 def test_completion_streamed_equals_plain_and_usage(client):

@@ -12,7 +12,7 @@ from runtime.model_runner import ModelRunner
 from runtime.sampler import SamplingParams
 from runtime.weights import load_model
 from serving.llm import LLM
-from tests.launch.test_server import API_KEY, MODEL, start_server, stop_server
+from tests.launch.test_server import MODEL, openai_client, start_server, stop_server
 
 PROMPT = "def main():\n    x ="
 IDS = [5, 17, 200, 3, 5, 17, 200, 9]
@@ -28,8 +28,7 @@ def server(ckpt_plain):
 
 @pytest.fixture
 def client(server):
-    from openai import OpenAI
-    return OpenAI(base_url=server + "/v1", api_key=API_KEY, timeout=60, max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
