@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from runtime import batch_invariant as bi
 from runtime.kv_cache import PagedKVCache
 
 
@@ -89,14 +90,20 @@ class StepPlan:
     # One sequence with a plain causal mask: SDPA runs unmasked (one row) or with is_causal
     # (a chunk from position 0), the faster kernels, and the ones transformers itself picks.
     mask_mode: str = "explicit"  # "explicit" | "none" | "causal"
+    # Batch-invariant attention (runtime.batch_invariant): the step's rows in fixed tiles, each
+    # with its own key list; None runs SDPA over the padded batch.
+    tiles: bi.AttentionTiles | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
 
-def build_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
-    """Plan one step; every chunk's positions must already be reserved in `cache`."""
+def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: bool = False) -> StepPlan:
+    """Plan one step; every chunk's positions must already be reserved in `cache`.
+
+    `batch_invariant`: attention runs in fixed tiles whose per-row result does not depend on the
+    other rows of the step (`runtime.batch_invariant.attention`)."""
     if not chunks:
         raise ValueError("a step needs at least one sequence")
     b = len(chunks)
@@ -131,8 +138,13 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
     mode = "explicit"
     if b == 1 and chunks[0].parents is None:
         mode = "none" if chunks[0].num_tokens == 1 else ("causal" if chunks[0].start == 0 else "explicit")
+    tiles = None
+    if batch_invariant:
+        firsts = (last_rows - counts + 1).tolist()
+        tiles = bi.attention_tiles(ctxs, [c.start for c in chunks], [c.num_tokens for c in chunks],
+                                   [c.parents for c in chunks], firsts)
     return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=gather, q_index=q_index, valid=valid,
-                    mask=mask, last_rows=last_rows, mask_mode=mode)
+                    mask=mask, last_rows=last_rows, mask_mode=mode, tiles=tiles)
 
 
 class PagedAttention:
@@ -146,6 +158,8 @@ class PagedAttention:
                scale: float) -> torch.Tensor:
         p = self.plan
         self.cache.write(layer_idx, p.cell_mapping, k, v)
+        if p.tiles is not None:
+            return bi.attention(q, self.cache.k[layer_idx], self.cache.v[layer_idx], p.tiles, scale)
         keys = self.cache.k[layer_idx][p.gather].transpose(1, 2)    # [B, nkv, K, D]
         values = self.cache.v[layer_idx][p.gather].transpose(1, 2)
         single = p.gather.shape[0] == 1

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime import batch_invariant as bi
 from runtime.config import ModelConfig
 
 
@@ -30,6 +31,17 @@ class AttentionContext(Protocol):
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     """Precision of norm statistics and routing: float32, or float64 for a float64 model."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` with a batch-invariant path (`runtime.batch_invariant.linear`) when switched on."""
+
+    batch_invariant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return bi.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -80,10 +92,10 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_proj = Linear(h, self.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.use_qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.use_qk_norm else None
 
@@ -104,9 +116,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -115,6 +127,8 @@ class MLP(nn.Module):
 class Router(nn.Module):
     """Sigmoid router with score-correction bias and grouped top-k, computed in float32 (float64
     for a float64 model)."""
+
+    batch_invariant = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -131,7 +145,10 @@ class Router(nn.Module):
         """x [T, H] -> (scores [T, E], weights [T, k], expert ids [T, k]); scores and weights in
         `stats_dtype(x.dtype)`."""
         dt = stats_dtype(x.dtype)
-        scores = F.linear(x.to(dt), self.weight.to(dt)).sigmoid()
+        if self.batch_invariant:
+            scores = bi.rowwise(torch.sigmoid, bi.linear(x.to(dt), self.weight.to(dt)))
+        else:
+            scores = F.linear(x.to(dt), self.weight.to(dt)).sigmoid()
         choice = scores + self.e_score_correction_bias.to(dt)
         if self.n_group > 1:
             grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
@@ -153,6 +170,8 @@ class RoutedExperts(nn.Module):
     `expert_offset` is the global id of local expert 0, so a shard holding a contiguous range of
     experts computes only those and leaves other tokens' rows at zero.
     """
+
+    batch_invariant = False   # every expert's rows padded to whole tiles (runtime.batch_invariant)
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, expert_offset: int = 0) -> None:
         super().__init__()
@@ -187,15 +206,27 @@ class RoutedExperts(nn.Module):
         local = (ids - self.expert_offset).reshape(-1)                          # [T*k]
         is_local = (local >= 0) & (local < e_local)
         key = torch.where(is_local, local, e_local)                            # non-local: a last group
-        order = torch.argsort(key, stable=True)                                # [T*k]
-        offs = torch.cumsum(torch.bincount(key, minlength=e_local + 1)[:e_local], 0).to(torch.int32)  # [E]
-        xs = x[order // k]                                                     # [T*k, H], expert-major
-        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [T*k, H]
-        per_choice = torch.empty_like(ys).index_copy_(0, order, ys)             # back to choice order
+        if self.batch_invariant:
+            per_choice = self._padded_groups(x, key, k)
+        else:
+            order = torch.argsort(key, stable=True)                            # [T*k]
+            offs = torch.cumsum(torch.bincount(key, minlength=e_local + 1)[:e_local], 0).to(torch.int32)  # [E]
+            xs = x[order // k]                                                 # [T*k, H], expert-major
+            gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+            ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [T*k, H]
+            per_choice = torch.empty_like(ys).index_copy_(0, order, ys)         # back to choice order
         per_choice = torch.where(is_local[:, None], per_choice, 0.0)
         # Sum over the k choices in a fixed order: the result does not depend on the batch.
         return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
+
+    def _padded_groups(self, x: torch.Tensor, key: torch.Tensor, k: int) -> torch.Tensor:
+        """Per-choice expert outputs [T*k, H] with every expert's rows padded to whole tiles, so a
+        row's result does not depend on how many rows its expert got (runtime.batch_invariant)."""
+        dest, offs, rows = bi.grouped_offsets(key, self.num_local_experts)
+        xs = x.new_zeros(rows, x.shape[1]).index_copy_(0, dest, x.repeat_interleave(k, dim=0))
+        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        return ys[dest]
 
     def _looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The reference path: one pair of matmuls per touched local expert (syncs with the host)."""
@@ -215,8 +246,9 @@ class RoutedExperts(nn.Module):
                 if n == 0:
                     continue
                 xs = x[tokens[start:start + n]]
-                gate, up = F.linear(xs, self.gate_up_proj[e]).chunk(2, dim=-1)
-                per_choice[slots[start:start + n]] = F.linear(F.silu(gate) * up, self.down_proj[e]).to(x.dtype)
+                mm = bi.linear if self.batch_invariant else F.linear
+                gate, up = mm(xs, self.gate_up_proj[e]).chunk(2, dim=-1)
+                per_choice[slots[start:start + n]] = mm(F.silu(gate) * up, self.down_proj[e]).to(x.dtype)
                 start += n
         return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
 

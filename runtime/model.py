@@ -10,14 +10,14 @@ import torch
 from torch import nn
 
 from runtime.config import ModelConfig
-from runtime.layers import AttentionContext, DecoderLayer, RMSNorm, RotaryEmbedding
+from runtime.layers import AttentionContext, DecoderLayer, Linear, RMSNorm, RotaryEmbedding
 
 
 class SharedHead(nn.Module):
     def __init__(self, cfg: ModelConfig, own_head: bool) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_head else None
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_head else None
 
 
 class MTPLayer(nn.Module):
@@ -34,7 +34,7 @@ class MTPLayer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if own_embed else None
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.eh_proj = Linear(2 * h, h, bias=False)
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers)
         self.shared_head = SharedHead(cfg, own_head)
 
@@ -46,7 +46,7 @@ class Glm4MoeForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg)
         self.mtp = (MTPLayer(cfg, mtp_own_embed, mtp_own_head)
                     if cfg.num_nextn_predict_layers else None)

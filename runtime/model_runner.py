@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from runtime.attention import ContextAttention, PagedAttention, SeqChunk, StepPlan, build_plan, forward_context
+from runtime.batch_invariant import set_batch_invariant
 from runtime.kv_cache import PagedKVCache
 from runtime.model import Glm4MoeForCausalLM
 
@@ -15,12 +16,19 @@ CONTEXT_ATTENTION = ContextAttention()
 
 class ModelRunner:
     def __init__(self, model: Glm4MoeForCausalLM, *, kv_cache_tokens: int, block_size: int = 16,
-                 compiled: bool = False) -> None:
+                 compiled: bool = False, batch_invariant: bool | None = None) -> None:
         """`compiled`: the target forward runs through `torch.compile` (inductor, dynamic shapes),
-        with paged attention and the routed experts as opaque ops; float64 always runs eager."""
+        with paged attention and the routed experts as opaque ops; float64 always runs eager.
+        `batch_invariant`: every row's result is independent of the other rows of its step
+        (runtime.batch_invariant); None: on for float64 only."""
         cfg = model.config
         self.model = model
-        self.compiled = compiled and model.dtype != torch.float64
+        self.batch_invariant = model.dtype == torch.float64 if batch_invariant is None else batch_invariant
+        set_batch_invariant(model, self.batch_invariant)
+        # A batch-invariant step runs eager: inductor's CPU kernels are not row-invariant (in
+        # bfloat16 a prefill row changed with the step's row count from about 350 rows up, even
+        # with whole tiles and one graph for every count), and compiling gains only 2-3% here.
+        self.compiled = compiled and model.dtype != torch.float64 and not self.batch_invariant
         self._compiled_forward = torch.compile(model.forward, dynamic=True) if self.compiled else None
         self.config = cfg
         num_blocks = max(1, kv_cache_tokens // block_size)
@@ -34,7 +42,7 @@ class ModelRunner:
 
         Returns the pre-norm hidden states [T, H] and the step plan.
         """
-        plan = build_plan(self.cache, chunks)
+        plan = build_plan(self.cache, chunks, batch_invariant=self.batch_invariant)
         token_tensor = torch.tensor(tokens, dtype=torch.long)
         paged = PagedAttention(self.cache, plan)
         if self._compiled_forward is None:

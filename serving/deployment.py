@@ -82,6 +82,7 @@ class DeploymentConfig:
     ep_timeout_s: float = 60.0
     max_restarts: int = DEFAULT_MAX_RESTARTS
     enforce_eager: bool = False   # no torch.compile of the target step (single process; EP ranks run eager)
+    batch_invariant: bool | None = None   # batch-invariant kernels (runtime.batch_invariant); None: float64 only
 
     def __post_init__(self) -> None:
         if self.ep < 1:
@@ -144,7 +145,7 @@ class Deployment:
         cfg = self.config
         if self.comm is None:
             runner = ModelRunner(load_model(cfg.model_dir, cfg.dtype), kv_cache_tokens=cfg.kv_cache_tokens,
-                                 compiled=not cfg.enforce_eager)
+                                 compiled=not cfg.enforce_eager, batch_invariant=cfg.batch_invariant)
         else:
             runner = self._join_group(self.comm)
         try:

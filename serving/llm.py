@@ -28,7 +28,7 @@ class LLM:
                  spec_settings: SpecSettings | None = None, ep: int = 1, moe_a2a: str = "alltoall",
                  ep_timeout_s: float = 60.0, launcher: Launcher | None = None,
                  max_restarts: int = DEFAULT_MAX_RESTARTS, comm: Communicator | None = None,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, batch_invariant: bool | None = None) -> None:
         """Speculation: `spec` (none, mtp, ngram) with at most `num_drafts` drafts per step, a
         depth policy (`draft_policy` fixed/ladder/auto, or `mtp_k_ladder` text or "auto"), a
         width cap `mtp_max_seqs`, a confidence stop, a draft-tree shape ("1,2,2"); resolved once
@@ -41,7 +41,12 @@ class LLM:
         replaces the launcher (no restarts).
 
         The target step is compiled with `torch.compile` (inductor) unless `enforce_eager`; float64
-        (the reference mode) and EP groups run eager."""
+        (the reference mode) and EP groups run eager.
+
+        `batch_invariant`: every operation whose per-row result could depend on the rows beside
+        it runs a batch-invariant kernel (`runtime.batch_invariant`), so a request's tokens do not
+        depend on what else is in its steps: its width, speculation, other requests. None (the
+        default) turns it on for float64 only."""
         model_dir = Path(model)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model folder {str(model_dir)!r} does not exist")
@@ -54,7 +59,8 @@ class LLM:
         self.deployment = Deployment(
             DeploymentConfig(model_dir=model_dir, dtype=dtype, ep=ep if comm is None else comm.world_size,
                              moe_a2a=moe_a2a, kv_cache_tokens=kv_cache_tokens, ep_timeout_s=ep_timeout_s,
-                             max_restarts=max_restarts, enforce_eager=enforce_eager), self.spec, launcher, comm)
+                             max_restarts=max_restarts, enforce_eager=enforce_eager,
+                             batch_invariant=batch_invariant), self.spec, launcher, comm)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.engine: Engine | None = Engine(self.deployment.runner, self.tokenizer, config, self.spec,
                                             self.deployment.proposer)

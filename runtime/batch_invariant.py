@@ -1,0 +1,173 @@
+"""Batch-invariant kernels: a row's result does not depend on how many rows share the call.
+
+Why a row can change with its neighbours (measured on this CPU build, torch 2.13, MKL and
+oneDNN; `tests/runtime/test_batch_invariant.py` checks every claim below on the machine it
+runs on):
+- A float32 GEMM picks one of three kernels by its row count (1 row, 2-9 rows, 15 rows and
+  more); each rounds differently. From 16 rows up, a row's result is the same whatever the count
+  and wherever the row sits. `linear` pads a call to at least `MIN_ROWS` rows, and
+  `grouped_mm` pads every expert's group to a multiple of `MIN_ROWS`. (bfloat16 GEMMs were
+  already invariant here; they take the same path, so CPU builds that differ stay covered.)
+- Attention over a padded batch: the number of keys a softmax and its weighted sum run over
+  is the longest context in the step, and a row's query count picks the kernel. `attention`
+  fixes both: scores come from matmuls of one fixed shape ([QUERY_TILE x g, D] x [D, KEY_CHUNK]
+  per kv head, g query heads per kv head), the key dimension is split into fixed chunks of
+  `KEY_CHUNK` whose partial sums are combined strictly in order (`cumsum`: chunks past a row's
+  keys add exact zeros), and every row's keys sit at the same places, in position order, whether
+  the row is a decode row, a chain verify row or a tree verify row (tree rows get a key list of
+  their own: the committed context, then their ancestors by depth).
+- Element-wise transcendental functions (exp, sigmoid) run vectorised over the flattened tensor
+  and finish its last partial vector with scalar code that rounds differently. A row narrower
+  than a vector (the router's 8 expert scores) therefore changes with the rows before it.
+  `rowwise` pads such rows to whole vectors (`LANES`) first.
+- RMSNorm, softmax, log-softmax and the top-k reduce within a row; they already are invariant.
+
+The float64 reference mode runs these kernels too (it is batch-invariant by default).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+MIN_ROWS = 16      # GEMM calls get at least this many rows (float32 kernels settle from 15 rows up)
+KEY_CHUNK = 64     # attention reduces over keys in chunks of this many, combined in order
+QUERY_TILE = 8     # query rows of one sequence attended in one fixed-shape matmul
+LANES = 32         # elements of the widest CPU vector (AVX-512, 16-bit types)
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [N, ...] padded with zero rows to `rows` rows (returned as is when it has enough)."""
+    n = x.shape[0]
+    return x if n >= rows else torch.cat((x, x.new_zeros(rows - n, *x.shape[1:])))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` whose every output row is independent of the other rows of `x` [..., in]."""
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    out = F.linear(pad_rows(flat, MIN_ROWS), weight, bias)[:n]
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn (element-wise) over x [..., W] with each row padded to whole vectors of LANES, so no
+    element of a row ever takes the scalar tail path."""
+    pad = -x.shape[-1] % LANES
+    return fn(F.pad(x, (0, pad)))[..., :x.shape[-1]] if pad else fn(x)
+
+
+def grouped_offsets(key: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Rows of a grouped matmul where every group's row count is a multiple of `MIN_ROWS`.
+
+    key [N]: the group of each row (`num_groups` and above: not computed). Returns (dest [N],
+    the padded row of each input row, or the last scratch row for the uncomputed ones; offs
+    [num_groups] int32, the padded groups' ends; rows, the buffer's static size). No host sync:
+    the size is an upper bound known from N.
+    """
+    n = key.shape[0]
+    counts = torch.bincount(key, minlength=num_groups + 1)[:num_groups]
+    padded = (counts + MIN_ROWS - 1) // MIN_ROWS * MIN_ROWS
+    ends = torch.cumsum(padded, 0)
+    rows = n + num_groups * (MIN_ROWS - 1) + 1            # every group's padding, and one scratch row
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    starts_unpadded = torch.cumsum(counts, 0) - counts      # first sorted row of each group
+    computed = sorted_key < num_groups
+    g = sorted_key.clamp(max=num_groups - 1)
+    rank_in_group = torch.arange(n, device=key.device) - starts_unpadded[g]
+    dest_sorted = torch.where(computed, ends[g] - padded[g] + rank_in_group, rows - 1)
+    dest = torch.empty_like(dest_sorted).index_copy_(0, order, dest_sorted)
+    return dest, ends.to(torch.int32), rows
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionTiles:
+    """A step's query rows in tiles of QUERY_TILE, each tile with one key list.
+
+    cells [N, K] cache cells of the tile's keys in position order (padding 0), rows [N, QUERY_TILE]
+    step row of each tile row, lengths [N, QUERY_TILE] keys each row sees (a prefix of the tile's
+    list), real [N, QUERY_TILE] bool: a real row (padding rows repeat row 0 and see one key).
+    """
+    cells: torch.Tensor
+    rows: torch.Tensor
+    lengths: torch.Tensor
+    real: torch.Tensor
+
+
+def attention_tiles(contexts: Sequence[torch.Tensor], starts: Sequence[int], counts: Sequence[int],
+                    parents: Sequence[Sequence[int] | None], first_rows: Sequence[int]) -> AttentionTiles:
+    """Tiles of one step: per sequence its context cells [end] (positions 0..end-1), the first
+    position of its chunk, its row count, its tree parents (None: causal) and its first step row."""
+    lists: list[torch.Tensor] = []
+    rows: list[list[int]] = []
+    lengths: list[list[int]] = []
+    for ctx, start, n, tree, first in zip(contexts, starts, counts, parents, first_rows):
+        if tree is None:
+            for r0 in range(0, n, QUERY_TILE):
+                r1 = min(n, r0 + QUERY_TILE)
+                lists.append(ctx[:start + r1])
+                rows.append(list(range(first + r0, first + r1)))
+                lengths.append([start + r + 1 for r in range(r0, r1)])
+            continue
+        for i in range(n):            # a tree row: the committed context, then its ancestors by depth
+            path = []
+            j = i
+            while j >= 0:
+                path.append(j)
+                j = tree[j]
+            lists.append(torch.cat((ctx[:start], ctx[start:][torch.tensor(path[::-1], dtype=torch.long)])))
+            rows.append([first + i])
+            lengths.append([start + len(path)])
+    k_max = -(-max(int(c.shape[0]) for c in lists) // KEY_CHUNK) * KEY_CHUNK
+    cells = torch.zeros(len(lists), k_max, dtype=torch.long)
+    for i, c in enumerate(lists):
+        cells[i, :c.shape[0]] = c
+    row_t = torch.zeros(len(lists), QUERY_TILE, dtype=torch.long)
+    len_t = torch.ones(len(lists), QUERY_TILE, dtype=torch.long)
+    real = torch.zeros(len(lists), QUERY_TILE, dtype=torch.bool)
+    for i, (r, ln) in enumerate(zip(rows, lengths)):
+        row_t[i, :len(r)] = torch.tensor(r)
+        len_t[i, :len(ln)] = torch.tensor(ln)
+        real[i, :len(r)] = True
+    return AttentionTiles(cells=cells, rows=row_t, lengths=len_t, real=real)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: AttentionTiles,
+              scale: float) -> torch.Tensor:
+    """q [T, nh, D]; k_cache/v_cache [S, nkv, D] one layer's cells -> [T, nh, D].
+
+    Scores and the softmax run in float32 (float64 for a float64 model), like SDPA's CPU kernel.
+    """
+    n, kp = tiles.cells.shape
+    nkv, d = k_cache.shape[1], k_cache.shape[2]
+    nh = q.shape[1]
+    g = nh // nkv
+    nc = kp // KEY_CHUNK
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    m = QUERY_TILE * g
+    # [N, nkv, 1, M, D]: tile rows x the g query heads of each kv head (row-major: row, then head)
+    qt = q[tiles.rows].to(acc).view(n, QUERY_TILE, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(n, nkv, 1, m, d)
+    keys = k_cache[tiles.cells].to(acc).view(n, nc, KEY_CHUNK, nkv, d).permute(0, 3, 1, 4, 2)   # [N, nkv, nc, D, C]
+    values = v_cache[tiles.cells].to(acc).view(n, nc, KEY_CHUNK, nkv, d).permute(0, 3, 1, 2, 4)  # [N, nkv, nc, C, D]
+    s = torch.matmul(qt.expand(n, nkv, nc, m, d), keys) * scale                               # [N, nkv, nc, M, C]
+    lengths = tiles.lengths.repeat_interleave(g, dim=1).view(n, 1, 1, m, 1)                     # [N, 1, 1, M, 1]
+    pos = torch.arange(kp, device=q.device).view(1, 1, nc, 1, KEY_CHUNK)
+    s = s.masked_fill(pos >= lengths, float("-inf"))
+    top = s.amax(dim=(2, 4), keepdim=True)                                                     # exact, any order
+    p = torch.exp(s - top)                                                                     # masked keys: exactly 0
+    total = p.sum(dim=-1).cumsum(dim=2)[:, :, -1]                                              # [N, nkv, M]
+    out = torch.matmul(p, values).cumsum(dim=2)[:, :, -1] / total[..., None]                   # [N, nkv, M, D]
+    out = out.view(n, nkv, QUERY_TILE, g, d).permute(0, 2, 1, 3, 4).reshape(n, QUERY_TILE, nh, d)
+    result = q.new_empty(q.shape)
+    result[tiles.rows[tiles.real]] = out[tiles.real].to(q.dtype)
+    return result
+
+
+def set_batch_invariant(model: torch.nn.Module, on: bool) -> None:
+    """Switch every module of `model` that has a batch-invariant path (`batch_invariant`)."""
+    for module in model.modules():
+        if hasattr(module, "batch_invariant"):
+            module.batch_invariant = on

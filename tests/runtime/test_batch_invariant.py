@@ -1,0 +1,205 @@
+"""Batch invariance: a row's result is bitwise the same whatever else shares its step.
+
+Unit tests check each kernel of `runtime.batch_invariant` at row counts 1, 3, 16 and 61 (the
+row at the front, the middle and the back); engine tests check a request's tokens on the embedded
+model in bfloat16 and float32: alone against among 15 others, and with speculation against
+without.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.corpus import heldout_prompts
+from runtime import batch_invariant as bi
+from runtime.attention import SeqChunk, build_plan
+from runtime.config import load_config
+from runtime.kv_cache import PagedKVCache
+from runtime.layers import Router, RoutedExperts
+from runtime.sampler import SamplingParams
+from serving.llm import LLM
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
+ROW_COUNTS = (1, 3, 16, 61)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rows_of(n: int, row: torch.Tensor, gen: torch.Generator) -> list[tuple[torch.Tensor, int]]:
+    """Batches of n rows holding `row` at the front, middle and back, the rest random."""
+    out = []
+    for at in sorted({0, n // 2, n - 1}):
+        x = torch.randn(n, *row.shape, generator=gen).to(row.dtype)
+        x[at] = row
+        out.append((x, at))
+    return out
+
+
+def assert_row_invariant(fn, row: torch.Tensor) -> None:
+    gen = torch.Generator().manual_seed(1)
+    want = fn(row[None])[0]
+    for n in ROW_COUNTS:
+        for x, at in rows_of(n, row, gen):
+            assert torch.equal(fn(x)[at], want), f"row {at} of {n} differs"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(256, 768), (768, 256), (256, 4096)])
+def test_linear_rows_do_not_depend_on_the_row_count(dtype, shape):
+    gen = torch.Generator().manual_seed(0)
+    k, n = shape
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    assert_row_invariant(lambda x: bi.linear(x, w), torch.randn(k, generator=gen).to(dtype))
+
+
+def test_plain_float32_linear_is_not_row_invariant_here():
+    """What the padding is for: an unpadded float32 GEMM rounds 1 row and 16 rows differently
+    (if a CPU build ever stops doing so, this test says the padding is no longer needed)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(768, 256, generator=gen) * 0.05
+    x = torch.randn(16, 256, generator=gen)
+    assert not torch.equal(torch.nn.functional.linear(x[:1], w)[0], torch.nn.functional.linear(x, w)[0])
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
+def test_rowwise_sigmoid_of_narrow_rows_does_not_depend_on_the_row_count(dtype):
+    """The router's 8 scores per row: a plain sigmoid gives a row alone (scalar code) other bits
+    than the same row among others (vector code); rowwise pads every row to whole vectors."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 8, generator=gen) * 3).to(dtype)
+    alone = torch.stack([torch.sigmoid(x[i:i + 1])[0] for i in range(64)])
+    assert not torch.equal(torch.sigmoid(x), alone)
+    for row in x[:16]:
+        assert_row_invariant(lambda t: bi.rowwise(torch.sigmoid, t), row)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_router_and_experts_rows_do_not_depend_on_the_row_count(dtype):
+    cfg = load_config(MODEL)
+    torch.manual_seed(0)
+    router = Router(cfg).to(dtype)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.3)
+        router.e_score_correction_bias.normal_(0, 0.1)
+    experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size).to(dtype)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.05)
+        experts.down_proj.normal_(0, 0.05)
+    router.batch_invariant = experts.batch_invariant = True
+
+    def moe(x: torch.Tensor) -> torch.Tensor:
+        _, weights, ids = router(x)
+        return experts(x, weights, ids)
+
+    row = torch.randn(cfg.hidden_size).to(dtype)
+    assert_row_invariant(lambda x: router(x)[1], row)
+    assert_row_invariant(moe, row)
+    # Half the experts on this rank (an EP shard): rows routed elsewhere stay zero.
+    shard = RoutedExperts(4, cfg.hidden_size, cfg.moe_intermediate_size, expert_offset=4).to(dtype)
+    with torch.no_grad():
+        shard.gate_up_proj.copy_(experts.gate_up_proj[4:])
+        shard.down_proj.copy_(experts.down_proj[4:])
+    shard.batch_invariant = True
+    assert_row_invariant(lambda x: shard(x, *router(x)[1:]), row)
+
+
+def attention_rows(dtype: torch.dtype, chunks: list[SeqChunk], cache: PagedKVCache,
+                   q: torch.Tensor) -> torch.Tensor:
+    plan = build_plan(cache, chunks, batch_invariant=True)
+    return bi.attention(q, cache.k[0], cache.v[0], plan.tiles, 0.125)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_row_is_the_same_in_decode_chain_tree_and_any_batch(dtype):
+    """Position 40 of sequence 0 (token x): decoded alone, as row 2 of a chain verify, as a tree
+    row whose ancestors are its chain's rows at other row indices, and beside 2 or 60 others."""
+    gen = torch.Generator().manual_seed(0)
+    nkv, nh, d = 2, 4, 64
+    cache = PagedKVCache(num_layers=1, num_kv_heads=nkv, head_dim=d, num_blocks=1200, block_size=16, dtype=dtype)
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    lengths = [38 + 5] + [int(torch.randint(1, 300, (1,), generator=gen)) for _ in range(60)]
+    for seq, n in enumerate(lengths):
+        cache.reserve(seq, n)
+    q_row = torch.randn(nh, d, generator=gen).to(dtype)
+    # The chain's rows 38, 39 (ancestors) are copied where the tree puts them.
+    cells = cache.cells(0, 0, 43)
+
+    def run(chunks: list[SeqChunk], row: int, others: int) -> torch.Tensor:
+        q = torch.randn(others, nh, d, generator=gen).to(dtype)
+        q[row] = q_row
+        return attention_rows(dtype, chunks, cache, q)[row]
+
+    # One set of keys for positions 38, 39, 40 of the chain, placed where each layout reads them.
+    c = [torch.randn(nkv, d, generator=gen).to(dtype) for _ in range(3)]
+    v = [torch.randn(nkv, d, generator=gen).to(dtype) for _ in range(3)]
+    for i, pos in enumerate((38, 39, 40)):
+        cache.k[0, cells[pos]], cache.v[0, cells[pos]] = c[i], v[i]
+    want = run([SeqChunk(0, 40, 1)], 0, 1)                                       # decode at 40
+    assert torch.equal(run([SeqChunk(0, 38, 3)], 2, 3), want)                    # chain verify row 2
+    assert torch.equal(run([SeqChunk(0, 38, 5)], 2, 5), want)                    # ... with rows after it
+    # A tree at 38..42, row 4's path 0 -> 2 -> 4 (rows 1 and 3 are another branch): its keys are
+    # the chain's, at cells 38, 40, 42.
+    for i, pos in enumerate((38, 40, 42)):
+        cache.k[0, cells[pos]], cache.v[0, cells[pos]] = c[i], v[i]
+    tree = SeqChunk(0, 38, 5, parents=(-1, 0, 0, 1, 2))
+    assert torch.equal(run([tree], 4, 5), want)
+    # Beside other sequences (decode rows and a long prefill chunk), front, middle and back.
+    for others in (2, 60):
+        chunks = [SeqChunk(s, lengths[s] - 1, 1) for s in range(1, others + 1)]
+        chunks[-1] = SeqChunk(others, 0, lengths[others])
+        for at in (0, others // 2, others):
+            mixed = chunks[:at] + [tree] + chunks[at:]
+            first = sum(c.num_tokens for c in mixed[:at])
+            assert torch.equal(run(mixed, first + 4, sum(c.num_tokens for c in mixed)), want)
+
+
+# --- the engine ----------------------------------------------------------------------------
+PROMPTS = heldout_prompts(16)
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def outputs(request):
+    """dtype -> {arm: token lists of the 16 prompts at concurrency 16}, plus 'alone'."""
+    dtype = request.param
+    greedy = SamplingParams(max_tokens=32, ignore_eos=True)
+    seeded = [SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, seed=100 + i) for i in range(16)]
+    runs: dict[str, list[list[int]]] = {}
+    arms = {"none": {}, "k1": dict(spec="mtp", num_drafts=1), "k3": dict(spec="mtp", num_drafts=3),
+            "tree": dict(spec="mtp", num_drafts=3, tree_shape="2,2,1"), "ngram": dict(spec="ngram", num_drafts=3)}
+    for arm, spec in arms.items():
+        llm = LLM(MODEL, dtype, kv_cache_tokens=16384, batch_invariant=True, **spec)
+        runs[arm] = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+        if arm in ("none", "k3"):
+            runs[arm + "-seeded"] = [o.token_ids for o in llm.generate(PROMPTS, seeded)]
+        if arm == "none":
+            runs["alone"] = [llm.generate([p], greedy)[0].token_ids for p in PROMPTS]
+        llm.shutdown()
+    return dtype, runs
+
+
+def test_alone_equals_among_fifteen_others(outputs):
+    dtype, runs = outputs
+    assert runs["alone"] == runs["none"], f"{dtype}: prompts {[i for i in range(16) if runs['alone'][i] != runs['none'][i]]}"
+
+
+@pytest.mark.parametrize("arm", ["k1", "k3", "tree", "ngram"])
+def test_speculation_equals_none(outputs, arm):
+    dtype, runs = outputs
+    diff = [i for i in range(16) if runs[arm][i] != runs["none"][i]]
+    assert not diff, f"{dtype} {arm}: prompts {diff} differ from no speculation"
+
+
+def test_seeded_sampling_with_speculation_equals_none(outputs):
+    dtype, runs = outputs
+    assert runs["k3-seeded"] == runs["none-seeded"]
+    assert runs["none-seeded"] != runs["none"]          # it did sample
+
+
+def test_batch_invariant_is_on_for_float64_only_by_default():
+    assert LLM(MODEL, "float64", kv_cache_tokens=512).engine.runner.batch_invariant
+    off = LLM(MODEL, "bfloat16", kv_cache_tokens=512)
+    assert not off.engine.runner.batch_invariant and off.engine.runner.compiled
+    on = LLM(MODEL, "bfloat16", kv_cache_tokens=512, batch_invariant=True)
+    assert on.engine.runner.batch_invariant and not on.engine.runner.compiled   # its step runs eager
