@@ -139,7 +139,8 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
             try:
                 handle = await aengine.submit(seqs)
             except RequestError as exc:
-                param = "messages" if chat and exc.param == "prompt" else exc.param
+                param = {"prompt": "messages" if chat else "prompt",
+                         "structured": req.structured_field}.get(exc.param, exc.param)
                 raise APIError(400, str(exc), param=param) from None
         except APIError as exc:
             return error(exc)
