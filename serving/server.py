@@ -141,7 +141,8 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
             except RequestError as exc:
                 param = {"prompt": "messages" if chat else "prompt",
                          "structured": req.structured_field}.get(exc.param, exc.param)
-                raise APIError(400, str(exc), param=param) from None
+                message = str(exc) if exc.param != "structured" else f"'{param}': {exc}"
+                raise APIError(400, message, param=param) from None
         except APIError as exc:
             return error(exc)
         except ClientDisconnect:
