@@ -7,7 +7,10 @@ Greedy decoding with EOS ignored, so every request produces the same number of t
 arm. Fixed arms (none, k1..k4, ngram, trees) speculate at every width; ladder and auto run with the
 width cap a user of the model gets. Per cell: aggregate output tokens/s (median run, with min and
 max over the repeats), acceptance, drafts per verify, the width cap, TTFT and TPOT percentiles,
-thread count and process layout. The record (with its provenance) goes to JSON, the curves to a PNG.
+thread count and process layout. With several workloads (`bench.workloads`: plain, a JSON schema,
+penalties) every arm also runs each of them, on the same loaded engine, in the same rotation; their
+cells are named ARM/WORKLOAD and record the grammar's mask cost. The record (with its provenance)
+goes to JSON, the curves to a PNG.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import torch
 from bench.cells import add_ratios, summarize
 from bench.corpus import heldout_prompts
 from bench.report import check_provenance, machine, plot, print_table, provenance, verify_key_settings
-from runtime.sampler import SamplingParams
+from bench.workloads import WORKLOADS, cell_name, workload_params
 from serving.deployment import Launcher
 from serving.llm import LLM
 from speculative.ladder import MAX_MTP_MAX_SEQS
@@ -71,9 +74,15 @@ class BenchConfig:
     num_prompts: int = 64
     tree_shape: str | None = None
     enforce_eager: bool = False   # every engine arm without torch.compile
+    workloads: tuple[str, ...] = ("plain",)
 
     def __post_init__(self) -> None:
         from speculative.tree_shape import TreeShape
+        for w in self.workloads:
+            if w not in WORKLOADS:
+                raise ValueError(f"unknown bench workload {w!r} (one of {', '.join(WORKLOADS)})")
+        if "hf" in self.arms and self.workloads != ("plain",):
+            raise ValueError("bench arm 'hf' runs the plain workload only; drop it or --workloads")
         if "tree" in map(arm_base, self.arms) and self.tree_shape is None:
             raise ValueError("bench arm 'tree' needs --tree-shape, e.g. 1,2,2")
         if self.tree_shape is not None:
@@ -150,15 +159,18 @@ class EngineArm:
     def close(self) -> None:
         self.llm.shutdown()
 
-    def run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int, ep: int) -> dict:
+    def run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int, ep: int,
+            workload: str = "plain") -> dict:
         from speculative.metrics import AcceptanceMetrics
         engine = self.llm.engine
+        grammar = engine.grammars.stats if engine.grammars is not None else None
+        masks0, mask_s0 = (grammar.num_masks, grammar.mask_s + grammar.commit_s) if grammar else (0, 0.0)
         engine.metrics = AcceptanceMetrics()
         comm0 = self.comm.comm_seconds if self.comm is not None else 0.0
         steps0 = engine.num_steps
         plans = engine.verifier.plans
         hits0, misses0 = plans.hits, plans.misses
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params = workload_params(workload, max_tokens)
         inflight, done = [], []
         submitted = 0
         t0 = time.perf_counter()
@@ -176,7 +188,7 @@ class EngineArm:
         tpot = [(s.finish_time - s.first_token_time) / (s.num_output - 1) for s in done if s.num_output > 1]
         tokens = sum(s.num_output for s in done)
         m = engine.metrics
-        cell = _cell(self.name, concurrency, ep, tokens, wall, ttft, tpot, requests=n, verifies=m.verifies,
+        cell = _cell(cell_name(self.name, workload), concurrency, ep, tokens, wall, ttft, tpot, requests=n, verifies=m.verifies,
                      accepted=m.accepted_tokens, p1=_round(m.positional(0)), p2_uncond=_round(m.positional(1)))
         spec = self.llm.spec
         plain = tokens - m.accepted_tokens - m.verifies     # tokens that came from plain decode rows
@@ -187,6 +199,13 @@ class EngineArm:
                     compiled=self.llm.engine.runner.compiled)
         steps = max(1, engine.num_steps - steps0)
         cell["step_ms"] = round(1000 * wall / steps, 3)
+        cell["workload"] = workload
+        if grammar is not None and grammar.num_masks > masks0:
+            # Masks (consume the row's path, compute, roll back) and commits, on rank 0's step.
+            mask_s = grammar.mask_s + grammar.commit_s - mask_s0
+            cell["grammar_ms_per_step"] = round(1000 * mask_s / steps, 4)
+            cell["grammar_us_per_mask"] = round(1e6 * mask_s / (grammar.num_masks - masks0), 2)
+            cell["grammar_share_of_step"] = round(mask_s / wall, 4)
         if self.tree_shape is not None:
             cell["tree_shape"] = self.tree_shape
             cell["hedges_taken"] = m.hedges_taken
@@ -212,7 +231,8 @@ class HFArm:
         self.model = Glm4MoeForCausalLM.from_pretrained(config.model, dtype=DTYPES[config.dtype]).eval()
         self.threads = threads
 
-    def run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int, ep: int) -> dict:
+    def run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int, ep: int,
+            workload: str = "plain") -> dict:
         # The machine's threads, whatever an EP group set for rank 0: a single process, like ours at EP 1.
         before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
@@ -267,25 +287,30 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
     start = provenance()
     threads = torch.get_num_threads()
     prompts = bench_prompts(config)
-    print(f"bench: {len(prompts)} held-out prompts, arms {','.join(config.arms)}, concurrency "
+    print(f"bench: {len(prompts)} held-out prompts, arms {','.join(config.arms)}, workloads "
+          f"{','.join(config.workloads)}, concurrency "
           f"{','.join(map(str, config.concurrency))}, {config.max_tokens} tokens per request, "
           f"{config.repeats} repeat(s), commit {start['git_sha']}{' (dirty)' if start['dirty'] else ''}", flush=True)
-    runs: dict[tuple[str, int], list[dict]] = {(a, c): [] for a in config.arms for c in config.concurrency}
+    names = [cell_name(a, w) for a in config.arms for w in config.workloads]
+    runs: dict[tuple[str, int], list[dict]] = {(name, c): [] for name in names for c in config.concurrency}
 
     def measure(name: str, arm, c: int) -> None:
-        runs[name, c].append(arm.run(prompts, c, config.num_requests(c), config.max_tokens, config.ep))
-        progress(name, c, runs[name, c])
+        for w in config.workloads:
+            cell = cell_name(name, w)
+            runs[cell, c].append(arm.run(prompts, c, config.num_requests(c), config.max_tokens, config.ep, w))
+            progress(cell, c, runs[cell, c])
 
-    names = list(config.arms)
+    arm_names = list(config.arms)
     if config.ep == 1:
         # Every arm loaded first; at each concurrency the arms take turns, in a rotating order.
-        arms = {name: build_arm(name, config, launcher, threads) for name in names}
+        arms = {name: build_arm(name, config, launcher, threads) for name in arm_names}
         try:
             for arm in arms.values():
-                arm.run(prompts[:2], 2, 2, 4, config.ep)  # warm-up, not recorded
+                for w in config.workloads:
+                    arm.run(prompts[:2], 2, 2, 4, config.ep, w)  # warm-up, not recorded
             for c in config.concurrency:
                 for r in range(config.repeats):
-                    for name in names[r % len(names):] + names[:r % len(names)]:
+                    for name in arm_names[r % len(arm_names):] + arm_names[:r % len(arm_names)]:
                         measure(name, arms[name], c)
         finally:
             for arm in arms.values():
@@ -294,10 +319,11 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
         # A process holds one process group: each repeat starts every arm's group in turn (start-up
         # is not measured), so the arms take turns across repeats as they do at EP 1.
         for r in range(config.repeats):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in arm_names[r % len(arm_names):] + arm_names[:r % len(arm_names)]:
                 arm = build_arm(name, config, launcher, threads)
                 try:
-                    arm.run(prompts[:2], 2, 2, 4, config.ep)
+                    for w in config.workloads:
+                        arm.run(prompts[:2], 2, 2, 4, config.ep, w)
                     for c in config.concurrency:
                         measure(name, arm, c)
                 finally:

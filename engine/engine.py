@@ -22,6 +22,7 @@ from engine.verifier import SeqUpdate, Verifier, VerifyItem
 from runtime.attention import SeqChunk
 from runtime.config import ModelConfig
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.grammar import GrammarCompiler
 from runtime.model_runner import ModelRunner
 from runtime.sampler import RowSpec, SamplingParams, TokenLogprobs, prompt_token_logprobs, sample_rows
 from runtime.scheduler import Scheduled, Scheduler, SchedulerConfig
@@ -75,6 +76,9 @@ class Engine:
         self._ids = itertools.count()
         self._rng = random.Random()
         self.num_steps = 0
+        # Structured outputs need the tokenizer's token table; without a tokenizer they are refused.
+        self.grammars = None if tokenizer is None else GrammarCompiler(
+            tokenizer.to_json(), self.model_config.vocab_size, self.model_config.eos_token_ids)
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -89,7 +93,9 @@ class Engine:
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]
         if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop or ())
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop or (), params.min_tokens)
+        if params.structured is not None:
+            seq.grammar = self.grammars.matcher(params.structured)
         self.scheduler.add(seq)
         if self.proposer is not None:
             self.states[seq.seq_id] = self.proposer.alloc_state(seq.seq_id)
@@ -110,6 +116,13 @@ class Engine:
         if bad is not None:
             raise RequestError(f"logit_bias token id {bad} is outside the vocabulary (0..{vocab - 1})",
                                param="logit_bias")
+        if params.structured is not None:
+            if self.grammars is None:
+                raise RequestError("structured outputs need the model's tokenizer.json", param="structured")
+            try:
+                self.grammars.check(params.structured)
+            except ValueError as exc:
+                raise RequestError(str(exc), param="structured") from None
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         if not seq.is_finished:
@@ -315,8 +328,8 @@ class Engine:
 
     def commit(self, seq: Sequence, new_tokens: list[int], now: float,
                logprobs: list[TokenLogprobs] | None = None) -> None:
-        """Append tokens (and their logprobs, when kept) to a sequence, stopping at EOS, a stop
-        string, max_tokens or the context."""
+        """Append tokens (and their logprobs, when kept) to a sequence, stopping at EOS, a complete
+        grammar, a stop string, max_tokens or the context."""
         if seq.first_token_time is None:
             seq.first_token_time = now
         reason = None
@@ -327,6 +340,8 @@ class Engine:
                 seq.logprobs.append(logprobs[i])
             added += 1
             if tok in seq.stop_ids:
+                reason = "stop"
+            elif seq.grammar is not None and seq.grammar.commit(tok):
                 reason = "stop"
             elif seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 reason = "length"

@@ -72,6 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below MIN_P times the top probability")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once per output token seen (-2..2)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted per occurrence in the output (-2..2)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides positive / multiplies negative logits of prompt and output tokens (1: off)")
+    g.add_argument("--min-tokens", type=int, default=0, help="hold EOS and stop strings back for this many tokens")
+    g.add_argument("--logit-bias", action="append", default=None, metavar="TOKEN_ID=BIAS",
+                   help="add BIAS (-100..100) to a token's logit (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
@@ -109,6 +118,35 @@ def read_prompts(path: Path) -> list[str | list[int]]:
     if not prompts:
         raise UsageError(f"prompts file {path} holds no prompt")
     return prompts
+
+
+def parse_logit_bias(items: list[str] | None) -> dict[int, float] | None:
+    """`--logit-bias TOKEN_ID=BIAS` items -> {token id: bias} (later items win)."""
+    if not items:
+        return None
+    bias = {}
+    for item in items:
+        token, sep, value = item.partition("=")
+        try:
+            if not sep or not token.strip().isdigit():
+                raise ValueError
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise UsageError(f"--logit-bias {item!r}: expected TOKEN_ID=BIAS, e.g. 42=-5.5") from None
+    return bias
+
+
+def sampling_params(args: argparse.Namespace):
+    """The generate flags -> SamplingParams; a bad value is a UsageError naming its flag."""
+    from runtime.sampler import SamplingParamError, SamplingParams
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              max_tokens=args.max_tokens, min_tokens=args.min_tokens, seed=args.seed,
+                              ignore_eos=args.ignore_eos, stop=args.stop, presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                              logit_bias=parse_logit_bias(args.logit_bias))
+    except SamplingParamError as exc:
+        raise UsageError(f"--{exc.field.replace('_', '-')}: {exc}") from None
 
 
 def resolve_speculation(args: argparse.Namespace):
@@ -179,11 +217,7 @@ def make_llm(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
-    from runtime import SamplingParams
-
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
-                            stop=args.stop)
+    params = sampling_params(args)
     prompts = read_prompts(args.prompts_file) if args.prompts_file else [args.prompt]
     llm = make_llm(args)
     if llm is None:  # a torchrun worker rank: it served rank 0 and prints nothing

@@ -6,7 +6,8 @@ committed output plus the drafts on the row's path, which are exactly the tokens
 would have committed by then whenever the row's token is used. So penalties, bias and min_tokens
 give the same tokens with speculation on or off (docs/design.md §5.2).
 
-Processing order (vLLM's): logit_bias, the min_tokens mask on stop ids, repetition penalty (prompt
+Processing order (vLLM's): the grammar mask of a structured output (the tokens it allows after the
+row's history, `runtime.grammar`), logit_bias, the min_tokens mask on stop ids, repetition penalty (prompt
 and output tokens: positive logits divided, negative multiplied), frequency and presence
 penalties (output tokens), then temperature for sampled requests. Logprobs are log_softmax of
 that; sampling then applies min_p, top-k and top-p. The generator for the token at absolute
@@ -21,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from runtime.grammar import StructuredOutput
 
 _MASK64 = (1 << 64) - 1
 MAX_LOGPROBS = 20
@@ -51,6 +54,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None   # token id -> bias
     logprobs: int | None = None         # keep each output token's logprob and this many top alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (the first gets None)
+    structured: StructuredOutput | None = None  # the grammar the output must match
 
     def __post_init__(self) -> None:
         def bad(field: str, message: str) -> SamplingParamError:
@@ -90,6 +94,8 @@ class SamplingParams:
             if any(not _is_int(t) or t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
                 raise bad("logit_bias", "must map token ids (>= 0) to biases in [-100, 100]")
             object.__setattr__(self, "logit_bias", bias or None)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise bad("structured", "must be a runtime.grammar.StructuredOutput")
 
     @property
     def is_greedy(self) -> bool:
@@ -97,9 +103,9 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """Whether a row's processing depends on the tokens before it (penalties, min_tokens)."""
+        """Whether a row's processing depends on the tokens before it (penalties, min_tokens, a grammar)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0 or self.structured is not None)
 
     @property
     def is_plain(self) -> bool:
@@ -116,11 +122,13 @@ def _is_int(x: object) -> bool:
 class History:
     """The tokens before the one a row draws: the sequence's committed tokens, then the drafts on
     the row's path (chain row r: drafts 0..r-1; tree row: its ancestors and itself, below the root).
-    `stop_ids` are masked while the output is shorter than min_tokens."""
+    `stop_ids` are masked while the output is shorter than min_tokens; `allowed` is the grammar's
+    mask after those tokens (None: no grammar, or a path the grammar refuses)."""
     token_ids: Sequence[int]            # prompt + committed output (read, never copied or changed)
     prompt_len: int
     path: Sequence[int] = ()
     stop_ids: tuple[int, ...] = ()
+    allowed: torch.Tensor | None = None     # bool [V]
 
     @property
     def num_output(self) -> int:
@@ -158,12 +166,14 @@ class Sampled:
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, history: History = NO_HISTORY) -> torch.Tensor:
-    """One row's logits [V] -> processed logits [V] (float64): logit_bias, the min_tokens mask,
+    """One row's logits [V] -> processed logits [V] (float64): the grammar mask, logit_bias, the min_tokens mask,
     repetition/frequency/presence penalties over `history`, then temperature (sampled requests).
     The arg-max of the result is the greedy token; its log_softmax gives the logprobs."""
     # Its own copy when changed in place (float64 logits would otherwise be the caller's tensor).
     out = logits.to(torch.float64, copy=params.logit_bias is not None or params.needs_history)
     vocab = out.shape[-1]
+    if history.allowed is not None:
+        out.masked_fill_(~history.allowed, float("-inf"))
     if params.logit_bias is not None:
         ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=out.device)
         out[ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float64, device=out.device)

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.grammar import GrammarMatcher
 from runtime.sampler import History, SamplingParams, TokenLogprobs
 
 
@@ -28,6 +29,7 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""                  # the output text so far (its detokenizer's, cut at a stop string)
     detokenizer: IncrementalDetokenizer | None = None
+    grammar: GrammarMatcher | None = None   # params.structured's state: the committed output consumed
     num_preemptions: int = 0
     num_verifies: int = 0
     drafted_tokens: int = 0
@@ -58,8 +60,10 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def history(self, path: list[int] | tuple[int, ...] = ()) -> History:
-        """The tokens before a row's token: everything committed, then `path` (drafts on the row's path)."""
-        return History(self.token_ids, self.prompt_len, path, self.stop_ids)
+        """The tokens before a row's token: everything committed, then `path` (drafts on the row's
+        path), and the grammar's mask after them."""
+        allowed = self.grammar.allowed_after(path) if self.grammar is not None else None
+        return History(self.token_ids, self.prompt_len, path, self.stop_ids, allowed)
 
     @property
     def cumulative_logprob(self) -> float | None:

@@ -1,14 +1,21 @@
 """OpenAI request bodies -> prompts and SamplingParams, with errors that name the field.
 
 Each endpoint has a whitelist of the fields it implements; any other field, and any known field
-this server does not implement (structured outputs, tools, suffix), is a 400 naming it. Nothing
-is accepted and then ignored, except `user`, which only labels a request.
+this server does not implement (tools, suffix), is a 400 naming it. Nothing is accepted and then
+ignored, except `user`, which only labels a request.
+
+Structured outputs, on both endpoints, in one of two shapes (not both in one request):
+- OpenAI's `response_format`: {"type": "text"}, {"type": "json_object"}, or {"type": "json_schema",
+  "json_schema": {"name": ..., "schema": {...}, "strict": true, "description": ...}};
+- vLLM's `structured_outputs` with exactly one of {"json": schema object or JSON text},
+  {"regex": "..."}, {"choice": ["a", "b"]}, {"json_object": true}.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any
 
+from runtime.grammar import StructuredOutput
 from runtime.sampler import MAX_LOGPROBS, SamplingParamError, SamplingParams
 
 DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -18,7 +25,8 @@ MAX_SEQS_PER_REQUEST = 256      # prompts x best_of
 
 _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
              "presence_penalty", "frequency_penalty", "logit_bias", "user", "response_format",
-             "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos"}    # the last five: vLLM's
+             "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+             "structured_outputs"}    # the last six: vLLM's
 COMPLETION_FIELDS = _SAMPLING | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice"}
 # Known fields this server refuses whenever they carry a value.
@@ -43,6 +51,7 @@ class APIError(Exception):
 class ParsedRequest:
     model: str
     prompts: list[str | list[int]]      # completions: one or more; chat: none (see messages)
+    structured_field: str               # the field that asked for a structured output (for errors)
     messages: list[dict] | None
     params: SamplingParams              # every choice's, before its seed is derived (choice_seed)
     n: int                              # choices returned per prompt
@@ -138,11 +147,71 @@ def _check_fields(body: dict, chat: bool) -> None:
             raise bad(field, f"unknown field for {'/v1/chat/completions' if chat else '/v1/completions'}")
         if field in REFUSED and value not in (None, [], ""):
             raise bad(field, REFUSED[field])
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise bad("response_format", f"{kind!r} is not supported (structured outputs are not implemented; "
-                                     "only {'type': 'text'})")
+
+
+def parse_structured(body: dict) -> tuple[StructuredOutput | None, str]:
+    """The request's structured output and the field that gave it (for errors)."""
+    fmt, so = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and so is not None:
+        raise bad("structured_outputs", "give response_format or structured_outputs, not both")
+    if so is not None:
+        return _structured_outputs(so), "structured_outputs"
+    if fmt is None:
+        return None, "response_format"
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise bad("response_format", "expected an object with a string 'type'")
+    kind = fmt["type"]
+    extra = sorted(set(fmt) - {"type", "json_schema"} if kind == "json_schema" else set(fmt) - {"type"})
+    if extra:
+        raise bad(f"response_format.{extra[0]}", f"is not a field of a {kind!r} response_format")
+    if kind == "text":
+        return None, "response_format"
+    if kind == "json_object":
+        return StructuredOutput("json_object"), "response_format"
+    if kind != "json_schema":
+        raise bad("response_format", f"type {kind!r} is not one of text, json_object, json_schema")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad("response_format.json_schema", "expected an object with 'name' and 'schema'")
+    extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if extra:
+        raise bad(f"response_format.json_schema.{extra[0]}", "is not supported (name, schema, strict, description)")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise bad("response_format.json_schema.name", "a non-empty string is required")
+    if not isinstance(spec.get("schema"), dict):
+        raise bad("response_format.json_schema.schema", "a JSON schema object is required")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise bad("response_format.json_schema.strict", "expected a boolean")
+    # strict or not, the grammar holds the output to the schema.
+    return StructuredOutput.json_schema(spec["schema"]), "response_format"
+
+
+def _structured_outputs(so: Any) -> StructuredOutput:
+    if not isinstance(so, dict):
+        raise bad("structured_outputs", "expected an object with one of json, regex, choice, json_object")
+    given = {k: v for k, v in so.items() if v is not None}
+    unknown = sorted(set(given) - {"json", "regex", "choice", "json_object"})
+    if unknown:
+        raise bad(f"structured_outputs.{unknown[0]}", "is not supported (only json, regex, choice, json_object)")
+    if len(given) != 1:
+        raise bad("structured_outputs", f"give exactly one of json, regex, choice, json_object, got {sorted(given)}")
+    key, value = next(iter(given.items()))
+    field = f"structured_outputs.{key}"
+    if key == "json":
+        if not isinstance(value, (dict, str)):
+            raise bad(field, "expected a JSON schema object or its JSON text")
+        return StructuredOutput.json_schema(value)
+    if key == "regex":
+        if not isinstance(value, str) or not value:
+            raise bad(field, "expected a non-empty string")
+        return StructuredOutput.regex(value)
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise bad(field, "expected a non-empty list of non-empty strings")
+        return StructuredOutput.choice(value)
+    if value is not True:
+        raise bad(field, "expected true")
+    return StructuredOutput("json_object")
 
 
 def parse_request(body: Any, *, chat: bool, default_max_tokens: int, vocab_size: int) -> ParsedRequest:
@@ -168,9 +237,12 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int, vocab_size:
         max_key = "max_completion_tokens"
     # best_of ranks by cumulative logprob, so its sequences keep logprobs even when the response shows none.
     keep = logprobs if logprobs is not None else (0 if best_of > n else None)
+    structured, structured_field = parse_structured(body)
     params = _parse_sampling(body, chat, max_key, default_max_tokens, vocab_size, logprobs=keep,
                              prompt_logprobs=logprobs if echo else None)
-    return ParsedRequest(model=model, prompts=prompts, messages=messages, params=params, n=n, best_of=best_of,
+    if structured is not None:
+        params = replace(params, structured=structured)
+    return ParsedRequest(model=model, prompts=prompts, structured_field=structured_field, messages=messages, params=params, n=n, best_of=best_of,
                          echo=echo, logprobs=logprobs, stream=stream, include_usage=include_usage,
                          max_key=max_key, max_tokens_given=body.get(max_key) is not None)
 

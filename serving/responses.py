@@ -4,11 +4,14 @@ per-choice state of a stream.
 Logprobs are the engine's (docs/design.md §5.2): for each output token, log_softmax of the
 target's logits after penalties, bias and temperature, from the row that produced it; for echoed
 prompt tokens, after temperature only, the first being null. A token's text is what the tokenizer
-decodes it to alone (a byte-level token holding part of a UTF-8 character decodes to U+FFFD; its
-`bytes` are those of that text).
+decodes it to alone; a token holding only part of a UTF-8 character shows its bytes escaped
+(`\\xe2\\x80`, as OpenAI does) instead of U+FFFD, and chat's `bytes` are the token's own bytes, so
+a client can join them into the character. `text_offset` counts characters of the real text: the
+pieces of one character all sit at that character's offset.
 """
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence as Seq
 
 from runtime.sampler import TokenLogprobs
@@ -17,18 +20,46 @@ from runtime.tokenizer import Tokenizer
 
 
 class TokenText:
-    """Token id -> its text, cached (without a tokenizer: "token_id:N")."""
+    """Token id -> its text and bytes, cached (without a tokenizer: "token_id:N")."""
 
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
+        self.cache: dict[int, tuple[str, bytes]] = {}
 
     def __call__(self, token: int) -> str:
-        text = self.cache.get(token)
-        if text is None:
-            text = self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
-            self.cache[token] = text
-        return text
+        return self.entry(token)[0]
+
+    def bytes_of(self, token: int) -> bytes:
+        return self.entry(token)[1]
+
+    def entry(self, token: int) -> tuple[str, bytes]:
+        got = self.cache.get(token)
+        if got is None:
+            if self.tokenizer is None:
+                text = f"token_id:{token}"
+                got = text, text.encode()
+            else:
+                raw = self.tokenizer.token_bytes(token)
+                text = self.tokenizer.decode([token])
+                if "\ufffd" in text and "\ufffd" not in raw.decode("utf-8", "ignore"):
+                    text = raw.decode("utf-8", "backslashreplace")     # part of a character: its bytes, escaped
+                got = text, raw
+            self.cache[token] = got
+        return got
+
+
+class TextOffsets:
+    """The character offset of each token in the text the tokens decode to, from `start`."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.offset = start
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def next(self, raw: bytes) -> int:
+        """The offset of a token with bytes `raw`, then step past the characters it completes."""
+        at = self.offset
+        self.offset += len(self._utf8.decode(raw))
+        return at
 
 
 class TextStream:
@@ -50,15 +81,14 @@ class TextStream:
 
 
 def completion_logprobs(text_of: TokenText, tokens: Seq[int], entries: Seq[TokenLogprobs | None],
-                        offset: int) -> dict:
+                        offsets: TextOffsets) -> dict:
     """The completions shape: tokens, token_logprobs, top_logprobs (the top alternatives plus the
-    chosen token, as OpenAI returns up to logprobs + 1), text_offset from `offset`."""
+    chosen token, as OpenAI returns up to logprobs + 1), text_offset (advancing `offsets`)."""
     out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token, e in zip(tokens, entries):
         text = text_of(token)
         out["tokens"].append(text)
-        out["text_offset"].append(offset)
-        offset += len(text)
+        out["text_offset"].append(offsets.next(text_of.bytes_of(token)))
         out["token_logprobs"].append(None if e is None else e.logprob)
         if e is None:
             out["top_logprobs"].append(None)
@@ -74,8 +104,8 @@ def completion_logprobs(text_of: TokenText, tokens: Seq[int], entries: Seq[Token
 def chat_logprobs(text_of: TokenText, tokens: Seq[int], entries: Seq[TokenLogprobs]) -> dict:
     """The chat shape: content = [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]."""
     def item(token: int, logprob: float) -> dict:
-        text = text_of(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        text, raw = text_of.entry(token)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return {"content": [{**item(token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                         for token, e in zip(tokens, entries)], "refusal": None}
@@ -105,9 +135,9 @@ def completion_choice(index: int, seq: Sequence, text_of: TokenText, *, echo: st
     """One finished choice of /v1/completions (`echo`: the prompt text to put in front)."""
     lp = None
     if logprobs:
-        lp = completion_logprobs(text_of, seq.output_ids, seq.logprobs, len(echo or ""))
+        lp = completion_logprobs(text_of, seq.output_ids, seq.logprobs, TextOffsets(len(echo or "")))
         if echo is not None:
-            prompt = completion_logprobs(text_of, seq.token_ids[:seq.prompt_len], seq.prompt_logprobs, 0)
+            prompt = completion_logprobs(text_of, seq.token_ids[:seq.prompt_len], seq.prompt_logprobs, TextOffsets())
             lp = {k: prompt[k] + lp[k] for k in lp}
     return {"index": index, "text": (echo or "") + seq.text, "logprobs": lp, "finish_reason": seq.finish_reason}
 
@@ -127,7 +157,7 @@ class ChoiceStream:
         self.chat, self.echo, self.logprobs = chat, echo, logprobs
         self.text = TextStream(stops)
         self.num_tokens = 0                     # output tokens whose logprobs went out
-        self.offset = 0                         # text_offset of the next token
+        self.offsets = TextOffsets()            # text_offset of the next token
         self.started = False
 
     def role(self) -> dict:
@@ -152,10 +182,10 @@ class ChoiceStream:
         elif self.logprobs:
             prompt = None
             if echo:
-                prompt = completion_logprobs(self.text_of, seq.token_ids[:seq.prompt_len], seq.prompt_logprobs, 0)
-                self.offset = len(self.echo)
-            lp = completion_logprobs(self.text_of, tokens, entries, self.offset)
-            self.offset += sum(len(t) for t in lp["tokens"])
+                prompt = completion_logprobs(self.text_of, seq.token_ids[:seq.prompt_len], seq.prompt_logprobs,
+                                             TextOffsets())
+                self.offsets = TextOffsets(len(self.echo))
+            lp = completion_logprobs(self.text_of, tokens, entries, self.offsets)
             if prompt is not None:
                 lp = {k: prompt[k] + lp[k] for k in lp}
         if not (delta or echo or finished or (self.logprobs and tokens)):

@@ -139,8 +139,10 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
             try:
                 handle = await aengine.submit(seqs)
             except RequestError as exc:
-                param = "messages" if chat and exc.param == "prompt" else exc.param
-                raise APIError(400, str(exc), param=param) from None
+                param = {"prompt": "messages" if chat else "prompt",
+                         "structured": req.structured_field}.get(exc.param, exc.param)
+                message = str(exc) if exc.param != "structured" else f"'{param}': {exc}"
+                raise APIError(400, message, param=param) from None
         except APIError as exc:
             return error(exc)
         except ClientDisconnect:

@@ -5,6 +5,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from bench.cells import add_ratios, ratio_text, summarize
 from tests.conftest import metrale_cmd, run_env
 
@@ -103,3 +105,18 @@ def test_bench_at_ep2_runs_each_arm_with_its_own_group(tmp_path):
     cells = json.loads((tmp_path / "b.json").read_text())["cells"]
     assert [(c["arm"], c["ep"], c["output_tokens"]) for c in cells] == [("none", 2, 8), ("k1", 2, 8)]
     assert all(len(c["layout"]["ranks"]) == 2 and c["layout"]["launcher"] == "mp" for c in cells)
+
+
+def test_workloads_run_side_by_side_on_each_arm(tmp_path):
+    from bench.benchmark import BenchConfig, run_bench
+    config = BenchConfig(model=str(EMBEDDED), arms=("none-eager", "k2-eager"), workloads=("plain", "json", "penalties"),
+                         concurrency=(2,), max_tokens=6, requests=2)
+    record = run_bench(config, json_out=tmp_path / "w.json")
+    cells = {c["arm"]: c for c in record["cells"]}
+    assert set(cells) == {f"{a}{w}" for a in ("none-eager", "k2-eager") for w in ("", "/json", "/penalties")}
+    assert all(c["output_tokens"] == 12 for c in cells.values())      # every workload runs to max_tokens
+    assert cells["k2-eager/json"]["grammar_us_per_mask"] > 0 and cells["k2-eager/json"]["verifies"] > 0
+    assert "grammar_ms_per_step" not in cells["k2-eager/penalties"]
+    assert cells["k2-eager/json"]["best_fixed_arm"] == "none-eager/json"  # compared within its workload
+    with pytest.raises(ValueError, match="workload 'xml'"):
+        BenchConfig(model="m", workloads=("xml",))

@@ -55,12 +55,44 @@ def test_generate_plain_text(ckpt_plain):
     (["--max-tokens", "0"], "max_tokens=0"),
     (["--temperature", "-1"], "temperature=-1"),
     (["--top-p", "1.5"], "top_p=1.5"),
+    (["--presence-penalty", "3"], "--presence-penalty: presence_penalty=3.0 must be in [-2, 2]"),
+    (["--min-tokens", "9", "--max-tokens", "4"], "--min-tokens: min_tokens=9"),
+    (["--logit-bias", "5:1"], "--logit-bias '5:1': expected TOKEN_ID=BIAS"),
 ])
 def test_bad_sampling_flags(ckpt_plain, extra, needle):
     res = run("generate", "--model", str(ckpt_plain), "--prompt", "hi", *extra)
     assert res.returncode != 0
     assert needle in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_sampling_flags_reach_the_sampler(ckpt_plain):
+    from serving import LLM, SamplingParams
+    flags = ["--frequency-penalty", "1.5", "--presence-penalty", "0.5", "--repetition-penalty", "1.2",
+             "--min-p", "0.05", "--logit-bias", "77=4", "--logit-bias", "0=100", "--min-tokens", "5"]
+    res = run("generate", "--model", str(ckpt_plain), "--prompt", "x = 1", "--max-tokens", "12", "--json",
+              "--dtype", "float64", "--temperature", "0.7", "--seed", "3", *flags)
+    assert res.returncode == 0, res.stderr
+    params = SamplingParams(max_tokens=12, temperature=0.7, seed=3, frequency_penalty=1.5, presence_penalty=0.5,
+                            repetition_penalty=1.2, min_p=0.05, logit_bias={77: 4, 0: 100}, min_tokens=5)
+    want = LLM(ckpt_plain, dtype="float64", kv_cache_tokens=256).generate("x = 1", params)[0]
+    got = json.loads(res.stdout)
+    # EOS (0) pushed to the top is held back for 5 tokens, then ends the request.
+    assert got["token_ids"] == want.token_ids and len(want.token_ids) == 6 and got["finish_reason"] == "stop"
+    plain = LLM(ckpt_plain, dtype="float64", kv_cache_tokens=256).generate(
+        "x = 1", SamplingParams(max_tokens=5, temperature=0.7, seed=3, ignore_eos=True))[0]
+    assert want.token_ids[:5] != plain.token_ids                       # the flags changed the tokens
+
+
+def test_sampling_flags_parse_into_the_params():
+    from launch.cli import build_parser, sampling_params
+    args = build_parser().parse_args(["generate", "--model", "m", "--prompt", "p", "--frequency-penalty", "1.5",
+                                      "--presence-penalty", "-0.5", "--repetition-penalty", "1.2", "--min-p", "0.05",
+                                      "--logit-bias", "77=4", "--logit-bias", "0=-100", "--min-tokens", "5"])
+    p = sampling_params(args)
+    assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty, p.min_p, p.min_tokens) == \
+        (1.5, -0.5, 1.2, 0.05, 5)
+    assert p.logit_bias == ((0, -100.0), (77, 4.0))
 
 
 def test_bad_inputs_fail_with_one_line(ckpt_plain, tmp_path):

@@ -89,3 +89,39 @@ def test_cost_per_update_does_not_grow_with_the_output(tok):
     assert len(ids) > 300
     # Each update decodes two windows of a few tokens, never the output so far.
     assert len(calls) == 2 * len(ids) and max(calls) <= 8
+
+
+@pytest.mark.parametrize("step", [1, 3, 5, 100])
+def test_min_tokens_holds_stop_strings_back(step):
+    """A stop string inside the first min_tokens tokens does not stop; one after them does, at the
+    same place however the tokens arrive (speculation commits several at once)."""
+    tok = Tokenizer(MODEL)
+    ids = tok.encode("x = 1\ny = 2\nz = 3\nw = 4\n")
+    first = len(tok.encode("x = 1\n"))
+    held = IncrementalDetokenizer(tok, ["\n"], min_tokens=first + 1)
+    feed(held, ids, step)
+    assert held.stopped and held.text == "x = 1\ny = 2"
+    plain = IncrementalDetokenizer(tok, ["\n"])
+    feed(plain, ids, step)
+    assert plain.text == "x = 1"
+    # min_tokens reaching exactly past "y = 2\n": the next newline is the one after "z = 3".
+    late = IncrementalDetokenizer(tok, ["\n"], min_tokens=len(tok.encode("x = 1\ny = 2\n")))
+    feed(late, ids, step)
+    assert late.text == "x = 1\ny = 2\nz = 3"
+
+
+def test_token_bytes_of_partial_characters_join_into_the_text():
+    from serving.responses import TextOffsets, TokenText, chat_logprobs
+    from runtime.sampler import TokenLogprobs
+    tok = Tokenizer(MODEL)
+    text = "é → 😊 ok"
+    ids = tok.encode(text)
+    text_of = TokenText(tok)
+    content = chat_logprobs(text_of, ids, [TokenLogprobs(t, -1.0, ((t, -1.0),)) for t in ids])["content"]
+    assert bytes(b for c in content for b in c["bytes"]).decode() == text
+    shown = [c["token"] for c in content]
+    assert "\ufffd" not in "".join(shown)                        # never U+FFFD: escaped bytes instead
+    assert shown[:2] == ["\\xc3", "\\xa9"] and content[0]["top_logprobs"][0]["bytes"] == [0xC3]
+    offsets = TextOffsets(0)
+    at = [offsets.next(text_of.bytes_of(t)) for t in ids]
+    assert at[:3] == [0, 0, 1]                                   # both pieces of "é" sit at its offset

@@ -12,6 +12,7 @@ from runtime.model_runner import ModelRunner
 from runtime.sampler import SamplingParams
 from runtime.weights import load_model
 from serving.llm import LLM
+from serving.responses import TokenText
 from tests.launch.test_server import MODEL, openai_client, start_server, stop_server
 
 PROMPT = "def main():\n    x ="
@@ -75,7 +76,8 @@ def test_completion_logprobs_are_the_models(client, local):
                                   extra_body={"ignore_eos": True})
     out = llm.generate([IDS], SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True))[0].token_ids
     lp = r.choices[0].logprobs
-    assert lp.tokens == [llm.tokenizer.decode([t]) for t in out]
+    text_of = TokenText(llm.tokenizer)
+    assert lp.tokens == [text_of(t) for t in out]
     want = model_logprobs(runner, IDS + out, 0.8)[len(IDS) - 1:-1]                # rows predicting the output
     for i, t in enumerate(out):
         assert abs(lp.token_logprobs[i] - want[i, t].item()) < 1e-9
@@ -83,11 +85,15 @@ def test_completion_logprobs_are_the_models(client, local):
         expect: dict[str, float] = {}
         top = torch.topk(want[i], 5)
         for j, v in zip(top.indices.tolist(), top.values.tolist()):
-            expect.setdefault(llm.tokenizer.decode([j]), v)
+            expect.setdefault(text_of(j), v)
         expect.setdefault(lp.tokens[i], want[i, t].item())
         got = lp.top_logprobs[i]
         assert got.keys() == expect.keys() and all(abs(got[k] - expect[k]) < 1e-9 for k in got)
-    assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(len(out))]
+    # Offsets in characters of the text: where the characters completed before each token end (a
+    # character still missing bytes, U+FFFD at the prefix's end, is not counted yet).
+    for i, at in enumerate(lp.text_offset):
+        before = llm.tokenizer.decode(out[:i])
+        assert len(before.rstrip("\ufffd")) <= at <= len(before)
 
 
 def test_echo_with_logprobs_covers_the_prompt(client, local):
@@ -114,8 +120,9 @@ def test_chat_logprobs_n_stop_and_max_completion_tokens(client):
     for c in r.choices:
         content = c.logprobs.content
         assert len(content) == 6
+        assert bytes(b for x in content for b in x.bytes).decode("utf-8", "replace") == c.message.content
         for x in content:
-            assert len(x.top_logprobs) == 3 and x.bytes == list(x.token.encode())
+            assert len(x.top_logprobs) == 3
             values = [t.logprob for t in x.top_logprobs]
             assert values == sorted(values, reverse=True) and x.logprob <= values[0]
     again = client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=6, temperature=0.9,
@@ -200,7 +207,15 @@ BAD = [
     ({"suffix": "x"}, "suffix", False),
     ({"foo": 1}, "foo", False),
     ({"stop_token_ids": [1]}, "stop_token_ids", False),
-    ({"response_format": {"type": "json_object"}}, "response_format", False),
+    ({"response_format": {"type": "json"}}, "response_format", False),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format", False),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs", False),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", False),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar", False),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", False),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs",
+     False),
     ({"logprobs": 21}, "logprobs", False),
     ({"logprobs": True}, "logprobs", False),
     ({"echo": "yes"}, "echo", False),
@@ -222,8 +237,10 @@ BAD = [
     ({"prompt": ["a", [1, 2]]}, "prompt", False),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", True),
     ({"tool_choice": "auto"}, "tool_choice", True),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format",
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name",
      True),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "foo": 1}}},
+     "response_format.json_schema.foo", True),
     ({"functions": [{"name": "f"}]}, "functions", True),
     ({"top_logprobs": 3}, "top_logprobs", True),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", True),
@@ -244,3 +261,12 @@ def test_unsupported_or_malformed_fields_are_a_400_naming_them(client, fields, p
         else:
             client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=fields)
     assert err.value.param == param and param.split(".")[0].split("[")[0] in err.value.message
+
+
+def test_min_tokens_holds_a_stop_string_back(client, local):
+    llm, _ = local
+    piece = llm.tokenizer.decode([77])
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logit_bias={"77": 100}, stop=[piece])
+    assert client.completions.create(**kw).choices[0].text == ""            # the first token is the stop string
+    held = client.completions.create(extra_body={"min_tokens": 3}, **kw).choices[0]
+    assert held.text == piece * 3 and held.finish_reason == "stop"

@@ -1,0 +1,35 @@
+"""What the benchmark's requests ask for besides the prompt: plain greedy decoding, a JSON schema,
+or penalties. Every workload is greedy with EOS ignored and runs to max_tokens, so the cells of
+one arm differ only by what the workload costs (the grammar mask, the penalties' per-row work)
+and by what it does to acceptance. A cell of a workload other than plain is named `ARM/WORKLOAD`.
+"""
+from __future__ import annotations
+
+from runtime.grammar import StructuredOutput
+from runtime.sampler import SamplingParams
+
+# A list of records whose minItems no request reaches: the grammar never completes, so each request
+# runs to max_tokens as the plain ones do, always inside the schema.
+SYMBOL = {"type": "object", "additionalProperties": False, "required": ["name", "line", "kind"],
+          "properties": {"name": {"type": "string", "maxLength": 24},
+                         "line": {"type": "integer", "minimum": 0, "maximum": 9999},
+                         "kind": {"enum": ["def", "class", "import", "call"]}}}
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["symbols"],
+          "properties": {"symbols": {"type": "array", "items": SYMBOL, "minItems": 1000}}}
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
+WORKLOADS = ("plain", "json", "penalties")
+
+
+def workload_params(workload: str, max_tokens: int) -> SamplingParams:
+    """The sampling parameters of every request of `workload`."""
+    if workload == "plain":
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    if workload == "json":
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, structured=StructuredOutput.json_schema(SCHEMA))
+    if workload == "penalties":
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **PENALTIES)
+    raise ValueError(f"unknown bench workload {workload!r} (one of {', '.join(WORKLOADS)})")
+
+
+def cell_name(arm: str, workload: str) -> str:
+    return arm if workload == "plain" else f"{arm}/{workload}"
