@@ -28,7 +28,7 @@ class LLM:
                  spec_settings: SpecSettings | None = None, ep: int = 1, moe_a2a: str = "alltoall",
                  ep_timeout_s: float = 60.0, launcher: Launcher | None = None,
                  max_restarts: int = DEFAULT_MAX_RESTARTS, comm: Communicator | None = None,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, prefix_cache: bool = True) -> None:
         """Speculation: `spec` (none, mtp, ngram) with at most `num_drafts` drafts per step, a
         depth policy (`draft_policy` fixed/ladder/auto, or `mtp_k_ladder` text or "auto"), a
         width cap `mtp_max_seqs`, a confidence stop, a draft-tree shape ("1,2,2"); resolved once
@@ -41,7 +41,10 @@ class LLM:
         replaces the launcher (no restarts).
 
         The target step is compiled with `torch.compile` (inductor) unless `enforce_eager`; float64
-        (the reference mode) and EP groups run eager."""
+        (the reference mode) and EP groups run eager.
+
+        `prefix_cache` (on by default): a prompt that starts with full KV blocks an earlier request
+        computed attaches them instead of computing them again (runtime.prefix_cache)."""
         model_dir = Path(model)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model folder {str(model_dir)!r} does not exist")
@@ -50,7 +53,8 @@ class LLM:
             width_cap=mtp_max_seqs, confidence_stop=draft_confidence_stop, tree_shape=tree_shape,
             verify=spec_verify, model_dir=model_dir)
         self.model_dir = model_dir
-        config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              prefix_cache=prefix_cache)
         self.deployment = Deployment(
             DeploymentConfig(model_dir=model_dir, dtype=dtype, ep=ep if comm is None else comm.world_size,
                              moe_a2a=moe_a2a, kv_cache_tokens=kv_cache_tokens, ep_timeout_s=ep_timeout_s,
