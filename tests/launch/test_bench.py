@@ -103,3 +103,23 @@ def test_bench_at_ep2_runs_each_arm_with_its_own_group(tmp_path):
     cells = json.loads((tmp_path / "b.json").read_text())["cells"]
     assert [(c["arm"], c["ep"], c["output_tokens"]) for c in cells] == [("none", 2, 8), ("k1", 2, 8)]
     assert all(len(c["layout"]["ranks"]) == 2 and c["layout"]["launcher"] == "mp" for c in cells)
+
+
+def test_chat_bench_runs_both_arms_through_the_server(tmp_path):
+    """The chat workload, tiny: later turns find their history in the cache arm only."""
+    out = subprocess.run(metrale_cmd("bench", "--workload", "chat", "--model", str(EMBEDDED), "--conversations", "2",
+                                     "--turns", "2", "--system-tokens", "64", "--user-tokens", "8", "--max-tokens", "4",
+                                     "--out-dir", str(tmp_path)),
+                         env=run_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    record = json.loads((tmp_path / "chat.json").read_text())
+    assert (tmp_path / "chat.png").stat().st_size > 0
+    arms = record["arms"]
+    assert [t["cached_tokens"] for t in arms["no-cache"]["turns"]] == [0, 0]
+    assert arms["cache"]["turns"][1]["cached_tokens"] >= 2 * 48   # the system prompt's full blocks, at least
+    assert arms["cache"]["server_prefix_hit_rate"] > 0 and arms["no-cache"]["server_prefix_hit_rate"] is None
+    assert arms["cache"]["output_tokens"] == arms["no-cache"]["output_tokens"] == 2 * 2 * 4
+    assert set(record["ratios"]) == {"ttft_later_turns_p50_vs_no_cache", "tok_s_vs_no_cache"}
+    too_long = subprocess.run(metrale_cmd("bench", "--workload", "chat", "--model", str(EMBEDDED), "--turns", "40"),
+                              env=run_env(), capture_output=True, text=True, timeout=120)
+    assert too_long.returncode == 2 and "past the model's context of 2048" in too_long.stderr
