@@ -24,6 +24,7 @@ from runtime.config import ModelConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.grammar import GrammarCompiler
 from runtime.model_runner import ModelRunner
+from runtime.prefix_cache import PrefixCache, root_key
 from runtime.sampler import RowSpec, SamplingParams, TokenLogprobs, prompt_token_logprobs, sample_rows
 from runtime.scheduler import Scheduled, Scheduler, SchedulerConfig
 from runtime.sequence import Sequence, SequenceStatus
@@ -49,6 +50,7 @@ class RequestError(ValueError):
 class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
+    prefix_cache: bool = True   # attach cached full blocks of an earlier prompt instead of computing them
 
     def __post_init__(self) -> None:
         SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
@@ -69,9 +71,8 @@ class Engine:
         self.metrics = AcceptanceMetrics()
         self.depth = DepthPolicy(self.spec)
         self.verifier = Verifier(self.spec)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=config.max_num_seqs,
-                                                   max_num_batched_tokens=config.max_num_batched_tokens),
-                                   runner.cache, on_preempt=self._on_preempt)
+        self.scheduler = self._scheduler(runner, SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens))
         self.max_model_len = min(self.model_config.max_position_embeddings, runner.cache.capacity_tokens)
         self._ids = itertools.count()
         self._rng = random.Random()
@@ -137,6 +138,16 @@ class Engine:
         if state is not None:
             self.proposer.free_state(state)
 
+    def _scheduler(self, runner: ModelRunner, config: SchedulerConfig) -> Scheduler:
+        prefix = None
+        if self.config.prefix_cache:
+            prefix = PrefixCache(runner.cache, root_key(repr(self.model_config), str(runner.model.dtype)))
+        return Scheduler(config, runner.cache, prefix, on_preempt=self._on_preempt, on_admit=self._on_admit)
+
+    def _on_admit(self, seq: Sequence) -> None:
+        if seq.seq_id in self.states:
+            self.proposer.resume_at(self.states[seq.seq_id], seq.num_computed)
+
     def _on_preempt(self, seq: Sequence) -> None:
         self.verifier.plans.drop_slot(seq.seq_id)
         if seq.seq_id in self.states:
@@ -154,9 +165,11 @@ class Engine:
         self.proposer = proposer if self.spec.is_speculating else None
         self.states = {}
         self.verifier.plans.clear()
-        preemptions = self.scheduler.num_preemptions
-        self.scheduler = Scheduler(self.scheduler.config, runner.cache, on_preempt=self._on_preempt)
-        self.scheduler.num_preemptions = preemptions
+        old = self.scheduler
+        self.scheduler = self._scheduler(runner, old.config)
+        self.scheduler.num_preemptions = old.num_preemptions
+        self.scheduler.num_prefix_queried_tokens = old.num_prefix_queried_tokens
+        self.scheduler.num_prefix_hit_tokens = old.num_prefix_hit_tokens
         for seq in unfinished:
             seq.num_computed = 0
             seq.status = SequenceStatus.WAITING
@@ -322,6 +335,8 @@ class Engine:
                     self.proposer.after_verify(state, v.num_accepted)
             if u.commit:
                 self.commit(seq, u.commit, now, u.logprobs)
+            else:
+                self.cache_blocks(seq)
         if self.spec.accept_debug and self.metrics.verifies and any(u.verify for u in updates) \
                 and self.metrics.verifies % 200 < sum(u.verify is not None for u in updates):
             log.info("mtp accept: %s", self.metrics.summary())
@@ -355,7 +370,14 @@ class Engine:
             if detok.stopped:
                 reason = "stop"
             seq.text = detok.text
+        self.cache_blocks(seq)
         if reason:
             seq.finish_reason = reason
             seq.finish_time = now
             self._finish(seq)
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Offer the prefix cache the positions of `seq` whose keys/values (and drafter rows) are final."""
+        state = self.states.get(seq.seq_id)
+        final = seq.num_computed if state is None else self.proposer.num_final(state, seq.num_computed)
+        self.scheduler.commit(seq, final)

@@ -17,7 +17,7 @@ import torch
 
 from ep.comm import Communicator, u32_to_words, words_to_u32
 from ep.parallel import parallelize
-from ep.protocol import (DTYPE_CODES, EP_CMD_HANDSHAKE, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE, EP_CMD_SLOT_RESERVE,
+from ep.protocol import (DTYPE_CODES, EP_CMD_HANDSHAKE, EP_CMD_SLOT_ATTACH, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE, EP_CMD_SLOT_RESERVE,
                          EP_CMD_SLOT_REWIND, HEADER_WORDS, NO_SLOT, PROTOCOL_VERSION, Command, ProtocolError,
                          bulk_len, encode, float_bits, parse_stop)
 from ep.topology import EPTopology
@@ -27,7 +27,7 @@ from runtime.weights import checkpoint_files, load_model
 
 MAX_BULK_WORDS = 1 << 24
 OP_CODES = {"reserve": EP_CMD_SLOT_RESERVE, "rewind": EP_CMD_SLOT_REWIND, "free": EP_CMD_SLOT_FREE,
-            "move": EP_CMD_SLOT_MOVE}
+            "move": EP_CMD_SLOT_MOVE, "attach": EP_CMD_SLOT_ATTACH}
 OP_NAMES = {v: k for k, v in OP_CODES.items()}
 # Handshake words every rank must agree on -> the reason code a mismatch is reported with.
 HANDSHAKE_FIELDS = {1: "protocol version", 2: "world size", 3: "model fingerprint", 4: "dtype",

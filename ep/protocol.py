@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from speculative.proposer import EP_CMD_MTP_PROPOSE
 from speculative.settings import MAX_NUM_DRAFTS
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 HEADER_WORDS = 8
 NO_SLOT = 0xFFFFFFFF
 MAX_SLOT = 1 << 30
@@ -39,8 +39,9 @@ EP_CMD_LOGITS = 0xFFFFFFFC        # num_rows, bulk_len | bulk: row indices into 
 # KV-cache slot operations; they travel as (code, slot, length) triples in a FORWARD's or a propose's op list.
 EP_CMD_SLOT_RESERVE = 0xFFFFFFFB  # grow slot to `length` tokens
 EP_CMD_SLOT_REWIND = 0xFFFFFFFA   # shrink slot to `length` tokens
-EP_CMD_SLOT_FREE = 0xFFFFFFF9     # release slot (length unused)
+EP_CMD_SLOT_FREE = 0xFFFFFFF9     # release slot (length: how many leading blocks stay cached once unheld)
 EP_CMD_SLOT_MOVE = 0xFFFFFFF8     # copy one row's keys/values back (length: runtime.kv_cache.pack_move(src, dst))
+EP_CMD_SLOT_ATTACH = 0xFFFFFFF7   # append the cached full block `length` to the slot's table (prefix cache)
 # EP_CMD_MTP_PROPOSE = 0xFFFFFFF5 (speculative.proposer): header slot = the drafting sequence; params
 #                                   last_token, position, num_drafts (exactly three words, no bulk).
 #                                   The rest is derived from the last FORWARD (`derive_propose`).
@@ -53,7 +54,8 @@ EP_CMD_MTP_PROPOSE_BATCH = 0xFFFFFFF4  # num_seqs, num_obs, bulk_len, num_ops, s
 COMMANDS = {
     EP_CMD_SHUTDOWN: "SHUTDOWN", EP_CMD_HANDSHAKE: "HANDSHAKE", EP_CMD_FORWARD: "FORWARD",
     EP_CMD_LOGITS: "LOGITS", EP_CMD_SLOT_RESERVE: "SLOT_RESERVE", EP_CMD_SLOT_REWIND: "SLOT_REWIND",
-    EP_CMD_SLOT_FREE: "SLOT_FREE", EP_CMD_SLOT_MOVE: "SLOT_MOVE", EP_CMD_MTP_PROPOSE: "MTP_PROPOSE",
+    EP_CMD_SLOT_FREE: "SLOT_FREE", EP_CMD_SLOT_MOVE: "SLOT_MOVE", EP_CMD_SLOT_ATTACH: "SLOT_ATTACH",
+    EP_CMD_MTP_PROPOSE: "MTP_PROPOSE",
     EP_CMD_MTP_PROPOSE_BATCH: "MTP_PROPOSE_BATCH",
 }
 # Header params of each command (the slot ops only travel inside op lists).
@@ -61,7 +63,7 @@ NUM_PARAMS = {EP_CMD_SHUTDOWN: 0, EP_CMD_HANDSHAKE: 6, EP_CMD_FORWARD: 6, EP_CMD
               EP_CMD_MTP_PROPOSE: 3, EP_CMD_MTP_PROPOSE_BATCH: 5}
 # Which header param is bulk_len, for the commands that have a bulk array.
 BULK_LEN_PARAM = {EP_CMD_FORWARD: 3, EP_CMD_LOGITS: 1, EP_CMD_MTP_PROPOSE_BATCH: 2}
-SLOT_OPS = (EP_CMD_SLOT_RESERVE, EP_CMD_SLOT_REWIND, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE)
+SLOT_OPS = (EP_CMD_SLOT_RESERVE, EP_CMD_SLOT_REWIND, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE, EP_CMD_SLOT_ATTACH)
 NO_PARENT = 0xFFFFFFFF
 DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float64": 3}
 

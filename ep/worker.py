@@ -36,23 +36,33 @@ class DrafterMirror:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.drafter = MTPProposer(runner.model, runner.cache) if runner.model.mtp is not None else None
+        self.cache = runner.cache
         self.states: dict[int, ProposerState] = {}
+
+    def state(self, slot: int) -> ProposerState:
+        """The slot's drafter state; a new one resumes past the prefix the slot was attached,
+        as rank 0's does (`DraftProposer.resume_at`)."""
+        if slot not in self.states:
+            self.states[slot] = ProposerState(seq_id=slot, fed_upto=self.cache.num_attached_tokens(slot))
+        return self.states[slot]
 
     def observe(self, obs: list[Observation], hidden: torch.Tensor | None) -> None:
         for slot, row, count, position in obs:
             if hidden is None or row + count > hidden.shape[0] or self.drafter is None:
                 raise RuntimeError(f"observation of slot {slot} rows {row}..{row + count} has no forward to read")
-            state = self.states.setdefault(slot, ProposerState(seq_id=slot))
-            self.drafter.observe_target(state, hidden, range(row, row + count), position)
+            self.drafter.observe_target(self.state(slot), hidden, range(row, row + count), position)
 
     def draft(self, seqs: list[tuple[int, int, list[int]]], stop: float | None) -> None:
         states = [self.states[slot] for slot, _, _ in seqs]
         self.drafter.draft(states, [f for _, _, f in seqs], [k for _, k, _ in seqs], stop)
 
     def pending_end(self, slot: int) -> int:
-        """The position the slot's next observation must start at (0 before its first)."""
+        """The position the slot's next observation must start at (past its attached prefix
+        before its first)."""
         st = self.states.get(slot)
-        return 0 if st is None else st.fed_upto + sum(h.shape[0] for h in st.pending_hidden)
+        if st is None:
+            return self.cache.num_attached_tokens(slot)
+        return st.fed_upto + sum(h.shape[0] for h in st.pending_hidden)
 
 
 class Worker:

@@ -6,13 +6,16 @@ from pathlib import Path
 
 
 def add_bench_parser(sub) -> None:
-    b = sub.add_parser("bench", help="concurrency sweep over held-out prompts, arms side by side")
+    b = sub.add_parser("bench", help="concurrency sweep over held-out prompts (or multi-turn chats), arms side by side")
     b.add_argument("--model", required=True)
+    b.add_argument("--workload", default="sweep", choices=["sweep", "chat"],
+                   help="sweep: closed-loop concurrency sweep; chat: conversations over a shared system prompt "
+                        "through the server's chat endpoint, prefix cache on and off (arms cache, no-cache)")
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     b.add_argument("--quick", action="store_true", help="small sweep that finishes in a few minutes")
     b.add_argument("--concurrency", default=None, help="comma list, e.g. 1,2,4,8,16,32")
-    b.add_argument("--arms", default="none", help="comma list of arms: none, hf, k1, k2, k3, ..., tree; an engine arm + '-eager' runs "
-                        "without torch.compile (none-eager)")
+    b.add_argument("--arms", default=None, help="comma list of arms: none (the default), hf, k1, k2, k3, ..., tree; an engine "
+                        "arm + '-eager' runs without torch.compile (none-eager); chat: no-cache,cache (the default)")
     b.add_argument("--workloads", default="plain",
                    help="comma list: plain, json (a JSON schema through the grammar mask), penalties; every arm "
                         "runs each, cells ARM/WORKLOAD")
@@ -27,9 +30,18 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--enforce-eager", action="store_true", help="every engine arm runs without torch.compile")
     b.add_argument("--json-out", type=Path, default=None)
     b.add_argument("--plot-out", type=Path, default=None)
+    chat = b.add_argument_group("chat workload")
+    chat.add_argument("--conversations", type=int, default=16)
+    chat.add_argument("--turns", type=int, default=4)
+    chat.add_argument("--system-tokens", type=int, default=1000, help="tokens of the shared system prompt")
+    chat.add_argument("--user-tokens", type=int, default=48, help="tokens of each user message")
+    chat.add_argument("--spec", default="none", choices=["none", "mtp", "ngram"], help="speculation of both servers")
+    chat.add_argument("--out-dir", type=Path, default=Path("bench-out/chat"), help="where chat.json and chat.png go")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.workload == "chat":
+        return cmd_chat_bench(args)
     from bench.benchmark import BenchConfig, run_bench
 
     conc = args.concurrency or ("1,4" if args.quick else "1,2,4,8,16,32")
@@ -37,7 +49,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         levels = [int(c) for c in conc.split(",")]
     except ValueError:
         raise ValueError(f"--concurrency {conc!r} is not a comma list of integers") from None
-    config = BenchConfig(model=args.model, dtype=args.dtype, arms=tuple(a.strip() for a in args.arms.split(",")),
+    config = BenchConfig(model=args.model, dtype=args.dtype, arms=arm_list(args.arms or "none"),
                          concurrency=tuple(levels), ep=args.ep, launcher=args.launcher,
                          max_tokens=args.max_tokens or (48 if args.quick else 128),
                          requests=args.requests, repeats=args.repeats, quick=args.quick,
@@ -46,4 +58,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from launch import launcher_for
     run_bench(config, json_out=args.json_out, plot_out=args.plot_out,
               launcher=launcher_for(args.launcher) if config.ep > 1 else None)
+    return 0
+
+
+def arm_list(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in text.split(","))
+
+
+def cmd_chat_bench(args: argparse.Namespace) -> int:
+    from bench.chat import ChatBenchConfig, run_chat_bench
+
+    config = ChatBenchConfig(model=args.model, dtype=args.dtype, conversations=args.conversations, turns=args.turns,
+                             system_tokens=args.system_tokens, user_tokens=args.user_tokens,
+                             max_tokens=args.max_tokens or 64, spec=args.spec,
+                             arms=arm_list(args.arms or "no-cache,cache"))
+    run_chat_bench(config, args.out_dir)
     return 0

@@ -1,11 +1,23 @@
 """Paged KV cache: a fixed pool of blocks, a block table per sequence, rewind to any shorter length.
 
+Blocks are reference-counted: a full block may sit in several sequences' tables (a shared prompt
+prefix, attached by `attach`), and nobody writes into it, since every write lands at or past a
+sequence's `num_computed` and only blocks wholly below it are shared. A block whose count drops to
+0 joins the free queue but keeps its contents; `reserve` takes the queue's head, so blocks that
+may be attached again (freed with `keep`) wait at the tail, least recently used first out, and
+blocks holding nothing worth keeping (rewound rows, the tail of a freed sequence) go to the head.
+`epoch(block)` changes whenever a block is handed out again, so an index of contents (rank 0's
+`runtime.prefix_cache.PrefixCache`) can tell a block that still holds what it indexed.
+
 Shapes: L cache layers (target layers plus the MTP layer), S cells = num_blocks * block_size,
 nkv key/value heads, D head dim. A token at position p of a sequence lives in cell
 `block_table[p // block_size] * block_size + p % block_size` (a cell is one token's place in the
 pool; "slot", elsewhere, names a sequence's place, docs/design.md §1).
 """
 from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +44,23 @@ class CacheFullError(RuntimeError):
     """Raised when a reservation does not fit; the scheduler checks `can_reserve` first."""
 
 
+@dataclass(slots=True)
+class BlockBook:
+    """Who holds which block: shared by a cache and its planes (`PagedKVCache.shared_plane`)."""
+    free: OrderedDict[int, None]                  # blocks nobody holds, the next one handed out first
+    refs: list[int]                               # holders of each block
+    epochs: list[int]                             # bumped each time a block is handed out by `reserve`
+    tables: dict[int, list[int]] = field(default_factory=dict)
+    lengths: dict[int, int] = field(default_factory=dict)
+    num_attached: dict[int, int] = field(default_factory=dict)   # leading blocks a sequence was attached
+    # Cell ids of every position a sequence's blocks cover, rebuilt when its table changes.
+    cell_cache: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, num_blocks: int) -> BlockBook:
+        return cls(free=OrderedDict.fromkeys(range(num_blocks)), refs=[0] * num_blocks, epochs=[0] * num_blocks)
+
+
 class PagedKVCache:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 16, dtype: torch.dtype = torch.float32) -> None:
@@ -42,36 +71,32 @@ class PagedKVCache:
         num_cells = num_blocks * block_size
         self.k = torch.zeros(num_layers, num_cells, num_kv_heads, head_dim, dtype=dtype)  # [L, S, nkv, D]
         self.v = torch.zeros_like(self.k)
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._tables: dict[int, list[int]] = {}
-        self._lengths: dict[int, int] = {}
-        # When a list, every reserve/rewind/move/free is also recorded here as (op, seq_id, length)
-        # (a move's length word is `pack_move(src, dst)`), so
+        self.book = BlockBook.of(num_blocks)
+        # When a list, every reserve/attach/rewind/move/free is also recorded here as (op, seq_id, word)
+        # (the length; an attach's block; a move's `pack_move(src, dst)`; a free's kept blocks), so
         # the caches of other ranks can replay it: the allocator is deterministic, so the same
         # operations give the same block tables everywhere.
         self.journal: list[tuple[str, int, int]] | None = None
-        # Cell ids of every position a sequence's blocks cover, rebuilt when its table changes.
-        self._cell_cache: dict[int, torch.Tensor] = {}
 
     def shared_plane(self, *, num_layers: int, num_kv_heads: int, head_dim: int,
                      dtype: torch.dtype) -> "PagedKVCache":
         """A cache with its own key/value tensors but this cache's blocks, tables and lengths
-        (the same objects): every reserve, rewind and free here applies there and back. Rank 0's
-        drafter of its own (full attention heads) keeps its rows in one."""
+        (the same `BlockBook`): every reserve, rewind and free here applies there and back. Rank
+        0's drafter of its own (full attention heads) keeps its rows in one."""
         other = PagedKVCache(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                              num_blocks=1, block_size=self.block_size, dtype=dtype)
         num_cells = self.num_blocks * self.block_size
         other.num_blocks = self.num_blocks
         other.k = torch.zeros(num_layers, num_cells, num_kv_heads, head_dim, dtype=dtype)
         other.v = torch.zeros_like(other.k)
-        other._free, other._tables, other._lengths = self._free, self._tables, self._lengths
-        other._cell_cache = self._cell_cache
+        other.book = self.book
         return other
 
     # --- accounting -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks nobody holds (some may still hold a cached prefix until they are handed out)."""
+        return len(self.book.free)
 
     @property
     def capacity_tokens(self) -> int:
@@ -79,51 +104,102 @@ class PagedKVCache:
 
     def num_free_tokens(self) -> int:
         """Tokens that still fit in the pool, counting only whole free blocks."""
-        return len(self._free) * self.block_size
+        return len(self.book.free) * self.block_size
 
     def blocks_needed(self, seq_id: int, new_length: int) -> int:
-        have = len(self._tables.get(seq_id, ()))
+        have = len(self.book.tables.get(seq_id, ()))
         return max(0, -(-new_length // self.block_size) - have)
 
-    def can_reserve(self, seq_id: int, new_length: int) -> bool:
-        """True when sequence `seq_id` can grow to `new_length` tokens without evicting anyone."""
-        return self.blocks_needed(seq_id, new_length) <= len(self._free)
+    def can_reserve(self, seq_id: int, new_length: int, attach: list[int] | tuple[int, ...] = ()) -> bool:
+        """True when sequence `seq_id`, after attaching the blocks `attach`, can grow to
+        `new_length` tokens from free blocks (attaching a free block takes it off the queue)."""
+        taken = sum(1 for b in attach if self.book.refs[b] == 0)
+        return self.blocks_needed(seq_id, new_length) - len(attach) <= len(self.book.free) - taken
 
     def length(self, seq_id: int) -> int:
-        return self._lengths.get(seq_id, 0)
+        return self.book.lengths.get(seq_id, 0)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """The blocks of `seq_id`, in position order (empty when it holds none); do not change it."""
+        return self.book.tables.get(seq_id, [])
+
+    def num_attached_tokens(self, seq_id: int) -> int:
+        """Leading positions of `seq_id` that came, computed, from blocks it was attached."""
+        return self.book.num_attached.get(seq_id, 0) * self.block_size
+
+    def refs(self, block: int) -> int:
+        return self.book.refs[block]
+
+    def epoch(self, block: int) -> int:
+        return self.book.epochs[block]
 
     # --- changes ----------------------------------------------------------------------------
     def reserve(self, seq_id: int, new_length: int) -> None:
-        """Grow `seq_id` to hold `new_length` tokens (allocating blocks); never shrinks."""
+        """Grow `seq_id` to hold `new_length` tokens (taking blocks off the free queue's head,
+        which evicts whatever they held); never shrinks."""
+        book = self.book
         need = self.blocks_needed(seq_id, new_length)
-        if need > len(self._free):
-            raise CacheFullError(f"sequence {seq_id} needs {need} more blocks, {len(self._free)} free")
+        if need > len(book.free):
+            raise CacheFullError(f"sequence {seq_id} needs {need} more blocks, {len(book.free)} free")
         if self.journal is not None:
             self.journal.append(("reserve", seq_id, new_length))
-        table = self._tables.setdefault(seq_id, [])
+        table = book.tables.setdefault(seq_id, [])
         for _ in range(need):
-            table.append(self._free.pop())
-        self._lengths[seq_id] = max(self._lengths.get(seq_id, 0), new_length)
+            block, _ = book.free.popitem(last=False)
+            book.refs[block] = 1
+            book.epochs[block] += 1
+            table.append(block)
+        book.lengths[seq_id] = max(book.lengths.get(seq_id, 0), new_length)
+
+    def attach(self, seq_id: int, block: int) -> None:
+        """Append the full block `block` (holding this sequence's next `block_size` positions,
+        computed by another) to the table of `seq_id`, which must hold only whole blocks."""
+        book = self.book
+        table = book.tables.setdefault(seq_id, [])
+        if book.lengths.get(seq_id, 0) != len(table) * self.block_size or not 0 <= block < self.num_blocks:
+            raise ValueError(f"cannot attach block {block} to sequence {seq_id} of length "
+                             f"{book.lengths.get(seq_id, 0)}: it must end on a block boundary")
+        if self.journal is not None:
+            self.journal.append(("attach", seq_id, block))
+        if book.refs[block] == 0:
+            del book.free[block]
+        book.refs[block] += 1
+        table.append(block)
+        book.lengths[seq_id] = len(table) * self.block_size
+        book.num_attached[seq_id] = book.num_attached.get(seq_id, 0) + 1
+        book.cell_cache.pop(seq_id, None)
+
+    def _release(self, block: int, keep: bool) -> None:
+        book = self.book
+        book.refs[block] -= 1
+        if book.refs[block] == 0:
+            book.free[block] = None
+            if not keep:
+                book.free.move_to_end(block, last=False)
 
     def rewind(self, seq_id: int, new_length: int) -> None:
         """Shrink `seq_id` to its first `new_length` tokens and give back blocks no longer used."""
-        cur = self._lengths.get(seq_id, 0)
+        book = self.book
+        cur = book.lengths.get(seq_id, 0)
         if not 0 <= new_length <= cur:
             raise ValueError(f"cannot rewind sequence {seq_id} from {cur} to {new_length} tokens")
         if self.journal is not None:
             self.journal.append(("rewind", seq_id, new_length))
-        table = self._tables[seq_id]
+        if new_length < self.num_attached_tokens(seq_id):
+            raise ValueError(f"cannot rewind sequence {seq_id} to {new_length} tokens: its first "
+                             f"{self.num_attached_tokens(seq_id)} are in shared blocks")
+        table = book.tables[seq_id]
         keep = -(-new_length // self.block_size)
         if len(table) > keep:
-            self._cell_cache.pop(seq_id, None)
+            book.cell_cache.pop(seq_id, None)
         while len(table) > keep:
-            self._free.append(table.pop())
-        self._lengths[seq_id] = new_length
+            self._release(table.pop(), keep=False)
+        book.lengths[seq_id] = new_length
 
     def move(self, seq_id: int, src: int, dst: int) -> None:
         """Copy the keys/values of position `src` of `seq_id` to position `dst` in every layer (the
         taken hedge of a tree verify goes to its depth's place; rows past it are rewound after)."""
-        length = self._lengths.get(seq_id, 0)
+        length = self.book.lengths.get(seq_id, 0)
         word = pack_move(src, dst)
         if src >= length:
             raise ValueError(f"cannot move position {src} of sequence {seq_id}: length {length}")
@@ -134,39 +210,47 @@ class PagedKVCache:
         self.k[:, d] = self.k[:, s]
         self.v[:, d] = self.v[:, s]
 
-    def free(self, seq_id: int) -> None:
+    def free(self, seq_id: int, keep: int = 0) -> None:
+        """Drop `seq_id`. Its first `keep` blocks, once nobody else holds them, wait at the free
+        queue's tail (its later blocks nearer the head), the rest go to the head."""
+        book = self.book
         if self.journal is not None:
-            self.journal.append(("free", seq_id, 0))
-        self._cell_cache.pop(seq_id, None)
-        for block in reversed(self._tables.pop(seq_id, [])):
-            self._free.append(block)
-        self._lengths.pop(seq_id, None)
+            self.journal.append(("free", seq_id, keep))
+        book.cell_cache.pop(seq_id, None)
+        table = book.tables.pop(seq_id, [])
+        for i in range(len(table) - 1, -1, -1):
+            self._release(table[i], keep=i < keep)
+        book.lengths.pop(seq_id, None)
+        book.num_attached.pop(seq_id, None)
 
-    def replay(self, op: str, seq_id: int, length: int) -> None:
+    def replay(self, op: str, seq_id: int, word: int) -> None:
         """Apply one journal entry recorded by another rank's cache."""
         if op == "reserve":
-            self.reserve(seq_id, length)
+            self.reserve(seq_id, word)
+        elif op == "attach":
+            self.attach(seq_id, word)
         elif op == "rewind":
-            self.rewind(seq_id, length)
+            self.rewind(seq_id, word)
         elif op == "move":
-            self.move(seq_id, *unpack_move(length))
+            self.move(seq_id, *unpack_move(word))
         elif op == "free":
-            self.free(seq_id)
+            self.free(seq_id, word)
         else:
             raise ValueError(f"unknown cache operation {op!r}")
 
     # --- addressing -------------------------------------------------------------------------
     def cells(self, seq_id: int, start: int, end: int) -> torch.Tensor:
         """Cell ids of positions start..end-1 of `seq_id` (all must be reserved) [end - start]."""
-        if end > self._lengths.get(seq_id, 0):
+        book = self.book
+        if end > book.lengths.get(seq_id, 0):
             raise ValueError(f"positions up to {end} of sequence {seq_id} are not reserved "
-                             f"(length {self._lengths.get(seq_id, 0)})")
-        table = self._tables[seq_id]
-        cached = self._cell_cache.get(seq_id)
+                             f"(length {book.lengths.get(seq_id, 0)})")
+        table = book.tables[seq_id]
+        cached = book.cell_cache.get(seq_id)
         if cached is None or cached.shape[0] != len(table) * self.block_size:
             blocks = torch.tensor(table, dtype=torch.long)
             cached = (blocks[:, None] * self.block_size + torch.arange(self.block_size)[None, :]).reshape(-1)
-            self._cell_cache[seq_id] = cached
+            book.cell_cache[seq_id] = cached
         return cached[start:end]
 
     def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -6,6 +6,10 @@ KV cache. Prompts are prefilled in chunks within the token budget. When the cach
 running sequence's next tokens, the most recently admitted sequence is preempted: its blocks are
 freed and it goes back to the front of the queue, to be recomputed from its prompt and its
 committed output (nothing it produced is lost).
+
+With a prefix cache, a sequence is admitted with the longest cached prefix of its tokens attached
+(`runtime.prefix_cache`): those positions count as computed and only the rest is prefilled. A
+preempted sequence's blocks stay cached, so its recompute mostly attaches them again.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from runtime.kv_cache import PagedKVCache
+from runtime.prefix_cache import PrefixCache
 from runtime.sequence import Sequence, SequenceStatus
 
 
@@ -39,14 +44,21 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: PagedKVCache,
-                 on_preempt: Callable[[Sequence], None] | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, cache: PagedKVCache, prefix: PrefixCache | None = None,
+                 on_preempt: Callable[[Sequence], None] | None = None,
+                 on_admit: Callable[[Sequence], None] | None = None) -> None:
+        """`prefix`: the prefix cache over `cache` (None: every prompt is computed whole);
+        `on_admit(seq)` runs once a sequence is admitted, its cached prefix counted computed."""
         self.config = config
         self.cache = cache
+        self.prefix = prefix
         self.on_preempt = on_preempt
+        self.on_admit = on_admit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prefix_queried_tokens = 0   # tokens of admitted sequences looked up in the prefix cache
+        self.num_prefix_hit_tokens = 0       # of which found there
 
     def add(self, seq: Sequence) -> None:
         if len(seq.token_ids) + 1 > self.cache.capacity_tokens:
@@ -84,9 +96,17 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            hit = self.prefix.match(seq.seq_id, seq.token_ids) if self.prefix is not None else []
             # Admit only when the whole remaining prompt and a first output token fit.
-            if not self.cache.can_reserve(seq.seq_id, len(seq.token_ids) + 1):
+            if not self.cache.can_reserve(seq.seq_id, len(seq.token_ids) + 1, hit):
                 break
+            if self.prefix is not None:
+                self.prefix.attach(seq.seq_id, hit)
+                seq.num_computed = len(hit) * self.cache.block_size
+                self.num_prefix_queried_tokens += len(seq.token_ids)
+                self.num_prefix_hit_tokens += seq.num_computed
+                if seq.num_output == 0:
+                    seq.num_cached_tokens = seq.num_computed
             n = min(seq.num_pending, budget)
             self._reserve(seq, n)
             self.waiting.popleft()
@@ -94,7 +114,21 @@ class Scheduler:
             self.running.append(seq)
             batch.append(Scheduled(seq, n))
             budget -= n
+            if self.on_admit is not None:
+                self.on_admit(seq)
         return batch
+
+    def commit(self, seq: Sequence, num_final: int) -> None:
+        """The first `num_final` positions of a running `seq` hold their final keys/values (and
+        drafter rows): index its full blocks there for later requests."""
+        if self.prefix is not None:
+            self.prefix.commit(seq.seq_id, seq.token_ids, num_final)
+
+    def _free(self, seq: Sequence) -> None:
+        if self.prefix is not None:
+            self.prefix.free(seq.seq_id)
+        else:
+            self.cache.free(seq.seq_id)
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         end = seq.num_computed + n
@@ -104,7 +138,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        self.cache.free(seq.seq_id)
+        self._free(seq)
         seq.num_computed = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -119,5 +153,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.cache.free(seq.seq_id)
+        self._free(seq)
         seq.status = SequenceStatus.FINISHED

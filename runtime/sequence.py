@@ -25,6 +25,7 @@ class Sequence:
     seed: int                       # the request seed, or one drawn at arrival when none was given
     stop_ids: tuple[int, ...] = ()  # token ids that end it (EOS), masked until params.min_tokens
     num_computed: int = 0           # leading tokens whose keys/values are in the cache
+    num_cached_tokens: int = 0      # prompt tokens found in the prefix cache, not computed
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     text: str = ""                  # the output text so far (its detokenizer's, cut at a stop string)
@@ -81,6 +82,7 @@ class RequestOutput:
     num_verifies: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    cached_tokens: int = 0
     ttft_s: float | None = None
     latency_s: float | None = None
     logprobs: list[TokenLogprobs] | None = None
@@ -94,7 +96,7 @@ class RequestOutput:
         return cls(index=index, prompt_token_ids=seq.token_ids[:seq.prompt_len], token_ids=list(seq.output_ids),
                    text=seq.text, finish_reason=seq.finish_reason, num_verifies=seq.num_verifies,
                    drafted_tokens=seq.drafted_tokens, accepted_tokens=seq.accepted_tokens,
-                   ttft_s=ttft, latency_s=latency,
+                   cached_tokens=seq.num_cached_tokens, ttft_s=ttft, latency_s=latency,
                    logprobs=None if seq.logprobs is None else list(seq.logprobs),
                    prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs),
                    cumulative_logprob=seq.cumulative_logprob)

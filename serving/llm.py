@@ -28,7 +28,8 @@ class LLM:
                  spec_settings: SpecSettings | None = None, ep: int = 1, moe_a2a: str = "alltoall",
                  ep_timeout_s: float = 60.0, launcher: Launcher | None = None,
                  max_restarts: int = DEFAULT_MAX_RESTARTS, comm: Communicator | None = None,
-                 enforce_eager: bool = False, batch_invariant: bool | None = None) -> None:
+                 enforce_eager: bool = False, batch_invariant: bool | None = None,
+                 prefix_cache: bool = True) -> None:
         """Speculation: `spec` (none, mtp, ngram) with at most `num_drafts` drafts per step, a
         depth policy (`draft_policy` fixed/ladder/auto, or `mtp_k_ladder` text or "auto"), a
         width cap `mtp_max_seqs`, a confidence stop, a draft-tree shape ("1,2,2"); resolved once
@@ -46,7 +47,10 @@ class LLM:
         `batch_invariant`: every operation whose per-row result could depend on the rows beside
         it runs a batch-invariant kernel (`runtime.batch_invariant`), so a request's tokens do not
         depend on what else is in its steps: its width, speculation, other requests. None (the
-        default) turns it on for float64 only."""
+        default) turns it on for float64 only.
+
+        `prefix_cache` (on by default): a prompt that starts with full KV blocks an earlier request
+        computed attaches them instead of computing them again (runtime.prefix_cache)."""
         model_dir = Path(model)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model folder {str(model_dir)!r} does not exist")
@@ -55,7 +59,8 @@ class LLM:
             width_cap=mtp_max_seqs, confidence_stop=draft_confidence_stop, tree_shape=tree_shape,
             verify=spec_verify, model_dir=model_dir)
         self.model_dir = model_dir
-        config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              prefix_cache=prefix_cache)
         self.deployment = Deployment(
             DeploymentConfig(model_dir=model_dir, dtype=dtype, ep=ep if comm is None else comm.world_size,
                              moe_a2a=moe_a2a, kv_cache_tokens=kv_cache_tokens, ep_timeout_s=ep_timeout_s,

@@ -119,13 +119,17 @@ def best_sequences(seqs: list[Sequence], n: int) -> list[Sequence]:
     return sorted(seqs, key=lambda s: -s.cumulative_logprob)[:n]
 
 
-def usage(seqs: list[Sequence], prompt_tokens: int) -> dict:
-    """Prompt tokens once per prompt; completion tokens over every sequence generated (best_of too)."""
+def usage(seqs: list[Sequence], prompt_tokens: int, best_of: int = 1) -> dict:
+    """Prompt tokens once per prompt (`seqs` holds `best_of` sequences per prompt, in prompt order),
+    and of them those the prefix cache held (the first sequence's of each prompt); completion tokens
+    over every sequence generated (best_of too)."""
     completion = sum(s.num_output for s in seqs)
+    cached = sum(s.num_cached_tokens for s in seqs[::best_of])
     drafted = sum(s.drafted_tokens for s in seqs)
     accepted = sum(s.accepted_tokens for s in seqs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
             "completion_tokens_details": {"accepted_prediction_tokens": accepted,
                                           "rejected_prediction_tokens": drafted - accepted}}
 

@@ -201,7 +201,7 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
                                completion_choice(index, seq, text_of, echo=echo, logprobs=show))
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "created": int(time.time()), "model": config.served_model_name,
-                             "choices": choices, "usage": usage(handle.seqs, num_prompt_tokens)})
+                             "choices": choices, "usage": usage(handle.seqs, num_prompt_tokens, req.best_of)})
 
     async def stream(request, handle, req, rid, chat, num_prompt_tokens, echoes):
         created = int(time.time())
@@ -239,7 +239,7 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
         for seq in handle.seqs:
             finished(seq)
         if req.include_usage:
-            yield event([], usage=usage(handle.seqs, num_prompt_tokens))
+            yield event([], usage=usage(handle.seqs, num_prompt_tokens, req.best_of))
         yield "data: [DONE]\n\n"
 
     async def completions(request: Request) -> Response:

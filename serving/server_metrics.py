@@ -25,6 +25,11 @@ class ServerMetrics:
         self.waiting = Gauge("metrale_num_requests_waiting", "Sequences waiting for admission", registry=r)
         self.kv_usage = Gauge("metrale_kv_cache_usage_ratio", "Share of KV cache blocks in use", registry=r)
         self.preemptions = Gauge("metrale_num_preemptions", "Preemptions so far (recompute)", registry=r)
+        self.prefix_queried = Counter("metrale_prefix_cache_queried_tokens",
+                                      "Tokens of admitted sequences looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("metrale_prefix_cache_hit_tokens",
+                                   "Of the queried tokens, those found in the prefix cache (not computed)", registry=r)
+        self._prefix_seen = (0, 0)
         self.spec_drafts = Gauge("metrale_spec_decode_num_drafts", "Verifies of drafted sequences", registry=r)
         self.spec_draft_tokens = Gauge("metrale_spec_decode_num_draft_tokens", "Draft tokens proposed",
                                        registry=r)
@@ -55,6 +60,10 @@ class ServerMetrics:
         self.waiting.set(len(sched.waiting))
         self.kv_usage.set(1 - cache.num_free_blocks / cache.num_blocks)
         self.preemptions.set(sched.num_preemptions)
+        queried, hits = sched.num_prefix_queried_tokens, sched.num_prefix_hit_tokens
+        self.prefix_queried.inc(queried - self._prefix_seen[0])
+        self.prefix_hits.inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queried, hits)
         m = engine.metrics
         self.spec_drafts.set(m.verifies)
         self.spec_draft_tokens.set(m.drafted_tokens)

@@ -147,5 +147,9 @@ class MTPProposer(DraftProposer):
                                    PagedAttention(self.cache, plan))
         return h, plan.last_rows
 
+    def num_final(self, state: ProposerState, num_computed: int) -> int:
+        """Only rows already fed are final: row i is written when the token at i + 1 is fed with it."""
+        return min(num_computed, state.fed_upto)
+
     def after_verify(self, state, num_accepted: int) -> None:
         """Nothing to trim: rows past `fed_upto` are drafts and are overwritten by the next feed."""

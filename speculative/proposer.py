@@ -81,5 +81,16 @@ class DraftProposer(ABC):
 
     def reset_state(self, state: ProposerState) -> None:
         """Forget everything: the sequence was preempted and will be recomputed from scratch."""
+        self.resume_at(state, 0)
+
+    def resume_at(self, state: ProposerState, position: int) -> None:
+        """The sequence starts over with positions 0..position-1 already computed (attached from
+        the prefix cache, whose blocks hold this drafter's rows too): feeding resumes at `position`."""
         state.pending_hidden.clear()
-        state.fed_upto = 0
+        state.fed_upto = position
+
+    def num_final(self, state: ProposerState, num_computed: int) -> int:
+        """Leading positions whose cache rows this drafter will not write again, of the
+        `num_computed` the target has: the prefix cache may share blocks only within them. A
+        drafter without rows in the cache (the default) leaves them all final."""
+        return num_computed

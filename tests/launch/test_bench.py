@@ -120,3 +120,23 @@ def test_workloads_run_side_by_side_on_each_arm(tmp_path):
     assert cells["k2-eager/json"]["best_fixed_arm"] == "none-eager/json"  # compared within its workload
     with pytest.raises(ValueError, match="workload 'xml'"):
         BenchConfig(model="m", workloads=("xml",))
+
+
+def test_chat_bench_runs_both_arms_through_the_server(tmp_path):
+    """The chat workload, tiny: later turns find their history in the cache arm only."""
+    out = subprocess.run(metrale_cmd("bench", "--workload", "chat", "--model", str(EMBEDDED), "--conversations", "2",
+                                     "--turns", "2", "--system-tokens", "64", "--user-tokens", "8", "--max-tokens", "4",
+                                     "--out-dir", str(tmp_path)),
+                         env=run_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    record = json.loads((tmp_path / "chat.json").read_text())
+    assert (tmp_path / "chat.png").stat().st_size > 0
+    arms = record["arms"]
+    assert [t["cached_tokens"] for t in arms["no-cache"]["turns"]] == [0, 0]
+    assert arms["cache"]["turns"][1]["cached_tokens"] >= 2 * 48   # the system prompt's full blocks, at least
+    assert arms["cache"]["server_prefix_hit_rate"] > 0 and arms["no-cache"]["server_prefix_hit_rate"] is None
+    assert arms["cache"]["output_tokens"] == arms["no-cache"]["output_tokens"] == 2 * 2 * 4
+    assert set(record["ratios"]) == {"ttft_later_turns_p50_vs_no_cache", "tok_s_vs_no_cache"}
+    too_long = subprocess.run(metrale_cmd("bench", "--workload", "chat", "--model", str(EMBEDDED), "--turns", "40"),
+                              env=run_env(), capture_output=True, text=True, timeout=120)
+    assert too_long.returncode == 2 and "past the model's context of 2048" in too_long.stderr

@@ -213,3 +213,25 @@ def test_disconnect_cancels_and_frees_the_slot(server):
         time.sleep(0.2)
     assert metric(server, "metrale_num_requests_running") == 0
     assert 'outcome="cancelled"' in http("GET", server + "/metrics")[1].decode()
+
+
+def test_prefix_cache_reports_cached_tokens_and_counts_hits(client, server):
+    """A later chat turn resends the conversation: its usage names the prompt tokens the prefix
+    cache held (whole blocks, never the last token), and /metrics counts them."""
+    hits, queried = (metric(server, f"metrale_prefix_cache_{x}_tokens_total") for x in ("hit", "queried"))
+    msgs = [{"role": "system", "content": "You answer in Python only, with short functions and no prose. " * 2},
+            {"role": "user", "content": "print hello"}]
+    args = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    first = client.chat.completions.create(messages=msgs, **args)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "now add a loop"}]
+    chunks = list(client.chat.completions.create(messages=msgs, stream=True, stream_options={"include_usage": True},
+                                                 **args))
+    second = chunks[-1].usage
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.prompt_tokens_details.cached_tokens
+    assert cached >= 16 * ((first.usage.prompt_tokens - 1) // 16) and cached % 16 == 0
+    assert cached <= second.prompt_tokens - 1
+    assert metric(server, "metrale_prefix_cache_hit_tokens_total") == hits + cached
+    assert metric(server, "metrale_prefix_cache_queried_tokens_total") == \
+        queried + first.usage.prompt_tokens + second.prompt_tokens
