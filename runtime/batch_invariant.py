@@ -3,11 +3,12 @@
 Why a row can change with its neighbours (measured on this CPU build, torch 2.13, MKL and
 oneDNN; `tests/runtime/test_batch_invariant.py` checks every claim below on the machine it
 runs on):
-- A float32 GEMM picks one of three kernels by its row count (1 row, 2-9 rows, 15 rows and
-  more); each rounds differently. From 16 rows up, a row's result is the same whatever the count
-  and wherever the row sits. `linear` pads a call to at least `MIN_ROWS` rows, and
-  `grouped_mm` pads every expert's group to a multiple of `MIN_ROWS`. (bfloat16 GEMMs were
-  already invariant here; they take the same path, so CPU builds that differ stay covered.)
+- A GEMM picks its kernel by its row count, and each kernel rounds differently: float32 has
+  three classes (1 row, 2-9 rows, 15 rows and more); bfloat16 changes at 33 rows for the dense
+  MLP's down projection (visible only on real activations: random data rarely crosses a
+  bfloat16 rounding step). `linear` therefore calls the GEMM on fixed tiles of exactly
+  `MIN_ROWS` rows, the last one padded, so every call has one shape. The routed experts take
+  their per-expert loop with the same tiles (`RoutedExperts._looped`).
 - Attention over a padded batch: the number of keys a softmax and its weighted sum run over
   is the longest context in the step, and a row's query count picks the kernel. `attention`
   fixes both: scores come from matmuls of one fixed shape ([QUERY_TILE x g, D] x [D, KEY_CHUNK]
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-MIN_ROWS = 16      # GEMM calls get at least this many rows (float32 kernels settle from 15 rows up)
+MIN_ROWS = 16      # every GEMM call has exactly this many rows
 KEY_CHUNK = 64     # attention reduces over keys in chunks of this many, combined in order
 QUERY_TILE = 8     # query rows of one sequence attended in one fixed-shape matmul
 LANES = 32         # elements of the widest CPU vector (AVX-512, 16-bit types)
@@ -45,10 +46,12 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` whose every output row is independent of the other rows of `x` [..., in]."""
+    """`F.linear` whose every output row is independent of the other rows of `x` [..., in]: the
+    GEMM runs on tiles of exactly MIN_ROWS rows."""
     flat = x.reshape(-1, x.shape[-1])
     n = flat.shape[0]
-    out = F.linear(pad_rows(flat, MIN_ROWS), weight, bias)[:n]
+    padded = pad_rows(flat, -(-n // MIN_ROWS) * MIN_ROWS)
+    out = torch.cat([F.linear(tile, weight, bias) for tile in padded.split(MIN_ROWS)])[:n]
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -57,30 +60,6 @@ def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
     element of a row ever takes the scalar tail path."""
     pad = -x.shape[-1] % LANES
     return fn(F.pad(x, (0, pad)))[..., :x.shape[-1]] if pad else fn(x)
-
-
-def grouped_offsets(key: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Rows of a grouped matmul where every group's row count is a multiple of `MIN_ROWS`.
-
-    key [N]: the group of each row (`num_groups` and above: not computed). Returns (dest [N],
-    the padded row of each input row, or the last scratch row for the uncomputed ones; offs
-    [num_groups] int32, the padded groups' ends; rows, the buffer's static size). No host sync:
-    the size is an upper bound known from N.
-    """
-    n = key.shape[0]
-    counts = torch.bincount(key, minlength=num_groups + 1)[:num_groups]
-    padded = (counts + MIN_ROWS - 1) // MIN_ROWS * MIN_ROWS
-    ends = torch.cumsum(padded, 0)
-    rows = n + num_groups * (MIN_ROWS - 1) + 1            # every group's padding, and one scratch row
-    order = torch.argsort(key, stable=True)
-    sorted_key = key[order]
-    starts_unpadded = torch.cumsum(counts, 0) - counts      # first sorted row of each group
-    computed = sorted_key < num_groups
-    g = sorted_key.clamp(max=num_groups - 1)
-    rank_in_group = torch.arange(n, device=key.device) - starts_unpadded[g]
-    dest_sorted = torch.where(computed, ends[g] - padded[g] + rank_in_group, rows - 1)
-    dest = torch.empty_like(dest_sorted).index_copy_(0, order, dest_sorted)
-    return dest, ends.to(torch.int32), rows
 
 
 @dataclass(frozen=True, slots=True)

@@ -171,7 +171,7 @@ class RoutedExperts(nn.Module):
     experts computes only those and leaves other tokens' rows at zero.
     """
 
-    batch_invariant = False   # every expert's rows padded to whole tiles (runtime.batch_invariant)
+    batch_invariant = False   # the per-expert loop on fixed GEMM tiles (runtime.batch_invariant)
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, expert_offset: int = 0) -> None:
         super().__init__()
@@ -187,9 +187,10 @@ class RoutedExperts(nn.Module):
         """x [T, H], weights/ids [T, k] (global ids) -> weighted sum over the local experts [T, H].
 
         Rows routed to experts outside this shard contribute zero. float32 and bfloat16 take the
-        grouped path (no host synchronisation); float64, the reference mode, loops over experts.
+        grouped path (no host synchronisation); float64, the reference mode, and the
+        batch-invariant mode loop over experts (their GEMMs on fixed tiles).
         """
-        if x.dtype == torch.float64:
+        if x.dtype == torch.float64 or self.batch_invariant:
             return self._looped(x, weights, ids)
         if torch.compiler.is_compiling():   # opaque to inductor: grouped_mm has no float32 meta kernel
             return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
@@ -206,27 +207,15 @@ class RoutedExperts(nn.Module):
         local = (ids - self.expert_offset).reshape(-1)                          # [T*k]
         is_local = (local >= 0) & (local < e_local)
         key = torch.where(is_local, local, e_local)                            # non-local: a last group
-        if self.batch_invariant:
-            per_choice = self._padded_groups(x, key, k)
-        else:
-            order = torch.argsort(key, stable=True)                            # [T*k]
-            offs = torch.cumsum(torch.bincount(key, minlength=e_local + 1)[:e_local], 0).to(torch.int32)  # [E]
-            xs = x[order // k]                                                 # [T*k, H], expert-major
-            gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-            ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [T*k, H]
-            per_choice = torch.empty_like(ys).index_copy_(0, order, ys)         # back to choice order
+        order = torch.argsort(key, stable=True)                                # [T*k]
+        offs = torch.cumsum(torch.bincount(key, minlength=e_local + 1)[:e_local], 0).to(torch.int32)  # [E]
+        xs = x[order // k]                                                     # [T*k, H], expert-major
+        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [T*k, H]
+        per_choice = torch.empty_like(ys).index_copy_(0, order, ys)             # back to choice order
         per_choice = torch.where(is_local[:, None], per_choice, 0.0)
         # Sum over the k choices in a fixed order: the result does not depend on the batch.
         return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
-
-    def _padded_groups(self, x: torch.Tensor, key: torch.Tensor, k: int) -> torch.Tensor:
-        """Per-choice expert outputs [T*k, H] with every expert's rows padded to whole tiles, so a
-        row's result does not depend on how many rows its expert got (runtime.batch_invariant)."""
-        dest, offs, rows = bi.grouped_offsets(key, self.num_local_experts)
-        xs = x.new_zeros(rows, x.shape[1]).index_copy_(0, dest, x.repeat_interleave(k, dim=0))
-        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
-        return ys[dest]
 
     def _looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The reference path: one pair of matmuls per touched local expert (syncs with the host)."""
