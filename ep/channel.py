@@ -17,7 +17,7 @@ import torch
 
 from ep.comm import Communicator, u32_to_words, words_to_u32
 from ep.parallel import parallelize
-from ep.protocol import (DTYPE_CODES, EP_CMD_HANDSHAKE, EP_CMD_SLOT_ATTACH, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE, EP_CMD_SLOT_RESERVE,
+from ep.protocol import (BATCH_INVARIANT_BIT, DTYPE_CODES, DTYPE_MASK, EP_CMD_HANDSHAKE, EP_CMD_SLOT_ATTACH, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE, EP_CMD_SLOT_RESERVE,
                          EP_CMD_SLOT_REWIND, HEADER_WORDS, NO_SLOT, PROTOCOL_VERSION, Command, ProtocolError,
                          bulk_len, encode, float_bits, parse_stop)
 from ep.topology import EPTopology
@@ -52,13 +52,13 @@ def model_fingerprint(model_dir: str | Path) -> int:
 
 
 def load_shard(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: str,
-               kv_cache_tokens: int) -> ModelRunner:
+               kv_cache_tokens: int, batch_invariant: bool) -> ModelRunner:
     """This rank's model shard (reading only its tensors) and its KV cache."""
     cfg = load_config(model_dir)
     topo = EPTopology.of(cfg, comm.rank, comm.world_size)
     model = load_model(model_dir, dtype, expert_range=topo.expert_range(),
                        transform=lambda m: parallelize(m, topo, comm, moe_mode))
-    return ModelRunner(model, kv_cache_tokens=kv_cache_tokens)
+    return ModelRunner(model, kv_cache_tokens=kv_cache_tokens, batch_invariant=batch_invariant)
 
 
 def weight_bytes(runner: ModelRunner) -> int:
@@ -101,13 +101,16 @@ def _handshake_failed(status: int) -> HandshakeError:
 
 
 def driver_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
-                     confidence_stop: float | None = None) -> None:
+                     confidence_stop: float | None = None, batch_invariant: bool = False) -> None:
     """Rank 0: announce what this group must agree on (protocol version, world size, model
-    fingerprint, dtype) and the confidence stop TAU every rank drafts with (None: no stop).
+    fingerprint, dtype), and what every rank adopts: the confidence stop TAU every rank drafts
+    with (None: no stop) and whether every rank runs the batch-invariant kernels.
     Raises `HandshakeError` naming the first rank that disagrees; every rank stops then."""
     if confidence_stop is not None and not 0.0 < confidence_stop < 1.0:
         raise ValueError(f"confidence_stop={confidence_stop} must be in (0, 1) or None")
-    words = (*handshake_words(model_dir, comm.world_size, dtype), float_bits(confidence_stop))
+    *words, dtype_word = handshake_words(model_dir, comm.world_size, dtype)
+    mode = dtype_word | (BATCH_INVARIANT_BIT if batch_invariant else 0)
+    words = (*words, mode, float_bits(confidence_stop))
     header, _ = encode(Command(EP_CMD_HANDSHAKE, NO_SLOT, words))
     comm.broadcast(u32_to_words(header))
     status = report_status(comm, 0)
@@ -115,17 +118,22 @@ def driver_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
         raise _handshake_failed(status)
 
 
-def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str) -> float | None:
-    """Ranks above 0: check rank 0's handshake against this rank's own words; returns the group's
-    confidence stop TAU (rank 0's, float32-exact; None for no stop)."""
+def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str) -> tuple[float | None, bool]:
+    """Ranks above 0: check rank 0's handshake against this rank's own words; returns what the
+    group adopts from rank 0: the confidence stop TAU (float32-exact; None for no stop) and
+    whether the batch-invariant kernels run."""
     header, _ = recv_command(comm)
     mine = handshake_words(model_dir, comm.world_size, dtype)
-    kind, stop = 0, None
+    kind, stop, batch_invariant = 0, None, False
     if header[1] != EP_CMD_HANDSHAKE:
         kind = 1
     else:
-        theirs = header[2:2 + 6]
-        kind = next((reason for i, reason in HANDSHAKE_CHECKS if theirs[i] != mine[i]), 0)
+        theirs = list(header[2:2 + 6])
+        batch_invariant = bool(theirs[4] & BATCH_INVARIANT_BIT)
+        if theirs[4] & ~(DTYPE_MASK | BATCH_INVARIANT_BIT):
+            kind = 4
+        theirs[4] &= DTYPE_MASK
+        kind = kind or next((reason for i, reason in HANDSHAKE_CHECKS if theirs[i] != mine[i]), 0)
         if not kind:
             try:
                 stop = parse_stop(theirs[5], "HANDSHAKE")
@@ -134,7 +142,7 @@ def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str) -> f
     status = report_status(comm, (kind << 16) | comm.rank if kind else 0)
     if status:
         raise _handshake_failed(status)
-    return stop
+    return stop, batch_invariant
 
 
 def gather_rank_info(comm: Communicator) -> list[dict]:

@@ -21,25 +21,30 @@ from torch import nn
 
 from ep.comm import Communicator
 from ep.topology import EPTopology
-from runtime.layers import MoE, RoutedExperts
+from runtime import batch_invariant as bi
+from runtime.layers import Linear, MoE, RoutedExperts
 from runtime.model import Glm4MoeForCausalLM
 
 ShardSpecs = dict[str, tuple[int, int, int]]  # param name -> (dim, start, stop) in the checkpoint tensor
 
 
-class RowParallelLinear(nn.Linear):
-    """A linear over this rank's slice of the input features; partial sums all-reduced."""
+class RowParallelLinear(Linear):
+    """A linear over this rank's slice of the input features (`in_parts` heads); partial sums
+    all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, comm: Communicator) -> None:
+    def __init__(self, in_features: int, out_features: int, comm: Communicator, in_parts: int) -> None:
         super().__init__(in_features, out_features, bias=False)
         self.comm = comm
+        self.in_parts = in_parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(F.linear(x, self.weight))
+        return self.comm.all_reduce(super().forward(x))
 
 
 class VocabParallelHead(nn.Module):
     """This rank's rows of the output projection; `forward` gathers full logits on every rank."""
+
+    batch_invariant = False
 
     def __init__(self, hidden: int, topo: EPTopology, comm: Communicator) -> None:
         super().__init__()
@@ -47,7 +52,7 @@ class VocabParallelHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(len(topo.vocab_range()), hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(x, self.weight)                                  # [T, Vr]
+        local = (bi.linear if self.batch_invariant else F.linear)(x, self.weight)   # [T, Vr]
         pad = self.topo.max_vocab_shard - local.shape[1]
         if pad:
             local = F.pad(local, (0, pad))
@@ -138,10 +143,10 @@ def parallelize(model: Glm4MoeForCausalLM, topo: EPTopology, comm: Communicator,
     for name, block in blocks:
         attn = block.self_attn
         h = cfg.hidden_size
-        attn.q_proj = nn.Linear(h, (h1 - h0) * d, bias=cfg.attention_bias)
-        attn.k_proj = nn.Linear(h, (k1 - k0) * d, bias=cfg.attention_bias)
-        attn.v_proj = nn.Linear(h, (k1 - k0) * d, bias=cfg.attention_bias)
-        attn.o_proj = RowParallelLinear((h1 - h0) * d, h, comm)
+        attn.q_proj = Linear(h, (h1 - h0) * d, bias=cfg.attention_bias)
+        attn.k_proj = Linear(h, (k1 - k0) * d, bias=cfg.attention_bias)
+        attn.v_proj = Linear(h, (k1 - k0) * d, bias=cfg.attention_bias)
+        attn.o_proj = RowParallelLinear((h1 - h0) * d, h, comm, in_parts=h1 - h0)
         attn.num_heads, attn.num_kv_heads = h1 - h0, k1 - k0
         for proj, (a, b) in (("q_proj", (h0, h1)), ("k_proj", (k0, k1)), ("v_proj", (k0, k1))):
             specs[f"{name}.self_attn.{proj}.weight"] = (0, a * d, b * d)

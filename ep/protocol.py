@@ -21,14 +21,16 @@ from dataclasses import dataclass, field
 from speculative.proposer import EP_CMD_MTP_PROPOSE
 from speculative.settings import MAX_NUM_DRAFTS
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 HEADER_WORDS = 8
 NO_SLOT = 0xFFFFFFFF
 MAX_SLOT = 1 << 30
 
 # --- the table: code, header params | bulk ---------------------------------------------------
 EP_CMD_SHUTDOWN = 0xFFFFFFFF      # no payload
-EP_CMD_HANDSHAKE = 0xFFFFFFFE     # version, world_size, fingerprint_lo, fingerprint_hi, dtype_code, stop_bits
+EP_CMD_HANDSHAKE = 0xFFFFFFFE     # version, world_size, fingerprint_lo, fingerprint_hi, dtype_mode, stop_bits
+#                                   dtype_mode: the dtype code (bits 0-7, checked) | BATCH_INVARIANT_BIT
+#                                   (adopted: every rank runs the batch-invariant kernels or none does);
 #                                   stop_bits: the group's confidence stop TAU as float32 bits, 0 for none;
 #                                   workers adopt it (the three-word propose drafts with it)
 EP_CMD_FORWARD = 0xFFFFFFFD       # num_ops, num_chunks, num_tokens, bulk_len, num_obs, num_tree_words
@@ -66,6 +68,8 @@ BULK_LEN_PARAM = {EP_CMD_FORWARD: 3, EP_CMD_LOGITS: 1, EP_CMD_MTP_PROPOSE_BATCH:
 SLOT_OPS = (EP_CMD_SLOT_RESERVE, EP_CMD_SLOT_REWIND, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE, EP_CMD_SLOT_ATTACH)
 NO_PARENT = 0xFFFFFFFF
 DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float64": 3}
+DTYPE_MASK = 0xFF
+BATCH_INVARIANT_BIT = 1 << 8
 
 
 class ProtocolError(ValueError):

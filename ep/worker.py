@@ -200,8 +200,8 @@ def serve_rank(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_
     shuts the group down. Returns (exit code, message): (0, "") on a clean shutdown, 3 when the
     group broke, 2 for any other failure; the group is always left."""
     try:
-        confidence_stop = worker_handshake(comm, model_dir, dtype)
-        runner = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens)
+        confidence_stop, batch_invariant = worker_handshake(comm, model_dir, dtype)
+        runner = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens, batch_invariant)
         gather_weight_bytes(comm, runner)
         gather_rank_info(comm)
         worker_loop(runner, comm, confidence_stop)

@@ -22,6 +22,11 @@ runs on):
   than a vector (the router's 8 expert scores) therefore changes with the rows before it.
   `rowwise` pads such rows to whole vectors (`LANES`) first.
 - RMSNorm, softmax, log-softmax and the top-k reduce within a row; they already are invariant.
+- Expert parallelism: an attention output projection is row-parallel (each rank sums over its
+  heads, then the ranks' sums are all-reduced), which adds in another order than one rank's
+  GEMM. `split_linear` sums per head as a balanced tree on every rank count, so EP 2 adds what
+  EP 1 adds. The routed experts' combine adds exact zeros for choices held elsewhere, and two
+  ranks' all-reduce (a + b) is order-free; more ranks than 2 are not covered.
 
 The float64 reference mode runs these kernels too (it is batch-invariant by default).
 """
@@ -53,6 +58,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     padded = pad_rows(flat, -(-n // MIN_ROWS) * MIN_ROWS)
     out = torch.cat([F.linear(tile, weight, bias) for tile in padded.split(MIN_ROWS)])[:n]
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """`linear` over `parts` equal slices of the input features (an attention output projection:
+    one slice per head), the partial sums added as a balanced tree in slice order. An EP rank
+    holding a contiguous power-of-two share of the slices computes one subtree of it, and the
+    all-reduce of two ranks adds the two subtrees: the same sums in the same order as one rank."""
+    width = weight.shape[1] // parts
+    if width * parts != weight.shape[1]:
+        raise ValueError(f"{weight.shape[1]} input features do not split into {parts} equal parts")
+    sums = [linear(x[..., i * width:(i + 1) * width], weight[:, i * width:(i + 1) * width]) for i in range(parts)]
+    while len(sums) > 1:
+        sums = [sums[i] + sums[i + 1] if i + 1 < len(sums) else sums[i] for i in range(0, len(sums), 2)]
+    return sums[0]
 
 
 def rowwise(fn, x: torch.Tensor) -> torch.Tensor:

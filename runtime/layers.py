@@ -34,14 +34,19 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` with a batch-invariant path (`runtime.batch_invariant.linear`) when switched on."""
+    """`nn.Linear` with a batch-invariant path (`runtime.batch_invariant.linear`) when switched on;
+    `in_parts` > 1 sums that path over equal slices of the input features (one per attention head:
+    `runtime.batch_invariant.split_linear`)."""
 
     batch_invariant = False
+    in_parts = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant:
-            return bi.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        if not self.batch_invariant:
+            return F.linear(x, self.weight, self.bias)
+        if self.in_parts > 1 and self.bias is None:
+            return bi.split_linear(x, self.weight, self.in_parts)
+        return bi.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -96,6 +101,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
         self.o_proj = Linear(self.num_heads * d, h, bias=False)
+        self.o_proj.in_parts = self.num_heads
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.use_qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.use_qk_norm else None
 

@@ -163,8 +163,9 @@ class Deployment:
         """Rank 0's part of starting a group: handshake, its shard, every rank's pid and node."""
         cfg = self.config
         try:
-            driver_handshake(comm, cfg.model_dir, cfg.dtype, self.spec.confidence_stop)
-            local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a, cfg.kv_cache_tokens)
+            batch_invariant = cfg.dtype == "float64" if cfg.batch_invariant is None else cfg.batch_invariant
+            driver_handshake(comm, cfg.model_dir, cfg.dtype, self.spec.confidence_stop, batch_invariant)
+            local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a, cfg.kv_cache_tokens, batch_invariant)
             self.rank_weight_bytes = gather_weight_bytes(comm, local)
             info = gather_rank_info(comm)
         except BaseException as exc:
