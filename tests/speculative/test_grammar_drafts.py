@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.workloads import SCHEMA
+from bench.request_kinds import SCHEMA
 from runtime.grammar import GrammarCompiler, StructuredOutput
 from runtime.sampler import SamplingParams
 from runtime.tokenizer import Tokenizer
