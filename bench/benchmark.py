@@ -7,9 +7,9 @@ Greedy decoding with EOS ignored, so every request produces the same number of t
 arm. Fixed arms (none, k1..k4, ngram, trees) speculate at every width; ladder and auto run with the
 width cap a user of the model gets. Per cell: aggregate output tokens/s (median run, with min and
 max over the repeats), acceptance, drafts per verify, the width cap, TTFT and TPOT percentiles,
-thread count and process layout. With several workloads (`bench.workloads`: plain, a JSON schema,
-penalties) every arm also runs each of them, on the same loaded engine, in the same rotation; their
-cells are named ARM/WORKLOAD and record the grammar's mask cost. The record (with its provenance)
+thread count and process layout. With several request kinds (`bench.request_kinds`: plain, a JSON
+schema, penalties) every arm also runs each of them, on the same loaded engine, in the same
+rotation; their cells are named ARM/KIND and record the grammar's mask cost. The record (with its provenance)
 goes to JSON, the curves to a PNG.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from bench.cells import add_ratios, summarize
 from bench.corpus import heldout_prompts
 from bench.report import check_provenance, machine, plot, print_table, provenance, verify_key_settings
-from bench.workloads import WORKLOADS, cell_name, workload_params
+from bench.request_kinds import REQUEST_KINDS, cell_name, request_params
 from serving.deployment import Launcher
 from serving.llm import LLM
 from speculative.ladder import MAX_MTP_MAX_SEQS
@@ -74,15 +74,15 @@ class BenchConfig:
     num_prompts: int = 64
     tree_shape: str | None = None
     enforce_eager: bool = False   # every engine arm without torch.compile
-    workloads: tuple[str, ...] = ("plain",)
+    request_kinds: tuple[str, ...] = ("plain",)
 
     def __post_init__(self) -> None:
         from speculative.tree_shape import TreeShape
-        for w in self.workloads:
-            if w not in WORKLOADS:
-                raise ValueError(f"unknown bench workload {w!r} (one of {', '.join(WORKLOADS)})")
-        if "hf" in self.arms and self.workloads != ("plain",):
-            raise ValueError("bench arm 'hf' runs the plain workload only; drop it or --workloads")
+        for kind in self.request_kinds:
+            if kind not in REQUEST_KINDS:
+                raise ValueError(f"unknown bench request kind {kind!r} (one of {', '.join(REQUEST_KINDS)})")
+        if "hf" in self.arms and self.request_kinds != ("plain",):
+            raise ValueError("bench arm 'hf' runs the plain request kind only; drop it or --request-kinds")
         if "tree" in map(arm_base, self.arms) and self.tree_shape is None:
             raise ValueError("bench arm 'tree' needs --tree-shape, e.g. 1,2,2")
         if self.tree_shape is not None:
@@ -160,7 +160,7 @@ class EngineArm:
         self.llm.shutdown()
 
     def run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int, ep: int,
-            workload: str = "plain") -> dict:
+            kind: str = "plain") -> dict:
         from speculative.metrics import AcceptanceMetrics
         engine = self.llm.engine
         grammar = engine.grammars.stats if engine.grammars is not None else None
@@ -170,7 +170,7 @@ class EngineArm:
         steps0 = engine.num_steps
         plans = engine.verifier.plans
         hits0, misses0 = plans.hits, plans.misses
-        params = workload_params(workload, max_tokens)
+        params = request_params(kind, max_tokens)
         inflight, done = [], []
         submitted = 0
         t0 = time.perf_counter()
@@ -188,7 +188,7 @@ class EngineArm:
         tpot = [(s.finish_time - s.first_token_time) / (s.num_output - 1) for s in done if s.num_output > 1]
         tokens = sum(s.num_output for s in done)
         m = engine.metrics
-        cell = _cell(cell_name(self.name, workload), concurrency, ep, tokens, wall, ttft, tpot, requests=n, verifies=m.verifies,
+        cell = _cell(cell_name(self.name, kind), concurrency, ep, tokens, wall, ttft, tpot, requests=n, verifies=m.verifies,
                      accepted=m.accepted_tokens, p1=_round(m.positional(0)), p2_uncond=_round(m.positional(1)))
         spec = self.llm.spec
         plain = tokens - m.accepted_tokens - m.verifies     # tokens that came from plain decode rows
@@ -199,7 +199,7 @@ class EngineArm:
                     compiled=self.llm.engine.runner.compiled)
         steps = max(1, engine.num_steps - steps0)
         cell["step_ms"] = round(1000 * wall / steps, 3)
-        cell["workload"] = workload
+        cell["request_kind"] = kind
         if grammar is not None and grammar.num_masks > masks0:
             # Masks (consume the row's path, compute, roll back) and commits, on rank 0's step.
             mask_s = grammar.mask_s + grammar.commit_s - mask_s0
@@ -232,7 +232,7 @@ class HFArm:
         self.threads = threads
 
     def run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int, ep: int,
-            workload: str = "plain") -> dict:
+            kind: str = "plain") -> dict:
         # The machine's threads, whatever an EP group set for rank 0: a single process, like ours at EP 1.
         before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
@@ -287,17 +287,17 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
     start = provenance()
     threads = torch.get_num_threads()
     prompts = bench_prompts(config)
-    print(f"bench: {len(prompts)} held-out prompts, arms {','.join(config.arms)}, workloads "
-          f"{','.join(config.workloads)}, concurrency "
+    print(f"bench: {len(prompts)} held-out prompts, arms {','.join(config.arms)}, request kinds "
+          f"{','.join(config.request_kinds)}, concurrency "
           f"{','.join(map(str, config.concurrency))}, {config.max_tokens} tokens per request, "
           f"{config.repeats} repeat(s), commit {start['git_sha']}{' (dirty)' if start['dirty'] else ''}", flush=True)
-    names = [cell_name(a, w) for a in config.arms for w in config.workloads]
+    names = [cell_name(a, k) for a in config.arms for k in config.request_kinds]
     runs: dict[tuple[str, int], list[dict]] = {(name, c): [] for name in names for c in config.concurrency}
 
     def measure(name: str, arm, c: int) -> None:
-        for w in config.workloads:
-            cell = cell_name(name, w)
-            runs[cell, c].append(arm.run(prompts, c, config.num_requests(c), config.max_tokens, config.ep, w))
+        for kind in config.request_kinds:
+            cell = cell_name(name, kind)
+            runs[cell, c].append(arm.run(prompts, c, config.num_requests(c), config.max_tokens, config.ep, kind))
             progress(cell, c, runs[cell, c])
 
     arm_names = list(config.arms)
@@ -306,8 +306,8 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
         arms = {name: build_arm(name, config, launcher, threads) for name in arm_names}
         try:
             for arm in arms.values():
-                for w in config.workloads:
-                    arm.run(prompts[:2], 2, 2, 4, config.ep, w)  # warm-up, not recorded
+                for kind in config.request_kinds:
+                    arm.run(prompts[:2], 2, 2, 4, config.ep, kind)  # warm-up, not recorded
             for c in config.concurrency:
                 for r in range(config.repeats):
                     for name in arm_names[r % len(arm_names):] + arm_names[:r % len(arm_names)]:
@@ -322,8 +322,8 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
             for name in arm_names[r % len(arm_names):] + arm_names[:r % len(arm_names)]:
                 arm = build_arm(name, config, launcher, threads)
                 try:
-                    for w in config.workloads:
-                        arm.run(prompts[:2], 2, 2, 4, config.ep, w)
+                    for kind in config.request_kinds:
+                        arm.run(prompts[:2], 2, 2, 4, config.ep, kind)
                     for c in config.concurrency:
                         measure(name, arm, c)
                 finally:

@@ -40,14 +40,14 @@ def ratio(a: dict, b: dict) -> dict:
 
 def add_ratios(cells: list[dict], first_arm: str) -> None:
     """Per concurrency: every cell's ratio to the first arm's cell, and every cell's ratio to the
-    best fixed-depth arm present of the same workload (none, k1, k2, ...: the highest median
+    best fixed-depth arm present of the same request kind (none, k1, k2, ...: the highest median
     tokens/s among them; a fixed arm is compared with the best of the others)."""
     for c in {x["concurrency"] for x in cells}:
         level = [x for x in cells if x["concurrency"] == c]
         base = next(x for x in level if x["arm"] == first_arm)
         for cell in level:
             fixed = [x for x in level if FIXED_ARM.match(x["arm"].split("/")[0])
-                     and x.get("workload") == cell.get("workload")]
+                     and x.get("request_kind") == cell.get("request_kind")]
             r = ratio(cell, base)
             cell[f"tok_s_ratio_vs_{first_arm}"] = r["ratio"]
             cell[f"tok_s_ratio_vs_{first_arm}_range"] = r["range"]

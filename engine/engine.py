@@ -228,7 +228,7 @@ class Engine:
         tree = self.spec.tree_shape
         depths = [plans.get(batch[i].seq.seq_id, NO_DRAFTS).depth for i in idx]
         reqs = [ProposeRequest(self.states[batch[i].seq.seq_id], batch[i].seq.token_ids, d,
-                               tree.counts[:d] if tree is not None else ())
+                               tree.counts[:d] if tree is not None else (), batch[i].seq.grammar)
                 for i, d in zip(idx, depths)]
         got = self.proposer.propose_batch(reqs) if reqs else []
         if got is None:

@@ -15,7 +15,7 @@ from runtime.attention import SeqChunk
 from runtime.model_runner import ModelRunner
 from speculative.knobs import DrafterKnobs
 from speculative.mtp import MTPProposer
-from speculative.proposer import ProposerState, ProposeRequest
+from speculative.proposer import Drafts, ProposerState, ProposeRequest, cut_at_grammar
 
 
 class DriverRunner:
@@ -76,7 +76,18 @@ class DriverRunner:
 class ShardedMTPProposer(MTPProposer):
     """Rank 0's sharded MTP drafter: its propose tells the workers first, so they enter the
     drafter's collectives with it; the hiddens it is fed are mirrored on every rank. Its
-    `confidence_stop` must be the one given to `driver_handshake` (workers refuse another)."""
+    `confidence_stop` must be the one given to `driver_handshake` (workers refuse another).
+
+    Under a grammar (which lives on rank 0 only) the spine stays the raw arg-max: the gathered
+    logits are on every rank, but each spine draft is the next draft step's input on every rank
+    (attention heads and experts are split) and its probability decides the confidence stop, so a
+    pick masked on rank 0 alone would desynchronise the ranks. Masking it would need rank 0 to
+    send its picks to the workers at every depth; instead the hedges, which feed nothing, are
+    masked, and the spine is cut before its first token the grammar refuses, which verification
+    would reject anyway. Acceptance under a grammar is therefore lower than the single-device
+    (or METRALE_NO_MTP_EP_PROPOSE) drafter's, never the output."""
+
+    masks_spine = False
 
     def __init__(self, driver: DriverRunner, confidence_stop: float | None = None,
                  knobs: DrafterKnobs | None = None) -> None:
@@ -86,6 +97,9 @@ class ShardedMTPProposer(MTPProposer):
     def observe_target(self, state: ProposerState, hidden: torch.Tensor, rows: range, start: int) -> None:
         super().observe_target(state, hidden, rows, start)
         self.driver.obs_journal.append((state.seq_id, rows.start, len(rows), start))
+
+    def propose_batch(self, reqs: list[ProposeRequest]) -> list[Drafts]:
+        return [cut_at_grammar(d, r.grammar) for d, r in zip(super().propose_batch(reqs), reqs)]
 
     def before_draft(self, live: list[ProposeRequest], feeds: list[list[int]]) -> None:
         # The observations before the ops: they index the last forward, whose rows a FREE among the ops may drop.

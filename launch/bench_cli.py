@@ -16,9 +16,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--concurrency", default=None, help="comma list, e.g. 1,2,4,8,16,32")
     b.add_argument("--arms", default=None, help="comma list of arms: none (the default), hf, k1, k2, k3, ..., tree; an engine "
                         "arm + '-eager' runs without torch.compile (none-eager); chat: no-cache,cache (the default)")
-    b.add_argument("--workloads", default="plain",
-                   help="comma list: plain, json (a JSON schema through the grammar mask), penalties; every arm "
-                        "runs each, cells ARM/WORKLOAD")
+    b.add_argument("--request-kinds", default="plain", metavar="KINDS",
+                   help="sweep: comma list of what the requests ask for: plain, json (a JSON schema through the "
+                        "grammar mask), penalties; every arm runs each, cells ARM/KIND")
     b.add_argument("--tree-shape", default=None, metavar="COUNTS", help="the draft tree of arm tree, e.g. 1,2,2")
     b.add_argument("--ep", type=int, default=1)
     b.add_argument("--launcher", default="mp", choices=["mp", "ray"],
@@ -54,7 +54,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          max_tokens=args.max_tokens or (48 if args.quick else 128),
                          requests=args.requests, repeats=args.repeats, quick=args.quick,
                          tree_shape=args.tree_shape, enforce_eager=args.enforce_eager,
-                         workloads=tuple(w.strip() for w in args.workloads.split(",")))
+                         request_kinds=tuple(k.strip() for k in args.request_kinds.split(",")))
     from launch import launcher_for
     run_bench(config, json_out=args.json_out, plot_out=args.plot_out,
               launcher=launcher_for(args.launcher) if config.ep > 1 else None)

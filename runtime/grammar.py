@@ -139,6 +139,14 @@ class GrammarMatcher:
         self.stats.mask_s += time.perf_counter() - t0
         return allowed
 
+    def num_allowed(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the grammar accepts one after another after the committed
+        output; the state is left where it was."""
+        n = self._m.try_consume_tokens(list(tokens)) if tokens else 0
+        if n:
+            self._m.rollback(n)
+        return n
+
     def commit(self, token: int) -> bool:
         """Advance by a committed token; True when the grammar is complete (only EOS could follow)."""
         t0 = time.perf_counter()

@@ -8,6 +8,12 @@ predicts the token at i + 2; its keys/values live at position i of cache layer
 the rows of committed positions the drafter has not seen (the prompt after prefill, the accepted
 rows after a verify), whose last row gives draft 1; each further draft feeds the drafter's own
 output and the previous draft. Draft rows past the committed ones are overwritten by the next feed.
+
+Under a grammar (structured outputs) each depth's candidates are picked from the drafter's logits
+masked by what the grammar allows after the spine drafted before them: the target's rows are
+masked the same way at verification, so an unmasked pick the grammar forbids would only be
+rejected there. The matcher consumes each path and rolls it back (`allowed_after`); its
+committed state never moves here.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import struct
 import torch
 
 from runtime.attention import PagedAttention, SeqChunk, build_plan
+from runtime.grammar import GrammarMatcher
 from runtime.kv_cache import PagedKVCache
 from runtime.model import Glm4MoeForCausalLM
 from speculative.draft_stop import chain_depth
@@ -35,7 +42,29 @@ def extends(probs: list[float], ln_tau: float) -> bool:
     return chain_depth(lps + [0.0], ln_tau) > len(lps)
 
 
+def grammar_masked(logits: torch.Tensor, grammars: list[GrammarMatcher | None],
+                   paths: list[list[int]]) -> torch.Tensor:
+    """logits [B, V] -> a copy with -inf where row b's grammar refuses the token after `paths[b]`.
+    A row without a grammar, whose path its grammar refuses (the row cannot be reached) or where it
+    would allow nothing is left as it is; with no masked row this returns `logits` itself."""
+    rows = []
+    for b, (grammar, path) in enumerate(zip(grammars, paths)):
+        allowed = grammar.allowed_after(path) if grammar is not None else None     # bool [V]
+        if allowed is not None and bool(allowed.any()):
+            rows.append((b, allowed))
+    if not rows:
+        return logits
+    refused = torch.zeros(logits.shape, dtype=torch.bool)                          # [B, V]
+    for b, allowed in rows:
+        refused[b] = ~allowed
+    return logits.masked_fill(refused.to(logits.device), float("-inf"))
+
+
 class MTPProposer(DraftProposer):
+    # Whether the spine is picked from the grammar-masked logits. The sharded drafter (ep.driver)
+    # keeps the raw arg-max, which every rank feeds onward in lockstep; only its hedges are masked.
+    masks_spine = True
+
     def __init__(self, model: Glm4MoeForCausalLM, cache: PagedKVCache, confidence_stop: float | None = None,
                  knobs: DrafterKnobs | None = None) -> None:
         """`confidence_stop`: TAU of the confidence stop (None: chains are never stopped early);
@@ -71,7 +100,7 @@ class MTPProposer(DraftProposer):
         feeds = [self.feed_tokens(r) for r in live]
         self.before_draft(live, feeds)
         got = iter(self.draft([r.state for r in live], feeds, [r.num_drafts for r in live], self.confidence_stop,
-                              [r.tree for r in live]))
+                              [r.tree for r in live], [r.grammar for r in live]))
         return [next(got) if is_live else Drafts([], []) for is_live in flags]
 
     def before_draft(self, live: list[ProposeRequest], feeds: list[list[int]]) -> None:
@@ -79,12 +108,16 @@ class MTPProposer(DraftProposer):
 
     @torch.inference_mode()
     def draft(self, states: list[ProposerState], feeds: list[list[int]], num_drafts: list[int],
-              stop: float | None = None, trees: list[tuple[int, ...]] | None = None) -> list[Drafts]:
+              stop: float | None = None, trees: list[tuple[int, ...]] | None = None,
+              grammars: list[GrammarMatcher | None] | None = None) -> list[Drafts]:
         """Feed each state's unfed rows with their tokens, then draft; a chain whose last draft's
         top-1 probability is below `stop` is not extended. `trees[i]`, when given, is candidates
-        per depth: the next-best tokens of each depth's distribution become hedges. Every EP
-        rank runs this with the same arguments except `trees` (hedges change no forward), so it
-        must be deterministic given them."""
+        per depth: the next-best tokens of each depth's distribution become hedges. `grammars[i]`,
+        when given, masks each depth's distribution to what state i's grammar allows after the
+        spine before it (the spine only when `masks_spine`; the hedges always). Every EP rank
+        runs this with the same arguments except `trees` and `grammars`, rank 0's alone (hedges
+        change no forward, and the sharded drafter leaves its spine unmasked), so it must be
+        deterministic given them."""
         out: list[Drafts] = [Drafts([], []) for _ in states]
         ln_tau = None if stop is None else math.log(stop)
         if not states:
@@ -112,8 +145,11 @@ class MTPProposer(DraftProposer):
         active = list(live)
         for _ in range(max(num_drafts)):
             logits = self.model.mtp_logits(hidden[last]).float()                 # [B, V]
-            top_l, top_t = logits.max(dim=-1)
-            top_p = torch.exp(top_l - torch.logsumexp(logits, dim=-1))           # top-1 probability
+            masked = logits if grammars is None else grammar_masked(
+                logits, [grammars[i] for i in active], [out[i].tokens for i in active])
+            spine = masked if self.masks_spine else logits
+            top_l, top_t = spine.max(dim=-1)
+            top_p = torch.exp(top_l - torch.logsumexp(spine, dim=-1))            # top-1 probability
             if self.knobs.shadow_topk:
                 cand_p, cand_t = torch.softmax(logits, dim=-1).topk(self.knobs.shadow_topk, dim=-1)
                 for j, i in enumerate(active):
@@ -121,7 +157,7 @@ class MTPProposer(DraftProposer):
                              self.knobs.shadow_topk, list(zip(cand_t[j].tolist(), [round(x, 4) for x in cand_p[j].tolist()])))
             widths = [trees[i][len(out[i].tokens)] if trees and len(trees[i]) > len(out[i].tokens) else 1
                       for i in active]
-            cand = logits.topk(max(widths), dim=-1).indices.tolist() if max(widths) > 1 else None
+            cand = masked.topk(max(widths), dim=-1).indices.tolist() if max(widths) > 1 else None
             top_t, top_p = top_t.tolist(), top_p.tolist()
             for j, i in enumerate(active):
                 out[i].tokens.append(top_t[j])

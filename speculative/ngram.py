@@ -1,7 +1,8 @@
-"""Prompt-lookup (n-gram) drafting: continue the most recent earlier match of the sequence's tail."""
+"""Prompt-lookup (n-gram) drafting: continue the most recent earlier match of the sequence's tail,
+cut before the first token the sequence's grammar (if any) refuses."""
 from __future__ import annotations
 
-from speculative.proposer import DraftProposer, Drafts, ProposerState, ProposeRequest
+from speculative.proposer import DraftProposer, Drafts, ProposerState, ProposeRequest, cut_at_grammar
 
 
 class NgramProposer(DraftProposer):
@@ -22,5 +23,5 @@ class NgramProposer(DraftProposer):
                 if toks[start:start + n] == tail:
                     cont = toks[start + n:start + n + k]
                     if cont:
-                        return Drafts(cont, [1.0] * len(cont))
+                        return cut_at_grammar(Drafts(cont, [1.0] * len(cont)), req.grammar)
         return Drafts([], [])

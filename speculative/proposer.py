@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.grammar import GrammarMatcher
+
 # The seed's propose command word (docs/design.md §4): header (slot, EP_CMD_MTP_PROPOSE), then exactly three
 # u32 words last_token, position, num_drafts. ep.protocol's table takes it from here.
 EP_CMD_MTP_PROPOSE = 0xFFFFFFF5
@@ -49,6 +51,21 @@ class ProposeRequest:
     # Candidates per depth of a draft tree (speculative.tree_shape): the drafter's top-1 is the
     # spine, its next-best count - 1 tokens the hedges. Empty: a chain.
     tree: tuple[int, ...] = ()
+    # The sequence's grammar state (its committed output consumed) when its output must match one:
+    # drafters pick from what it allows after the drafts before, or cut where it refuses. Read only.
+    grammar: GrammarMatcher | None = None
+
+
+def cut_at_grammar(drafts: Drafts, grammar: GrammarMatcher | None) -> Drafts:
+    """The drafts before the first spine token `grammar` refuses (verification would reject it and
+    everything after it). A tree keeps that token's depth when it has hedges there: they are the
+    sibling candidates after the allowed spine before them. No grammar: the drafts unchanged."""
+    if grammar is None or not drafts.tokens:
+        return drafts
+    n = grammar.num_allowed(drafts.tokens)
+    if n == len(drafts.tokens):
+        return drafts
+    return drafts.cut(n + 1 if any(depth == n + 1 for depth, _ in drafts.hedges) else n)
 
 
 class DraftProposer(ABC):

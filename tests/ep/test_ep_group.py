@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from runtime.attention import SeqChunk
+from runtime.grammar import StructuredOutput
 from launch.mp import MPGroup
 from serving.llm import LLM
 from runtime.sampler import SamplingParams
@@ -150,6 +151,30 @@ def test_sharded_drafter_equals_single_rank_drafter(ckpt_mtp, params, stop):
     assert [o.token_ids for o in two] == [o.token_ids for o in one] == plain
     assert [(o.drafted_tokens, o.accepted_tokens) for o in two] == [(o.drafted_tokens, o.accepted_tokens) for o in one]
     assert sum(o.drafted_tokens for o in two) > 0
+
+
+def test_sharded_drafter_under_a_grammar_keeps_the_ranks_in_step(ckpt_mtp):
+    """EP 2 under a JSON grammar, which rank 0 alone holds: its spine stays the arg-max every rank
+    feeds onward, cut before the first token the grammar refuses, so the ranks stay in step, no
+    refused draft is verified, and the tokens are plain decoding's."""
+    params = SamplingParams(max_tokens=30, structured=StructuredOutput("json_object"))
+    plain = [o.token_ids for o in LLM(ckpt_mtp, dtype="float64").generate(PROMPTS, params)]
+    llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, draft_policy="fixed", ep=2, launcher=MPGroup)
+    proposer, refused = llm.engine.proposer, []
+    sharded_propose = proposer.propose_batch
+
+    def propose_batch(reqs):
+        got = sharded_propose(reqs)
+        refused.extend(len(d.tokens) - r.grammar.num_allowed(d.tokens) for r, d in zip(reqs, got))
+        return got
+
+    proposer.propose_batch = propose_batch
+    try:
+        two = llm.generate(PROMPTS, params)
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in two] == plain
+    assert refused and not any(refused) and sum(o.drafted_tokens for o in two) > 0
 
 
 def test_mp_group_restarts_after_a_killed_worker_and_loses_nothing(ckpt_mtp):

@@ -107,19 +107,20 @@ def test_bench_at_ep2_runs_each_arm_with_its_own_group(tmp_path):
     assert all(len(c["layout"]["ranks"]) == 2 and c["layout"]["launcher"] == "mp" for c in cells)
 
 
-def test_workloads_run_side_by_side_on_each_arm(tmp_path):
+def test_request_kinds_run_side_by_side_on_each_arm(tmp_path):
     from bench.benchmark import BenchConfig, run_bench
-    config = BenchConfig(model=str(EMBEDDED), arms=("none-eager", "k2-eager"), workloads=("plain", "json", "penalties"),
+    config = BenchConfig(model=str(EMBEDDED), arms=("none-eager", "k2-eager"), request_kinds=("plain", "json", "penalties"),
                          concurrency=(2,), max_tokens=6, requests=2)
     record = run_bench(config, json_out=tmp_path / "w.json")
     cells = {c["arm"]: c for c in record["cells"]}
     assert set(cells) == {f"{a}{w}" for a in ("none-eager", "k2-eager") for w in ("", "/json", "/penalties")}
-    assert all(c["output_tokens"] == 12 for c in cells.values())      # every workload runs to max_tokens
+    assert all(c["output_tokens"] == 12 for c in cells.values())      # every request kind runs to max_tokens
     assert cells["k2-eager/json"]["grammar_us_per_mask"] > 0 and cells["k2-eager/json"]["verifies"] > 0
+    assert [cells[f"k2-eager{w}"]["request_kind"] for w in ("", "/json", "/penalties")] == ["plain", "json", "penalties"]
     assert "grammar_ms_per_step" not in cells["k2-eager/penalties"]
-    assert cells["k2-eager/json"]["best_fixed_arm"] == "none-eager/json"  # compared within its workload
-    with pytest.raises(ValueError, match="workload 'xml'"):
-        BenchConfig(model="m", workloads=("xml",))
+    assert cells["k2-eager/json"]["best_fixed_arm"] == "none-eager/json"  # compared within its request kind
+    with pytest.raises(ValueError, match="request kind 'xml'"):
+        BenchConfig(model="m", request_kinds=("xml",))
 
 
 def test_chat_bench_runs_both_arms_through_the_server(tmp_path):

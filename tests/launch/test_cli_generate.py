@@ -134,7 +134,8 @@ def test_tree_shape_flag(ckpt_mtp, tmp_path):
         assert needle in res.stderr and "Traceback" not in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     for extra, needle in ((["--arms", "k3,tree"], "needs --tree-shape"),
-                          (["--arms", "tree", "--tree-shape", "0,1"], "count 0")):
+                          (["--arms", "tree", "--tree-shape", "0,1"], "count 0"),
+                          (["--request-kinds", "plain,xml"], "request kind 'xml'")):
         res = run("bench", "--model", str(ckpt_mtp), *extra)
         assert res.returncode == 2 and needle in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr

@@ -1,7 +1,8 @@
-"""What the benchmark's requests ask for besides the prompt: plain greedy decoding, a JSON schema,
-or penalties. Every workload is greedy with EOS ignored and runs to max_tokens, so the cells of
-one arm differ only by what the workload costs (the grammar mask, the penalties' per-row work)
-and by what it does to acceptance. A cell of a workload other than plain is named `ARM/WORKLOAD`.
+"""The sweep's request kinds: what its requests ask for besides the prompt (plain greedy decoding,
+a JSON schema, or penalties). Every kind is greedy with EOS ignored and runs to max_tokens, so the
+cells of one arm differ only by what the kind costs (the grammar mask, the penalties' per-row
+work) and by what it does to acceptance. A cell of a kind other than plain is named `ARM/KIND`.
+(Not `metrale bench --workload`, which picks the sweep or the chat benchmark.)
 """
 from __future__ import annotations
 
@@ -17,19 +18,19 @@ SYMBOL = {"type": "object", "additionalProperties": False, "required": ["name", 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["symbols"],
           "properties": {"symbols": {"type": "array", "items": SYMBOL, "minItems": 1000}}}
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
-WORKLOADS = ("plain", "json", "penalties")
+REQUEST_KINDS = ("plain", "json", "penalties")
 
 
-def workload_params(workload: str, max_tokens: int) -> SamplingParams:
-    """The sampling parameters of every request of `workload`."""
-    if workload == "plain":
+def request_params(kind: str, max_tokens: int) -> SamplingParams:
+    """The sampling parameters of every request of `kind`."""
+    if kind == "plain":
         return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    if workload == "json":
+    if kind == "json":
         return SamplingParams(max_tokens=max_tokens, ignore_eos=True, structured=StructuredOutput.json_schema(SCHEMA))
-    if workload == "penalties":
+    if kind == "penalties":
         return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **PENALTIES)
-    raise ValueError(f"unknown bench workload {workload!r} (one of {', '.join(WORKLOADS)})")
+    raise ValueError(f"unknown bench request kind {kind!r} (one of {', '.join(REQUEST_KINDS)})")
 
 
-def cell_name(arm: str, workload: str) -> str:
-    return arm if workload == "plain" else f"{arm}/{workload}"
+def cell_name(arm: str, kind: str) -> str:
+    return arm if kind == "plain" else f"{arm}/{kind}"
