@@ -44,11 +44,19 @@ BUILT_ARMS = (*ENGINE_ARMS, "hf")
 MIN_REQUESTS = 16   # requests behind a cell by default (at least 2 x concurrency)
 TREE_ARM = re.compile(r"^tree([1-4]{1,7})$")   # tree122: the shape 1,2,2, beside other shapes in one run
 EAGER = "-eager"   # an engine arm named with this suffix runs without torch.compile (none-eager, k2-eager)
+BATCH_INVARIANT = "-bi"   # ... with the batch-invariant kernels (none-bi, k3-bi; their step runs eager)
+SUFFIXES = (EAGER, BATCH_INVARIANT)
 
 
 def arm_base(arm: str) -> str:
-    """The arm without its -eager suffix."""
-    return arm[:-len(EAGER)] if arm.endswith(EAGER) else arm
+    """The arm without its suffixes (-eager, -bi)."""
+    while arm.endswith(SUFFIXES):
+        arm = arm[:-len(next(s for s in SUFFIXES if arm.endswith(s)))]
+    return arm
+
+
+def arm_suffixes(arm: str) -> set[str]:
+    return {s for s in SUFFIXES if s in arm[len(arm_base(arm)):]}
 
 
 def arm_tree_shape(arm: str, default: str | None) -> str | None:
@@ -91,9 +99,10 @@ class BenchConfig:
             arm = arm_base(name)
             if arm not in BUILT_ARMS and not TREE_ARM.match(arm):
                 raise ValueError(f"unknown bench arm {name!r} (built: {', '.join(BUILT_ARMS)}, treeDIGITS; "
-                                 f"an engine arm may end in {EAGER})")
+                                 f"an engine arm may end in {' and '.join(SUFFIXES)})")
             if arm == "hf" and name != arm:
-                raise ValueError(f"bench arm {name!r}: hf is transformers' generate, never compiled here")
+                raise ValueError(f"bench arm {name!r}: hf is transformers' generate, never compiled or "
+                                 "batch-invariant here")
             if TREE_ARM.match(arm):
                 TreeShape.parse(arm_tree_shape(arm, None))
         if self.ep < 1:
@@ -151,7 +160,8 @@ class EngineArm:
                        launcher=launcher, draft_policy=policy, draft_confidence_stop=tau,
                        tree_shape=self.tree_shape,
                        mtp_max_seqs=MAX_MTP_MAX_SEQS if policy == "fixed" and spec != "none" else None,
-                       enforce_eager=config.enforce_eager or name.endswith(EAGER))
+                       enforce_eager=config.enforce_eager or EAGER in arm_suffixes(name),
+                       batch_invariant=True if BATCH_INVARIANT in arm_suffixes(name) else None)
         self.comm = self.llm.deployment.comm
         self.layout = {"ep": config.ep, "launcher": config.launcher if config.ep > 1 else None,
                        "ranks": [{k: r[k] for k in ("rank", "pid", "host", "node")} for r in self.llm.rank_info]}
@@ -196,7 +206,8 @@ class EngineArm:
                     drafts_per_verify=round(m.drafted_tokens / m.verifies, 3) if m.verifies else None,
                     speculated_share=round(m.verifies / (m.verifies + plain), 4) if spec.is_speculating else None,
                     threads=torch.get_num_threads(), layout=self.layout,
-                    compiled=self.llm.engine.runner.compiled)
+                    compiled=self.llm.engine.runner.compiled,
+                    batch_invariant=self.llm.engine.runner.batch_invariant)
         steps = max(1, engine.num_steps - steps0)
         cell["step_ms"] = round(1000 * wall / steps, 3)
         cell["request_kind"] = kind

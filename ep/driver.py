@@ -26,6 +26,7 @@ class DriverRunner:
     def __init__(self, local: ModelRunner, comm: Communicator) -> None:
         self.local = local
         self.compiled = False   # EP ranks run the step eagerly (collectives inside the forward)
+        self.batch_invariant = local.batch_invariant
         self.comm = comm
         self.model = local.model
         self.config = local.config

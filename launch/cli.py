@@ -55,6 +55,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep-timeout", type=float, default=60.0, help="seconds before a collective is declared dead")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the target step eagerly, without torch.compile (float64 and EP always do)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch-invariant kernels: a request's tokens do not depend on what shares its steps "
+                        "(width, speculation, other requests); the step runs eager. Default: on for float64 only")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="compute every prompt whole (by default full KV blocks of earlier prompts are reused)")
 
@@ -187,7 +190,8 @@ def make_llm(args: argparse.Namespace):
     spec = resolve_speculation(args)
     common = dict(dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
                   spec_settings=spec, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout,
-                  enforce_eager=args.enforce_eager, prefix_cache=args.prefix_cache)
+                  enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
+                  prefix_cache=args.prefix_cache)
     tr = torchrun_rank()
     if tr is not None:
         rank, world = tr

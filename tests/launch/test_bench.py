@@ -91,9 +91,13 @@ def test_tree_arms_name_their_shape():
         BenchConfig(model="m", arms=("tree4444",))
     with pytest.raises(ValueError, match="unknown bench arm 'tree5'"):
         BenchConfig(model="m", arms=("tree5",))
-    BenchConfig(model="m", arms=("none-eager", "k2-eager", "tree122-eager"))
-    with pytest.raises(ValueError, match="hf is transformers' generate"):
-        BenchConfig(model="m", arms=("hf-eager",))
+    BenchConfig(model="m", arms=("none-eager", "k2-eager", "tree122-eager", "k3-bi", "none-eager-bi"))
+    from bench.benchmark import arm_base, arm_suffixes
+    assert arm_base("k3-bi-eager") == "k3" and arm_suffixes("k3-bi-eager") == {"-bi", "-eager"}
+    assert arm_base("none-bi") == "none" and arm_suffixes("k3") == set()
+    for bad in ("hf-eager", "hf-bi"):
+        with pytest.raises(ValueError, match="hf is transformers' generate"):
+            BenchConfig(model="m", arms=(bad,))
 
 
 def test_bench_at_ep2_runs_each_arm_with_its_own_group(tmp_path):
@@ -109,16 +113,18 @@ def test_bench_at_ep2_runs_each_arm_with_its_own_group(tmp_path):
 
 def test_request_kinds_run_side_by_side_on_each_arm(tmp_path):
     from bench.benchmark import BenchConfig, run_bench
-    config = BenchConfig(model=str(EMBEDDED), arms=("none-eager", "k2-eager"), request_kinds=("plain", "json", "penalties"),
+    config = BenchConfig(model=str(EMBEDDED), arms=("none-eager", "k2-bi"), request_kinds=("plain", "json", "penalties"),
                          concurrency=(2,), max_tokens=6, requests=2)
     record = run_bench(config, json_out=tmp_path / "w.json")
     cells = {c["arm"]: c for c in record["cells"]}
-    assert set(cells) == {f"{a}{w}" for a in ("none-eager", "k2-eager") for w in ("", "/json", "/penalties")}
+    assert set(cells) == {f"{a}{w}" for a in ("none-eager", "k2-bi") for w in ("", "/json", "/penalties")}
+    assert cells["k2-bi"]["batch_invariant"] and not cells["k2-bi"]["compiled"]
+    assert not cells["none-eager"]["batch_invariant"]
     assert all(c["output_tokens"] == 12 for c in cells.values())      # every request kind runs to max_tokens
-    assert cells["k2-eager/json"]["grammar_us_per_mask"] > 0 and cells["k2-eager/json"]["verifies"] > 0
-    assert [cells[f"k2-eager{w}"]["request_kind"] for w in ("", "/json", "/penalties")] == ["plain", "json", "penalties"]
-    assert "grammar_ms_per_step" not in cells["k2-eager/penalties"]
-    assert cells["k2-eager/json"]["best_fixed_arm"] == "none-eager/json"  # compared within its request kind
+    assert cells["k2-bi/json"]["grammar_us_per_mask"] > 0 and cells["k2-bi/json"]["verifies"] > 0
+    assert [cells[f"k2-bi{w}"]["request_kind"] for w in ("", "/json", "/penalties")] == ["plain", "json", "penalties"]
+    assert "grammar_ms_per_step" not in cells["k2-bi/penalties"]
+    assert cells["k2-bi/json"]["best_fixed_arm"] == "none-eager/json"  # compared within its request kind
     with pytest.raises(ValueError, match="request kind 'xml'"):
         BenchConfig(model="m", request_kinds=("xml",))
 
