@@ -185,6 +185,12 @@ def outputs(request):
         if arm == "none":
             runs["alone"] = [llm.generate([p], greedy)[0].token_ids for p in PROMPTS]
         llm.shutdown()
+    # A cache a third the batch's size: sequences are preempted and recomputed (prefix cache off,
+    # so the recompute really computes), MTP on.
+    small = LLM(MODEL, dtype, kv_cache_tokens=768, batch_invariant=True, prefix_cache=False, spec="mtp", num_drafts=3)
+    runs["preempted"] = [o.token_ids for o in small.generate(PROMPTS, greedy)]
+    runs["num_preemptions"] = small.engine.scheduler.num_preemptions
+    small.shutdown()
     return dtype, runs
 
 
@@ -198,6 +204,12 @@ def test_speculation_equals_none(outputs, arm):
     dtype, runs = outputs
     diff = [i for i in range(16) if runs[arm][i] != runs["none"][i]]
     assert not diff, f"{dtype} {arm}: prompts {diff} differ from no speculation"
+
+
+def test_preempted_and_recomputed_equals_none(outputs):
+    dtype, runs = outputs
+    assert runs["num_preemptions"] > 0
+    assert runs["preempted"] == runs["none"]
 
 
 def test_seeded_sampling_with_speculation_equals_none(outputs):
