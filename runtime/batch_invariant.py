@@ -44,20 +44,19 @@ QUERY_TILE = 8     # query rows of one sequence attended in one fixed-shape matm
 LANES = 32         # elements of the widest CPU vector (AVX-512, 16-bit types)
 
 
-def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x [N, ...] padded with zero rows to `rows` rows (returned as is when it has enough)."""
-    n = x.shape[0]
-    return x if n >= rows else torch.cat((x, x.new_zeros(rows - n, *x.shape[1:])))
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` whose every output row is independent of the other rows of `x` [..., in]: the
     GEMM runs on tiles of exactly MIN_ROWS rows."""
     flat = x.reshape(-1, x.shape[-1])
     n = flat.shape[0]
-    padded = pad_rows(flat, -(-n // MIN_ROWS) * MIN_ROWS)
-    out = torch.cat([F.linear(tile, weight, bias) for tile in padded.split(MIN_ROWS)])[:n]
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    pad = -n % MIN_ROWS
+    if pad:
+        flat = F.pad(flat, (0, 0, 0, pad))
+    if flat.shape[0] == MIN_ROWS:
+        out = F.linear(flat, weight, bias)
+    else:
+        out = torch.cat([F.linear(tile, weight, bias) for tile in flat.split(MIN_ROWS)])
+    return out[:n].reshape(*x.shape[:-1], weight.shape[0])
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
