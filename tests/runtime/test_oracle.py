@@ -59,8 +59,8 @@ def reference(path, dtype):
 def our_logits_stepwise(model, ids: list[int], prefill: int) -> torch.Tensor:
     """Prefill the first `prefill` tokens in one chunk, then one token per step; logits of every row."""
     cfg = model.config
-    cache = PagedKVCache(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                         head_dim=cfg.head_dim, num_blocks=16, block_size=4, dtype=model.dtype)
+    cache = PagedKVCache(num_layers=cfg.num_hidden_layers, num_blocks=16, block_size=4, dtype=model.dtype,
+                         **model.cache_layout())
     rows = []
     start = 0
     with torch.no_grad():
