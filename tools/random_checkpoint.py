@@ -59,8 +59,8 @@ def add_mtp_layer(path: Path, seed: int = 5, noise: float = 0.0) -> Path:
     g = torch.Generator().manual_seed(seed)
     src = f"model.layers.{layers - 1}."
     for k in [k for k in tensors if k.startswith(src)]:
-        tensors[f"model.layers.{layers}." + k[len(src):]] = (
-            tensors[k].clone() + noise * torch.randn(tensors[k].shape, generator=g).to(tensors[k].dtype))
+        extra = noise * torch.randn(tensors[k].shape, generator=g).to(tensors[k].dtype) if noise else 0.0
+        tensors[f"model.layers.{layers}." + k[len(src):]] = tensors[k].clone() + extra
     eh = torch.zeros(h, 2 * h)
     eh[:, h:] = torch.eye(h)  # pass the target hidden through, ignore the token
     eh += 0.02 * torch.randn(h, 2 * h, generator=g)
