@@ -145,6 +145,16 @@ class ModelConfig:
         return (layer_idx >= self.first_k_dense_replace and layer_idx not in self.mlp_only_layers
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
+    def kv_values_per_token(self, *, compressed: bool = True) -> int:
+        """Values a token keeps in the KV cache per cache layer: the latent plus the rotary key for
+        multi-head latent attention (`compressed=False`: the per-head keys and values it expands
+        to), keys and values of every KV head otherwise."""
+        if self.is_mla and compressed:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        if self.is_mla:
+            return self.num_attention_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+        return 2 * self.num_key_value_heads * self.head_dim
+
     @property
     def num_cache_layers(self) -> int:
         """Target layers plus the MTP layer: the KV cache holds one plane per layer."""

@@ -85,8 +85,9 @@ def test_mla_cache_holds_the_latent_and_the_rotary_key_per_token(family_ckpt, ca
     layers = cfg.num_hidden_layers + 1          # the MTP layer has its own plane
     assert cache.bytes_per_token == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * layers * 8
     assert cache.k.numel() * 8 == cache.bytes_per_token * cache.capacity_tokens   # no value tensor beside it
+    assert cache.bytes_per_token == cfg.kv_values_per_token() * layers * 8
     uncompressed = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
-    assert cache.bytes_per_token < uncompressed * layers * 8
+    assert cfg.kv_values_per_token(compressed=False) == uncompressed > cfg.kv_values_per_token()
 
 
 def test_mtp_is_refused_in_one_line_on_a_family_without_it(family_ckpt):

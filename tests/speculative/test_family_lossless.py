@@ -28,5 +28,6 @@ def test_same_tokens_with_and_without_speculation(family_ckpt, case, spec, name)
     assert [llm.generate([p], params)[0].token_ids for p in PROMPTS] == want           # width 1
     m = llm.engine.metrics
     assert m.verifies > 0 and m.drafted_tokens > 0
-    if spec["spec"] == "mtp":   # the drafter (a copy of the last layer) is right sometimes, not always
-        assert 0 < m.accepted_tokens < m.drafted_tokens
+    assert m.accepted_tokens < m.drafted_tokens
+    if spec["spec"] == "mtp" and name == "greedy":   # the drafter (a copy of the last layer) is right sometimes
+        assert m.accepted_tokens > 0
