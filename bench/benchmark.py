@@ -237,9 +237,9 @@ class HFArm:
         self.model = None
 
     def __init__(self, config: BenchConfig, threads: int) -> None:
-        from transformers import Glm4MoeForCausalLM
+        from transformers import AutoModelForCausalLM  # every family of runtime.families
         from runtime.weights import DTYPES
-        self.model = Glm4MoeForCausalLM.from_pretrained(config.model, dtype=DTYPES[config.dtype]).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(config.model, dtype=DTYPES[config.dtype]).eval()
         self.threads = threads
 
     def run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int, ep: int,
@@ -251,6 +251,7 @@ class HFArm:
             cell = self._run(prompts, concurrency, n, max_tokens)
         finally:
             torch.set_num_threads(before)
+        cell["workload"] = workload   # compared with the engine arms of the same workload (bench.cells)
         return cell
 
     def _run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int) -> dict:
@@ -289,6 +290,20 @@ def bench_prompts(config: BenchConfig) -> list[list[int]]:
 
 def progress(arm: str, concurrency: int, runs: list[dict]) -> None:
     print(f"    {arm} c={concurrency} run {len(runs)}: {runs[-1]['tok_s']:.1f} tok/s", flush=True)
+
+
+def kv_cache_bytes(config: BenchConfig) -> dict:
+    """KV bytes per token of the model (target layers) in the bench dtype, and what an uncompressed
+    cache would take: they differ for multi-head latent attention (runtime.mla)."""
+    from runtime.config import load_config
+    from runtime.weights import DTYPES
+    cfg = load_config(config.model)
+    size = DTYPES[config.dtype].itemsize * cfg.num_hidden_layers
+    out = {"architecture": cfg.architecture, "bytes_per_token": cfg.kv_values_per_token() * size,
+           "uncompressed_bytes_per_token": cfg.kv_values_per_token(compressed=False) * size}
+    print(f"bench: {cfg.architecture}, KV cache {out['bytes_per_token']} bytes per token "
+          f"(uncompressed {out['uncompressed_bytes_per_token']})", flush=True)
+    return out
 
 
 def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path | None = None,
@@ -342,7 +357,7 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
     end = check_provenance(start)
     cells = [summarize(runs[name, c]) for c in config.concurrency for name in names]
     add_ratios(cells, names[0])
-    record = {"model": str(config.model), **start, **end,
+    record = {"model": str(config.model), **start, **end, "kv_cache": kv_cache_bytes(config),
               "recorded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": machine(), "params": asdict(config), "verify_key": verify_key_settings(), "cells": cells}
     print_table(cells)

@@ -24,9 +24,9 @@ def load_local_drafter(model_dir: str | Path, dtype: str, rank: int, world_size:
     """An `MTPProposer` on rank `rank`'s experts only, drafting without the other ranks."""
     topo = EPTopology.of(load_config(model_dir), rank, world_size)
     model = load_model(model_dir, dtype, expert_range=topo.expert_range(), mtp_only=True)
-    cfg = model.config
     attn = model.mtp.block.self_attn
     attn.layer_idx = 0  # the plane's only layer
-    plane = cache.shared_plane(num_layers=1, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+    layout = model.cache_layout()
+    plane = cache.shared_plane(num_layers=1, num_kv_heads=layout["num_kv_heads"], head_dim=layout["head_dim"],
                                dtype=cache.k.dtype)
     return MTPProposer(model, plane, confidence_stop, knobs)

@@ -6,6 +6,12 @@ token, N ranks, V vocab, Vr this rank's vocabulary slice.
 - Attention: query and key/value heads split across ranks (column-parallel q/k/v), output
   projection row-parallel followed by an all-reduce. KV heads are replicated when there are
   fewer of them than ranks.
+- Multi-head latent attention (runtime.mla): query heads split (q_proj or q_b_proj, and
+  kv_b_proj, whose rows are per head, column-parallel; o_proj row-parallel). The latent path
+  (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm) is replicated, and so is the latent
+  cache: the latent is the one key/value "head" every query head reads, so splitting it would cost
+  an all-gather per layer for C + Dr values per token, while replicating it costs only that much
+  cache per rank (what an MQA model's single KV head costs under tensor parallelism too).
 - LM head (and the MTP head when it has its own): vocabulary-parallel; logits are gathered.
 - Routed experts: each rank owns a contiguous range; dispatch `alltoall` or `allreduce`.
 - Embeddings, norms, routers and shared experts: replicated.
@@ -22,23 +28,33 @@ from torch import nn
 from ep.comm import Communicator
 from ep.topology import EPTopology
 from runtime import batch_invariant as bi
+from runtime.config import ModelConfig
 from runtime.layers import Linear, MoE, RoutedExperts
-from runtime.model import Glm4MoeForCausalLM
+from runtime.mla import MLAttention
+from runtime.model import CausalLM
 
 ShardSpecs = dict[str, tuple[int, int, int]]  # param name -> (dim, start, stop) in the checkpoint tensor
 
 
 class RowParallelLinear(Linear):
     """A linear over this rank's slice of the input features (`in_parts` heads); partial sums
-    all-reduced."""
+    all-reduced, then the (replicated) bias added once."""
 
-    def __init__(self, in_features: int, out_features: int, comm: Communicator, in_parts: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = False,
+                 in_parts: int = 1) -> None:
+        super().__init__(in_features, out_features, bias=bias)
         self.comm = comm
         self.in_parts = in_parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce(super().forward(x))
+        if not self.batch_invariant:
+            partial = F.linear(x, self.weight)
+        elif self.in_parts > 1:
+            partial = bi.split_linear(x, self.weight, self.in_parts)
+        else:
+            partial = bi.linear(x, self.weight)
+        out = self.comm.all_reduce(partial)
+        return out if self.bias is None else out + self.bias
 
 
 class VocabParallelHead(nn.Module):
@@ -128,31 +144,20 @@ class EPMoE(nn.Module):
         return torch.cat([gathered[r * width:r * width + share[r]] for r in range(n)])
 
 
-def parallelize(model: Glm4MoeForCausalLM, topo: EPTopology, comm: Communicator, moe_mode: str) -> ShardSpecs:
+def parallelize(model: CausalLM, topo: EPTopology, comm: Communicator, moe_mode: str) -> ShardSpecs:
     """Swap the model's layers for their parallel versions (on the meta device, before loading)."""
     cfg = model.config
     if cfg.tie_word_embeddings:
         raise ValueError("tie_word_embeddings=true is not supported with ep_size > 1")
     specs: ShardSpecs = {}
-    d = cfg.head_dim
-    h0, h1 = topo.head_range.start, topo.head_range.stop
-    k0, k1 = topo.kv_head_range.start, topo.kv_head_range.stop
     blocks = [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
     if model.mtp is not None:
         blocks.append(("mtp.block", model.mtp.block))
     for name, block in blocks:
-        attn = block.self_attn
-        h = cfg.hidden_size
-        attn.q_proj = Linear(h, (h1 - h0) * d, bias=cfg.attention_bias)
-        attn.k_proj = Linear(h, (k1 - k0) * d, bias=cfg.attention_bias)
-        attn.v_proj = Linear(h, (k1 - k0) * d, bias=cfg.attention_bias)
-        attn.o_proj = RowParallelLinear((h1 - h0) * d, h, comm, in_parts=h1 - h0)
-        attn.num_heads, attn.num_kv_heads = h1 - h0, k1 - k0
-        for proj, (a, b) in (("q_proj", (h0, h1)), ("k_proj", (k0, k1)), ("v_proj", (k0, k1))):
-            specs[f"{name}.self_attn.{proj}.weight"] = (0, a * d, b * d)
-            if cfg.attention_bias:
-                specs[f"{name}.self_attn.{proj}.bias"] = (0, a * d, b * d)
-        specs[f"{name}.self_attn.o_proj.weight"] = (1, h0 * d, h1 * d)
+        if isinstance(block.self_attn, MLAttention):
+            specs |= _split_latent_attention(block.self_attn, f"{name}.self_attn", cfg, topo, comm)
+        else:
+            specs |= _split_attention(block.self_attn, f"{name}.self_attn", cfg, topo, comm)
         if isinstance(block.mlp, MoE):
             block.mlp = EPMoE(block.mlp, topo, comm, moe_mode)
     vr = topo.vocab_range()
@@ -162,3 +167,38 @@ def parallelize(model: Glm4MoeForCausalLM, topo: EPTopology, comm: Communicator,
         model.mtp.shared_head.head = VocabParallelHead(cfg.hidden_size, topo, comm)
         specs["mtp.shared_head.head.weight"] = (0, vr.start, vr.stop)
     return specs
+
+
+def _split_attention(attn: nn.Module, name: str, cfg: ModelConfig, topo: EPTopology, comm: Communicator) -> ShardSpecs:
+    """Grouped-query attention: this rank's query heads and the key/value heads they read."""
+    d, h = cfg.head_dim, cfg.hidden_size
+    h0, h1 = topo.head_range.start, topo.head_range.stop
+    k0, k1 = topo.kv_head_range.start, topo.kv_head_range.stop
+    attn.q_proj = Linear(h, (h1 - h0) * d, bias=cfg.attention_bias)
+    attn.k_proj = Linear(h, (k1 - k0) * d, bias=cfg.attention_bias)
+    attn.v_proj = Linear(h, (k1 - k0) * d, bias=cfg.attention_bias)
+    attn.o_proj = RowParallelLinear((h1 - h0) * d, h, comm, bias=cfg.o_proj_bias, in_parts=h1 - h0)
+    attn.num_heads, attn.num_kv_heads = h1 - h0, k1 - k0
+    specs: ShardSpecs = {}
+    for proj, (a, b) in (("q_proj", (h0, h1)), ("k_proj", (k0, k1)), ("v_proj", (k0, k1))):
+        specs[f"{name}.{proj}.weight"] = (0, a * d, b * d)
+        if cfg.attention_bias:
+            specs[f"{name}.{proj}.bias"] = (0, a * d, b * d)
+    specs[f"{name}.o_proj.weight"] = (1, h0 * d, h1 * d)
+    return specs
+
+
+def _split_latent_attention(attn: MLAttention, name: str, cfg: ModelConfig, topo: EPTopology,
+                            comm: Communicator) -> ShardSpecs:
+    """Multi-head latent attention: this rank's query heads (their rows of the query projection
+    and of kv_b_proj, their columns of o_proj); the latent projections stay whole."""
+    h0, h1 = topo.head_range.start, topo.head_range.stop
+    qk, kv = attn.nope + attn.rope, attn.nope + attn.v_dim
+    q_name = "q_b_proj" if attn.has_q_lora else "q_proj"
+    setattr(attn, q_name, Linear(cfg.q_lora_rank or cfg.hidden_size, (h1 - h0) * qk, bias=False))
+    attn.kv_b_proj = Linear(attn.kv_lora_rank, (h1 - h0) * kv, bias=False)
+    attn.o_proj = RowParallelLinear((h1 - h0) * attn.v_dim, cfg.hidden_size, comm, bias=cfg.o_proj_bias,
+                                    in_parts=h1 - h0)
+    attn.num_heads = h1 - h0
+    return {f"{name}.{q_name}.weight": (0, h0 * qk, h1 * qk), f"{name}.kv_b_proj.weight": (0, h0 * kv, h1 * kv),
+            f"{name}.o_proj.weight": (1, h0 * attn.v_dim, h1 * attn.v_dim)}

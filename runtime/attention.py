@@ -1,7 +1,7 @@
 """Attention contexts: one batched paged-KV forward over many sequences, and plain causal attention.
 
 Shapes: T step tokens (sequence-major), B sequences, Q = longest chunk in the step, K = longest
-context, nh query heads, nkv kv heads, D head dim.
+context, nh query heads, nkv kv heads, D head dim, Dv value dim (D, or the latent of runtime.mla).
 
 `StepPlan` is everything the attention of one step needs besides q/k/v: where to write this
 step's keys, which cache cells each sequence reads, and which of them each row may see. It is
@@ -169,8 +169,8 @@ class PagedAttention:
                                              is_causal=p.mask_mode == "causal", scale=scale,
                                              enable_gqa=keys.shape[1] != queries.shape[1])
         if single:
-            return out[0].transpose(0, 1)                           # [T, nh, D]
-        return out.transpose(1, 2)[p.valid]                          # [T, nh, D]
+            return out[0].transpose(0, 1)                           # [T, nh, Dv]
+        return out.transpose(1, 2)[p.valid]                          # [T, nh, Dv]
 
 
 # --- the compiled step ---------------------------------------------------------------------
@@ -196,7 +196,7 @@ def forward_context(paged: PagedAttention):
 @torch.library.custom_op("metrale::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
                     scale: float) -> torch.Tensor:
-    """q [T, nh, D], k/v [T, nkv, D] -> [T, nh, D], through the forward context's cache."""
+    """q [T, nh, D], k [T, nkv, D], v [T, nkv, Dv] -> [T, nh, Dv], through the forward context's cache."""
     paged = getattr(_step_context, "paged", None)
     if paged is None:
         raise RuntimeError("paged_attention called outside a forward context")
@@ -205,7 +205,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
 
 @paged_attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
-    return q.new_empty(q.shape)
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 class ContextAttention:

@@ -134,12 +134,12 @@ def attention_tiles(contexts: Sequence[torch.Tensor], starts: Sequence[int], cou
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: AttentionTiles,
               scale: float) -> torch.Tensor:
-    """q [T, nh, D]; k_cache/v_cache [S, nkv, D] one layer's cells -> [T, nh, D].
+    """q [T, nh, D]; k_cache [S, nkv, D], v_cache [S, nkv, Dv] one layer's cells -> [T, nh, Dv].
 
     Scores and the softmax run in float32 (float64 for a float64 model), like SDPA's CPU kernel.
     """
     n, kp = tiles.cells.shape
-    nkv, d = k_cache.shape[1], k_cache.shape[2]
+    nkv, d, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]
     nh = q.shape[1]
     g = nh // nkv
     nc = kp // KEY_CHUNK
@@ -148,7 +148,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, til
     # [N, nkv, 1, M, D]: tile rows x the g query heads of each kv head (row-major: row, then head)
     qt = q[tiles.rows].to(acc).view(n, QUERY_TILE, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(n, nkv, 1, m, d)
     keys = k_cache[tiles.cells].to(acc).view(n, nc, KEY_CHUNK, nkv, d).permute(0, 3, 1, 4, 2)   # [N, nkv, nc, D, C]
-    values = v_cache[tiles.cells].to(acc).view(n, nc, KEY_CHUNK, nkv, d).permute(0, 3, 1, 2, 4)  # [N, nkv, nc, C, D]
+    values = v_cache[tiles.cells].to(acc).view(n, nc, KEY_CHUNK, nkv, dv).permute(0, 3, 1, 2, 4)  # [N, nkv, nc, C, Dv]
     s = torch.matmul(qt.expand(n, nkv, nc, m, d), keys) * scale                               # [N, nkv, nc, M, C]
     lengths = tiles.lengths.repeat_interleave(g, dim=1).view(n, 1, 1, m, 1)                     # [N, 1, 1, M, 1]
     pos = torch.arange(kp, device=q.device).view(1, 1, nc, 1, KEY_CHUNK)
@@ -156,9 +156,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, til
     top = s.amax(dim=(2, 4), keepdim=True)                                                     # exact, any order
     p = torch.exp(s - top)                                                                     # masked keys: exactly 0
     total = p.sum(dim=-1).cumsum(dim=2)[:, :, -1]                                              # [N, nkv, M]
-    out = torch.matmul(p, values).cumsum(dim=2)[:, :, -1] / total[..., None]                   # [N, nkv, M, D]
-    out = out.view(n, nkv, QUERY_TILE, g, d).permute(0, 2, 1, 3, 4).reshape(n, QUERY_TILE, nh, d)
-    result = q.new_empty(q.shape)
+    out = torch.matmul(p, values).cumsum(dim=2)[:, :, -1] / total[..., None]                   # [N, nkv, M, Dv]
+    out = out.view(n, nkv, QUERY_TILE, g, dv).permute(0, 2, 1, 3, 4).reshape(n, QUERY_TILE, nh, dv)
+    result = q.new_empty((*q.shape[:-1], dv))
     result[tiles.rows[tiles.real]] = out[tiles.real].to(q.dtype)
     return result
 

@@ -1,7 +1,9 @@
-"""Model configuration: a Hugging Face `config.json` of `model_type: glm4_moe` read into one frozen dataclass.
+"""Model configuration: a Hugging Face `config.json` read into one frozen dataclass.
 
-Both spellings of the rotary settings are accepted: top-level `rope_theta` / `partial_rotary_factor`
-(published GLM-4.5 checkpoints) and the `rope_parameters` dict that transformers 5 writes.
+Which families are served, and which fields each sets itself, is `runtime.families`; this module
+reads the fields they share. Both spellings of the rotary settings are accepted: top-level
+`rope_theta` / `partial_rotary_factor` (published checkpoints) and the `rope_parameters` dict
+that transformers 5 writes (or the older `rope_scaling`). Rotary types: `default` and `yarn`.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("glm4_moe",)
+from runtime.families import FAMILIES, family_of
 
 _REQUIRED = (
     "vocab_size",
@@ -18,11 +20,10 @@ _REQUIRED = (
     "intermediate_size",
     "num_hidden_layers",
     "num_attention_heads",
-    "num_key_value_heads",
     "moe_intermediate_size",
     "num_experts_per_tok",
-    "n_routed_experts",
 )
+ROUTER_SCORINGS = ("sigmoid", "softmax")
 
 
 class ConfigError(ValueError):
@@ -30,7 +31,26 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class YarnScaling:
+    """YaRN rotary scaling (`rope_type: yarn`), as transformers' `_compute_yarn_parameters` reads it."""
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0 or self.original_max_position_embeddings < 1:
+            raise ConfigError(f"config.json: yarn factor={self.factor} and original_max_position_embeddings="
+                              f"{self.original_max_position_embeddings} must be positive")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
+    architecture: str = "Glm4MoeForCausalLM"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -42,16 +62,28 @@ class ModelConfig:
     num_experts_per_tok: int
     n_routed_experts: int
     n_shared_experts: int = 1
+    router_scoring: str = "sigmoid"      # sigmoid: score-correction bias and grouped top-k; softmax: plain top-k
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
     first_k_dense_replace: int = 1
+    decoder_sparse_step: int = 1         # layer i is MoE when (i + 1) % step == 0 (Qwen3-MoE)
+    mlp_only_layers: tuple[int, ...] = ()
     norm_topk_prob: bool = True
     use_qk_norm: bool = False
     attention_bias: bool = False
+    o_proj_bias: bool = False
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     partial_rotary_factor: float = 0.5
+    rope_scaling: YarnScaling | None = None
+    rope_interleave: bool = False        # rotary on interleaved channel pairs (DeepSeek's layout)
+    # Multi-head latent attention (runtime.mla) when kv_lora_rank > 0; head_dim is then the rotary part.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 0
@@ -59,12 +91,18 @@ class ModelConfig:
     bos_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        if self.architecture not in FAMILIES:
+            raise ConfigError(f"config.json: architecture {self.architecture!r} is not supported; "
+                              f"supported: {', '.join(FAMILIES)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "moe_intermediate_size",
                      "num_experts_per_tok", "n_routed_experts", "n_group", "topk_group",
-                     "max_position_embeddings"):
+                     "max_position_embeddings", "decoder_sparse_step"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"config.json: {name}={getattr(self, name)} must be at least 1")
+        if self.router_scoring not in ROUTER_SCORINGS:
+            raise ConfigError(f"config.json: router scoring {self.router_scoring!r}: expected one of "
+                              f"{', '.join(ROUTER_SCORINGS)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"config.json: num_attention_heads={self.num_attention_heads} is not a multiple "
                               f"of num_key_value_heads={self.num_key_value_heads}")
@@ -76,9 +114,14 @@ class ModelConfig:
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ConfigError(f"config.json: num_experts_per_tok={self.num_experts_per_tok} exceeds "
                               f"n_routed_experts={self.n_routed_experts}")
-        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2 or self.rotary_dim == 0:
             raise ConfigError(f"config.json: partial_rotary_factor={self.partial_rotary_factor} gives an odd or "
                               f"empty rotary dimension for head_dim={self.head_dim}")
+        if self.is_mla and min(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) < 1:
+            raise ConfigError(f"config.json: kv_lora_rank={self.kv_lora_rank} needs qk_nope_head_dim, "
+                              "qk_rope_head_dim and v_head_dim of at least 1")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ConfigError(f"config.json: q_lora_rank={self.q_lora_rank} must be at least 1 or null")
         if self.num_nextn_predict_layers not in (0, 1):
             raise ConfigError(f"config.json: num_nextn_predict_layers={self.num_nextn_predict_layers}; "
                               "this runtime supports 0 or 1")
@@ -90,9 +133,27 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash) rather than grouped-query."""
+        return self.kv_lora_rank > 0
+
     def is_moe_layer(self, layer_idx: int) -> bool:
-        """Layers from `first_k_dense_replace` on are MoE (the MTP layer, at index num_hidden_layers, too)."""
-        return layer_idx >= self.first_k_dense_replace
+        """Layers from `first_k_dense_replace` on are MoE (the MTP layer, at index num_hidden_layers,
+        too), except those in `mlp_only_layers` and, with `decoder_sparse_step` s, those with
+        (index + 1) not a multiple of s."""
+        return (layer_idx >= self.first_k_dense_replace and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+    def kv_values_per_token(self, *, compressed: bool = True) -> int:
+        """Values a token keeps in the KV cache per cache layer: the latent plus the rotary key for
+        multi-head latent attention (`compressed=False`: the per-head keys and values it expands
+        to), keys and values of every KV head otherwise."""
+        if self.is_mla and compressed:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        if self.is_mla:
+            return self.num_attention_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+        return 2 * self.num_key_value_heads * self.head_dim
 
     @property
     def num_cache_layers(self) -> int:
@@ -100,13 +161,15 @@ class ModelConfig:
         return self.num_hidden_layers + self.num_nextn_predict_layers
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json that transformers reads back as the same model."""
+        """The config.json that transformers reads back as the same model (GLM-4.5 MoE only)."""
+        if self.architecture != "Glm4MoeForCausalLM":
+            raise ConfigError(f"to_hf_dict writes Glm4MoeForCausalLM configs only, not {self.architecture}")
         out: dict[str, Any] = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
                                "hidden_act": "silu"}
+        glm = {f.name for f in fields(self)} - set(_NOT_GLM)
         for f in fields(self):
-            if f.name in ("eos_token_ids", "rope_theta", "partial_rotary_factor"):
-                continue
-            out[f.name] = getattr(self, f.name)
+            if f.name in glm and f.name not in ("eos_token_ids", "rope_theta", "partial_rotary_factor"):
+                out[f.name] = getattr(self, f.name)
         out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
                                   "partial_rotary_factor": self.partial_rotary_factor}
         out["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
@@ -114,35 +177,56 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], *, source: str = "config.json") -> "ModelConfig":
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(f"{source}: model_type={model_type!r} is not supported (expected one of "
-                              f"{', '.join(SUPPORTED_MODEL_TYPES)})")
-        for name in _REQUIRED:
-            if name not in raw or raw[name] is None:
+        try:
+            family = family_of(raw)
+            own = family.read(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+        merged = {**raw, **own}
+        for name in (*_REQUIRED, "n_routed_experts", "num_key_value_heads"):
+            if merged.get(name) is None:
                 raise ConfigError(f"{source}: missing field {name!r}")
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act={act!r} is not supported (expected 'silu')")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(f"{source}: rope_type={rope_type!r} is not supported (expected 'default')")
+        if rope_type not in ("default", "yarn"):
+            raise ConfigError(f"{source}: rope_type={rope_type!r} is not supported (expected 'default' or 'yarn')")
         rope_theta = raw.get("rope_theta", rope.get("rope_theta"))
         if rope_theta is None:
             raise ConfigError(f"{source}: missing field 'rope_theta' (top level or in rope_parameters)")
-        partial = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5))
+        scaling = None
+        if rope_type == "yarn":
+            if rope.get("factor") is None:
+                raise ConfigError(f"{source}: rope_type 'yarn' needs a 'factor'")
+            scaling = YarnScaling(
+                factor=float(rope["factor"]), beta_fast=float(rope.get("beta_fast") or 32),
+                beta_slow=float(rope.get("beta_slow") or 1), mscale=rope.get("mscale"),
+                mscale_all_dim=rope.get("mscale_all_dim"), attention_factor=rope.get("attention_factor"),
+                original_max_position_embeddings=int(rope.get("original_max_position_embeddings")
+                                                     or merged.get("max_position_embeddings", 4096)),
+                truncate=bool(rope.get("truncate", True)))
+        partial = merged.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5))
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
         known = {f.name for f in fields(cls)}
-        kwargs = {k: raw[k] for k in known if k in raw and raw[k] is not None
-                  and k not in ("eos_token_ids", "rope_theta", "partial_rotary_factor", "head_dim")}
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+        kwargs = {k: merged[k] for k in known if k in merged and merged[k] is not None
+                  and k not in ("eos_token_ids", "rope_theta", "partial_rotary_factor", "head_dim",
+                                "architecture", "rope_scaling", "mlp_only_layers")}
+        head_dim = merged.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
         try:
-            return cls(**kwargs, head_dim=int(head_dim), rope_theta=float(rope_theta),
-                       partial_rotary_factor=float(partial), eos_token_ids=eos_ids)
+            return cls(**kwargs, architecture=family.architecture, head_dim=int(head_dim),
+                       rope_theta=float(rope_theta), partial_rotary_factor=float(partial), rope_scaling=scaling,
+                       mlp_only_layers=tuple(merged.get("mlp_only_layers") or ()), eos_token_ids=eos_ids)
         except TypeError as exc:  # a field of the wrong JSON type
             raise ConfigError(f"{source}: {exc}") from None
+
+
+# Fields the GLM-4.5 MoE config.json does not carry (to_hf_dict leaves them out).
+_NOT_GLM = ("architecture", "router_scoring", "decoder_sparse_step", "mlp_only_layers", "o_proj_bias",
+            "rope_scaling", "rope_interleave", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim")
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

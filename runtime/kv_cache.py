@@ -10,7 +10,10 @@ blocks holding nothing worth keeping (rewound rows, the tail of a freed sequence
 `runtime.prefix_cache.PrefixCache`) can tell a block that still holds what it indexed.
 
 Shapes: L cache layers (target layers plus the MTP layer), S cells = num_blocks * block_size,
-nkv key/value heads, D head dim. A token at position p of a sequence lives in cell
+nkv key/value heads, D head dim. A latent cache (`latent_dim` set, multi-head latent attention,
+runtime.mla) stores keys only, one head of [latent ; rotary key]; its values are a view of the
+keys' first `latent_dim` channels, so a token costs L * D values instead of L * 2 * nkv * D.
+A token at position p of a sequence lives in cell
 `block_table[p // block_size] * block_size + p % block_size` (a cell is one token's place in the
 pool; "slot", elsewhere, names a sequence's place, docs/design.md §1).
 """
@@ -63,14 +66,15 @@ class BlockBook:
 
 class PagedKVCache:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int = 16, dtype: torch.dtype = torch.float32) -> None:
+                 block_size: int = 16, dtype: torch.dtype = torch.float32, latent_dim: int | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be at least 1")
+        if latent_dim is not None and not (num_kv_heads == 1 and 0 < latent_dim <= head_dim):
+            raise ValueError(f"a latent cache has one head and latent_dim={latent_dim} within head_dim={head_dim}")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        num_cells = num_blocks * block_size
-        self.k = torch.zeros(num_layers, num_cells, num_kv_heads, head_dim, dtype=dtype)  # [L, S, nkv, D]
-        self.v = torch.zeros_like(self.k)
+        self.latent_dim = latent_dim
+        self.k, self.v = self._planes(num_layers, num_blocks * block_size, num_kv_heads, head_dim, dtype)
         self.book = BlockBook.of(num_blocks)
         # When a list, every reserve/attach/rewind/move/free is also recorded here as (op, seq_id, word)
         # (the length; an attach's block; a move's `pack_move(src, dst)`; a free's kept blocks), so
@@ -84,13 +88,24 @@ class PagedKVCache:
         (the same `BlockBook`): every reserve, rewind and free here applies there and back. Rank
         0's drafter of its own (full attention heads) keeps its rows in one."""
         other = PagedKVCache(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                             num_blocks=1, block_size=self.block_size, dtype=dtype)
-        num_cells = self.num_blocks * self.block_size
+                             num_blocks=1, block_size=self.block_size, dtype=dtype, latent_dim=self.latent_dim)
         other.num_blocks = self.num_blocks
-        other.k = torch.zeros(num_layers, num_cells, num_kv_heads, head_dim, dtype=dtype)
-        other.v = torch.zeros_like(other.k)
+        other.k, other.v = other._planes(num_layers, self.num_blocks * self.block_size, num_kv_heads, head_dim, dtype)
         other.book = self.book
         return other
+
+    def _planes(self, num_layers: int, num_cells: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        k = torch.zeros(num_layers, num_cells, num_kv_heads, head_dim, dtype=dtype)  # [L, S, nkv, D]
+        if self.latent_dim is not None:
+            return k, k[..., :self.latent_dim]                                     # values: a view of keys
+        return k, torch.zeros_like(k)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes over all cache layers (block padding aside)."""
+        per_cell = self.k[:, 0].numel() + (0 if self.latent_dim is not None else self.v[:, 0].numel())
+        return per_cell * self.k.element_size()
 
     # --- accounting -------------------------------------------------------------------------
     @property
@@ -208,7 +223,8 @@ class PagedKVCache:
         cells = self.cells(seq_id, 0, src + 1)
         s, d = int(cells[src]), int(cells[dst])
         self.k[:, d] = self.k[:, s]
-        self.v[:, d] = self.v[:, s]
+        if self.latent_dim is None:
+            self.v[:, d] = self.v[:, s]
 
     def free(self, seq_id: int, keep: int = 0) -> None:
         """Drop `seq_id`. Its first `keep` blocks, once nobody else holds them, wait at the free
@@ -254,6 +270,8 @@ class PagedKVCache:
         return cached[start:end]
 
     def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k/v [T, nkv, D] into `cells` [T] of cache layer `layer`."""
+        """k/v [T, nkv, D] into `cells` [T] of cache layer `layer`. A latent cache writes k only:
+        v must be k's first `latent_dim` channels (the view its values are read through)."""
         self.k[layer].index_copy_(0, cells, k.to(self.k.dtype))
-        self.v[layer].index_copy_(0, cells, v.to(self.v.dtype))
+        if self.latent_dim is None:
+            self.v[layer].index_copy_(0, cells, v.to(self.v.dtype))

@@ -1,11 +1,11 @@
-"""Building blocks of the GLM-4.5 MoE decoder, single device, no collectives.
+"""Building blocks shared by every MoE family (runtime.families), single device, no collectives.
 
 Shapes: T tokens (flattened over sequences), H hidden, nh query heads, nkv key/value heads,
 D head dim, E routed experts, k experts per token, I expert intermediate size.
 
-Numerics follow transformers' Glm4Moe: RMSNorm statistics and the router run in float32 (in
-float64 when the model runs in float64: that dtype is the reference mode, float64 throughout),
-rotary cos/sin are computed in float32 and cast to the activation dtype.
+Numerics follow transformers: RMSNorm statistics and the router run in float32 (in float64 when
+the model runs in float64: that dtype is the reference mode, float64 throughout); rotary
+embeddings are runtime.rotary, multi-head latent attention runtime.mla.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from torch import nn
 
 from runtime import batch_invariant as bi
 from runtime.config import ModelConfig
+from runtime.rotary import apply_rotary
 
 
 class AttentionContext(Protocol):
@@ -24,7 +25,8 @@ class AttentionContext(Protocol):
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
-        """q [T, nh, D], k/v [T, nkv, D] of this step's tokens -> attention output [T, nh, D]."""
+        """q [T, nh, D], k [T, nkv, D], v [T, nkv, Dv] of this step's tokens -> attention output
+        [T, nh, Dv]. A latent cache (runtime.mla) keeps only k; its values are k's first Dv channels."""
         ...
 
 
@@ -44,9 +46,10 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.batch_invariant:
             return F.linear(x, self.weight, self.bias)
-        if self.in_parts > 1 and self.bias is None:
-            return bi.split_linear(x, self.weight, self.in_parts)
-        return bi.linear(x, self.weight, self.bias)
+        if self.in_parts == 1:
+            return bi.linear(x, self.weight, self.bias)
+        out = bi.split_linear(x, self.weight, self.in_parts)
+        return out if self.bias is None else out + self.bias
 
 
 class RMSNorm(nn.Module):
@@ -62,32 +65,6 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """Partial rotary (rotate-half layout) on the first `rotary_dim` channels of each head."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        dim = cfg.rotary_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, rotary_dim] in `dtype`."""
-        freqs = positions[:, None].float() * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, R] with R <= D; channels past R pass through."""
-    r = cos.shape[-1]
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    half = r // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -96,11 +73,12 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        self.interleaved = cfg.rope_interleave
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_proj = Linear(h, self.num_heads * d, bias=cfg.attention_bias)
         self.k_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.num_heads * d, h, bias=False)
+        self.o_proj = Linear(self.num_heads * d, h, bias=cfg.o_proj_bias)
         self.o_proj.in_parts = self.num_heads
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.use_qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.use_qk_norm else None
@@ -114,7 +92,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin, self.interleaved), apply_rotary(k, cos, sin, self.interleaved)
         out = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [T, nh, D]
         return self.o_proj(out.reshape(t, -1))
 
@@ -131,8 +109,13 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Sigmoid router with score-correction bias and grouped top-k, computed in float32 (float64
-    for a float64 model)."""
+    """Top-k routing in float32 (float64 for a float64 model), in one of two scorings.
+
+    sigmoid (GLM, DeepSeek): sigmoid scores plus `e_score_correction_bias` choose, grouped top-k
+    keeps the best `topk_group` of `n_group` groups, the chosen scores are the weights. softmax
+    (Qwen3-MoE): the top-k of the softmax over all experts. Both optionally renormalise the k
+    weights (`norm_topk_prob`) and scale them (`routed_scaling_factor`).
+    """
 
     batch_invariant = False
 
@@ -143,19 +126,33 @@ class Router(nn.Module):
         self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
         self.norm_topk_prob = cfg.norm_topk_prob
         self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.is_softmax = cfg.router_scoring == "softmax"
         self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32),
-                                                    requires_grad=False)
+        self.e_score_correction_bias = (None if self.is_softmax else nn.Parameter(
+            torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (scores [T, E], weights [T, k], expert ids [T, k]); scores and weights in
         `stats_dtype(x.dtype)`."""
         dt = stats_dtype(x.dtype)
-        if self.batch_invariant:
-            scores = bi.rowwise(torch.sigmoid, bi.linear(x.to(dt), self.weight.to(dt)))
+        if self.is_softmax:
+            # transformers keeps this router in the model dtype: logits there, softmax in float32.
+            mm = bi.linear if self.batch_invariant else F.linear
+            scores = torch.softmax(mm(x, self.weight.to(x.dtype)).to(dt), dim=-1)
+            weights, ids = scores.topk(self.top_k, dim=-1)
         else:
-            scores = F.linear(x.to(dt), self.weight.to(dt)).sigmoid()
-        choice = scores + self.e_score_correction_bias.to(dt)
+            if self.batch_invariant:
+                scores = bi.rowwise(torch.sigmoid, bi.linear(x.to(dt), self.weight.to(dt)))
+            else:
+                scores = F.linear(x.to(dt), self.weight.to(dt)).sigmoid()
+            ids = self._grouped_top_k(scores + self.e_score_correction_bias.to(dt))
+            weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (0.0 if self.is_softmax else 1e-20))
+        return scores, weights * self.routed_scaling_factor, ids
+
+    def _grouped_top_k(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice [T, E] -> ids [T, k] of the best experts inside the best `topk_group` groups."""
         if self.n_group > 1:
             grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
             group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
@@ -163,11 +160,7 @@ class Router(nn.Module):
             group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
             keep = group_mask[:, :, None].expand_as(grouped).reshape(-1, self.num_experts)
             choice = choice.masked_fill(keep == 0, float("-inf"))
-        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return scores, weights * self.routed_scaling_factor, ids
+        return choice.topk(self.top_k, dim=-1, sorted=False)[1]
 
 
 class RoutedExperts(nn.Module):
@@ -278,18 +271,3 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
-        self.mlp: nn.Module = (MoE(cfg) if cfg.is_moe_layer(layer_idx)
-                               else MLP(cfg.hidden_size, cfg.intermediate_size))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,4 +1,6 @@
-"""The GLM-4.5 MoE causal LM and its MTP layer, single device, no collectives inside.
+"""The MoE causal LM of every served family (runtime.families) and its MTP layer, single
+device, no collectives inside. A decoder layer takes grouped-query or multi-head latent attention
+and a dense or MoE MLP as the config says.
 
 Shapes: T tokens flattened over sequences, H hidden, V vocab.
 `forward` returns hidden states *before* the final norm; `compute_logits` applies the norm and
@@ -10,7 +12,24 @@ import torch
 from torch import nn
 
 from runtime.config import ModelConfig
-from runtime.layers import AttentionContext, DecoderLayer, Linear, RMSNorm, RotaryEmbedding
+from runtime.layers import MLP, Attention, AttentionContext, Linear, MoE, RMSNorm
+from runtime.mla import MLAttention
+from runtime.rotary import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn: nn.Module = MLAttention(cfg, layer_idx) if cfg.is_mla else Attention(cfg, layer_idx)
+        self.mlp: nn.Module = (MoE(cfg) if cfg.is_moe_layer(layer_idx)
+                               else MLP(cfg.hidden_size, cfg.intermediate_size))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class SharedHead(nn.Module):
@@ -39,7 +58,7 @@ class MTPLayer(nn.Module):
         self.shared_head = SharedHead(cfg, own_head)
 
 
-class Glm4MoeForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, *, mtp_own_embed: bool = False, mtp_own_head: bool = False) -> None:
         super().__init__()
         self.config = cfg
@@ -56,6 +75,14 @@ class Glm4MoeForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    def cache_layout(self) -> dict[str, int | None]:
+        """`PagedKVCache` keywords for this model's (this rank's) attention: key/value heads and
+        head dim, and for multi-head latent attention the latent width (runtime.mla)."""
+        attn = (self.layers[0] if len(self.layers) else self.mtp.block).self_attn
+        if isinstance(attn, MLAttention):
+            return {"num_kv_heads": 1, "head_dim": attn.kv_lora_rank + attn.rope, "latent_dim": attn.kv_lora_rank}
+        return {"num_kv_heads": attn.num_kv_heads, "head_dim": attn.head_dim, "latent_dim": None}
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """tokens, positions [T] -> hidden states before the final norm [T, H]."""

@@ -9,13 +9,13 @@ import torch
 from runtime.attention import ContextAttention, PagedAttention, SeqChunk, StepPlan, build_plan, forward_context
 from runtime.batch_invariant import set_batch_invariant
 from runtime.kv_cache import PagedKVCache
-from runtime.model import Glm4MoeForCausalLM
+from runtime.model import CausalLM
 
 CONTEXT_ATTENTION = ContextAttention()
 
 
 class ModelRunner:
-    def __init__(self, model: Glm4MoeForCausalLM, *, kv_cache_tokens: int, block_size: int = 16,
+    def __init__(self, model: CausalLM, *, kv_cache_tokens: int, block_size: int = 16,
                  compiled: bool = False, batch_invariant: bool | None = None) -> None:
         """`compiled`: the target forward runs through `torch.compile` (inductor, dynamic shapes),
         with paged attention and the routed experts as opaque ops; float64 always runs eager.
@@ -33,8 +33,8 @@ class ModelRunner:
         self.config = cfg
         num_blocks = max(1, kv_cache_tokens // block_size)
         self.cache = PagedKVCache(num_layers=cfg.num_cache_layers if model.mtp is not None else cfg.num_hidden_layers,
-                                  num_kv_heads=model.layers[0].self_attn.num_kv_heads, head_dim=cfg.head_dim,
-                                  num_blocks=num_blocks, block_size=block_size, dtype=model.dtype)
+                                  num_blocks=num_blocks, block_size=block_size, dtype=model.dtype,
+                                  **model.cache_layout())
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], chunks: list[SeqChunk]) -> tuple[torch.Tensor, StepPlan]:

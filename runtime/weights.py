@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from runtime.config import ModelConfig, load_config
-from runtime.model import Glm4MoeForCausalLM
+from runtime.model import CausalLM
 
 _EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
@@ -89,7 +89,7 @@ def map_name(hf_name: str, cfg: ModelConfig) -> Target | None:
     return Target(name)
 
 
-def _model_tensor_names(model: Glm4MoeForCausalLM) -> set[str]:
+def _model_tensor_names(model: CausalLM) -> set[str]:
     return {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()
                                                        if not n.startswith("rotary.")}
 
@@ -99,8 +99,8 @@ ShardSpecs = dict[str, tuple[int, int, int]]  # param -> (dim, start, stop) of t
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
                expert_range: range | None = None,
-               transform: Callable[[Glm4MoeForCausalLM], ShardSpecs] | None = None,
-               mtp_only: bool = False) -> Glm4MoeForCausalLM:
+               transform: Callable[[CausalLM], ShardSpecs] | None = None,
+               mtp_only: bool = False) -> CausalLM:
     """Build the model and fill it from the checkpoint.
 
     `mtp_only`: no target layers (a drafter on its own): embeddings, final norm, head and the MTP
@@ -130,7 +130,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
         raise ValueError(f"expert_range {experts} is not a contiguous range inside 0..{cfg.n_routed_experts}")
 
     with torch.device("meta"):
-        model = Glm4MoeForCausalLM(cfg, mtp_own_embed=f"{mtp_prefix}embed_tokens.weight" in files,
+        model = CausalLM(cfg, mtp_own_embed=f"{mtp_prefix}embed_tokens.weight" in files,
                                    mtp_own_head=f"{mtp_prefix}shared_head.head.weight" in files)
     if mtp_only:
         if model.mtp is None:
@@ -203,7 +203,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
     return model
 
 
-def _shrink_experts(model: Glm4MoeForCausalLM, num_local: int, offset: int) -> None:
+def _shrink_experts(model: CausalLM, num_local: int, offset: int) -> None:
     from runtime.layers import RoutedExperts
     for mod in model.modules():
         if isinstance(mod, RoutedExperts):
@@ -213,13 +213,13 @@ def _shrink_experts(model: Glm4MoeForCausalLM, num_local: int, offset: int) -> N
             mod.expert_offset = offset
 
 
-def _cast(model: Glm4MoeForCausalLM, dtype: torch.dtype) -> None:
+def _cast(model: CausalLM, dtype: torch.dtype) -> None:
     for name, p in model.named_parameters():
         p.requires_grad_(False)
         p.data = p.data.to(torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype)
 
 
-def iter_hf_state(model: Glm4MoeForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's tensors under their Hugging Face names (experts unstacked): what `save` writes."""
     cfg = model.config
     mtp_layer = f"model.layers.{cfg.num_hidden_layers}."

@@ -186,8 +186,8 @@ class Deployment:
         if spec.method == "ngram":
             return NgramProposer()
         if runner.model.mtp is None:
-            raise ValueError("this checkpoint has no MTP layer (no model.layers.{num_hidden_layers}.* tensors): "
-                             "MTP speculation needs one")
+            raise ValueError(f"--spec mtp: this {runner.model.config.architecture} checkpoint has no MTP layer "
+                             "(no model.layers.{num_hidden_layers}.* tensors); use --spec ngram")
         if isinstance(runner, ModelRunner):
             return MTPProposer(runner.model, runner.cache, spec.confidence_stop, spec.knobs)
         if not spec.ep_propose:

@@ -26,7 +26,7 @@ import torch
 from runtime.attention import PagedAttention, SeqChunk, build_plan
 from runtime.grammar import GrammarMatcher
 from runtime.kv_cache import PagedKVCache
-from runtime.model import Glm4MoeForCausalLM
+from runtime.model import CausalLM
 from speculative.draft_stop import chain_depth
 from speculative.fingerprint import hidden_fingerprint
 from speculative.knobs import DrafterKnobs
@@ -65,7 +65,7 @@ class MTPProposer(DraftProposer):
     # keeps the raw arg-max, which every rank feeds onward in lockstep; only its hedges are masked.
     masks_spine = True
 
-    def __init__(self, model: Glm4MoeForCausalLM, cache: PagedKVCache, confidence_stop: float | None = None,
+    def __init__(self, model: CausalLM, cache: PagedKVCache, confidence_stop: float | None = None,
                  knobs: DrafterKnobs | None = None) -> None:
         """`confidence_stop`: TAU of the confidence stop (None: chains are never stopped early);
         `knobs`: the debugging knobs of docs/design.md §5.7, resolved once."""

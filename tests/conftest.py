@@ -60,23 +60,8 @@ def add_random_mtp(path: Path, seed: int = 5, copy_from_last: bool = True) -> Pa
     eh_proj passes the hidden through, so drafts agree with the target often enough for
     verification to accept some and reject others.
     """
-    from safetensors.torch import load_file, save_file
-    cfg = json.loads((path / "config.json").read_text())
-    layers, h = cfg["num_hidden_layers"], cfg["hidden_size"]
-    tensors = load_file(str(path / "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    src = f"model.layers.{layers - 1}."
-    for k in [k for k in tensors if k.startswith(src)]:
-        noise = 0.0 if copy_from_last else 0.05 * torch.randn(tensors[k].shape, generator=g)
-        tensors[f"model.layers.{layers}." + k[len(src):]] = tensors[k].clone() + noise
-    eh = torch.zeros(h, 2 * h)
-    eh[:, h:] = torch.eye(h)  # pass the target hidden through, ignore the token
-    eh += 0.02 * torch.randn(h, 2 * h, generator=g)
-    tensors[f"model.layers.{layers}.eh_proj.weight"] = eh
-    for name in ("enorm", "hnorm", "shared_head.norm"):
-        tensors[f"model.layers.{layers}.{name}.weight"] = torch.ones(h)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
+    from tools.random_checkpoint import add_mtp_layer
+    return add_mtp_layer(path, seed, noise=0.0 if copy_from_last else 0.05)
 
 
 @pytest.fixture(scope="session")
@@ -108,3 +93,35 @@ def run_env() -> dict[str, str]:
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+# Small checkpoints of the other families (tools/random_checkpoint.py), covering each one's options.
+FAMILY_CASES = {
+    "qwen_norm": ("qwen3_moe", dict(norm_topk_prob=True, mlp_only_layers=[0], attention_bias=True)),
+    "qwen_sparse": ("qwen3_moe", dict(norm_topk_prob=False, decoder_sparse_step=2)),
+    "deepseek_yarn": ("deepseek_v3", dict(n_group=4, topk_group=2, first_k_dense_replace=1)),  # q_lora_rank set
+    "deepseek_plain": ("deepseek_v3", dict(q_lora_rank=None, n_group=1, topk_group=1, first_k_dense_replace=2,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "glm_lite": ("glm4_moe_lite", dict(mlp_layer_types=["dense", "sparse", "sparse"], q_lora_rank=None)),
+}
+
+
+def make_family_checkpoint(path: Path, case: str, seed: int = 3) -> Path:
+    from tools.random_checkpoint import FAMILIES, family_config, write_checkpoint
+    family, overrides = FAMILY_CASES[case]
+    cfg = {**family_config(family, 64, 3, 8), "vocab_size": VOCAB, "max_position_embeddings": 256, **overrides}
+    write_checkpoint(path, family, cfg, seed=seed, mtp=FAMILIES[family][2], weight_std=0.08)
+    write_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def family_ckpt(tmp_path_factory):
+    """case name -> its checkpoint folder, written on first use."""
+    made: dict[str, Path] = {}
+
+    def get(case: str) -> Path:
+        if case not in made:
+            made[case] = make_family_checkpoint(tmp_path_factory.mktemp(case), case)
+        return made[case]
+    return get

@@ -1,6 +1,13 @@
-"""Write a random Glm4MoeForCausalLM checkpoint with transformers (for speed comparisons).
+"""Write a random checkpoint of one served family with transformers' own `save_pretrained` (tests,
+speed comparisons), with an MTP layer after the last decoder layer where the family has one.
 
-    python tools/random_checkpoint.py OUT_DIR --tokenizer models/tiny-glm-moe/tokenizer.json
+    python tools/random_checkpoint.py OUT_DIR --tokenizer models/tiny-glm-moe/tokenizer.json \
+        [--family glm4_moe|qwen3_moe|deepseek_v3|glm4_moe_lite] [--hidden 256 --layers 6 --experts 8]
+
+transformers does not build the MTP layer (it drops those tensors on load), so it is added to the
+saved file: a copy of the last decoder layer at index num_hidden_layers, `eh_proj` passing the
+target hidden through (plus noise), unit norms; drafts then agree with the target often enough for
+verification to accept some and reject others.
 """
 from __future__ import annotations
 
@@ -8,28 +15,106 @@ import argparse
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
+
+# transformers config class, model class, options of a small config of that family ({h}: hidden size)
+FAMILIES = {
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", True),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", False),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", True),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", True),
+}
+
+
+def family_config(family: str, hidden: int, layers: int, experts: int) -> dict[str, Any]:
+    """transformers config keywords of a small model of `family` (heads of hidden/4 channels)."""
+    common = dict(hidden_size=hidden, intermediate_size=3 * hidden // 2, num_hidden_layers=layers,
+                  num_attention_heads=4, moe_intermediate_size=hidden // 2, num_experts_per_tok=2,
+                  max_position_embeddings=2048, eos_token_id=0, bos_token_id=None)
+    if family == "glm4_moe":
+        return {**common, "num_key_value_heads": 2, "head_dim": hidden // 4, "n_routed_experts": experts,
+                "n_shared_experts": 1, "first_k_dense_replace": 1}
+    if family == "qwen3_moe":
+        return {**common, "num_key_value_heads": 2, "head_dim": hidden // 4, "num_experts": experts,
+                "norm_topk_prob": True}
+    mla = dict(num_key_value_heads=4, n_routed_experts=experts, n_shared_experts=1, kv_lora_rank=hidden // 2,
+               q_lora_rank=3 * hidden // 4, qk_nope_head_dim=hidden // 4, qk_rope_head_dim=hidden // 8,
+               v_head_dim=hidden // 4)
+    if family == "deepseek_v3":
+        return {**common, **mla, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                    "original_max_position_embeddings": 512, "mscale": 1.0, "mscale_all_dim": 1.0}}
+    return {**common, **mla}
+
+
+def add_mtp_layer(path: Path, seed: int = 5, noise: float = 0.0) -> Path:
+    """Append an MTP layer at index num_hidden_layers to the checkpoint in `path`: the last decoder
+    layer's tensors (plus `noise`), eh_proj passing the target hidden through, unit norms."""
+    from safetensors.torch import load_file, save_file
+    cfg = json.loads((path / "config.json").read_text())
+    layers, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    tensors = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    src = f"model.layers.{layers - 1}."
+    for k in [k for k in tensors if k.startswith(src)]:
+        extra = noise * torch.randn(tensors[k].shape, generator=g).to(tensors[k].dtype) if noise else 0.0
+        tensors[f"model.layers.{layers}." + k[len(src):]] = tensors[k].clone() + extra
+    eh = torch.zeros(h, 2 * h)
+    eh[:, h:] = torch.eye(h)  # pass the target hidden through, ignore the token
+    eh += 0.02 * torch.randn(h, 2 * h, generator=g)
+    tensors[f"model.layers.{layers}.eh_proj.weight"] = eh
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"model.layers.{layers}.{name}.weight"] = torch.ones(h)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    if "num_nextn_predict_layers" not in cfg:
+        (path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}, indent=2))
+    return path
+
+
+def write_checkpoint(out: Path, family: str, config: dict[str, Any], *, seed: int = 0, mtp: bool = False,
+                     weight_std: float | None = None) -> Path:
+    """Save a random transformers model of `family` with `config` to `out` (an MTP layer when
+    `mtp`). `weight_std`: every matrix redrawn with this deviation (larger logits than the
+    default init) and the routers' correction biases made non-zero, so routing matters."""
+    import transformers
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r}: expected one of {', '.join(FAMILIES)}")
+    config_cls, model_cls, has_mtp = FAMILIES[family]
+    if mtp and not has_mtp:
+        raise ValueError(f"family {family!r} has no MTP layer")
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
+    if weight_std is not None:
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, 0.05)
+            for n, p in model.named_parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, weight_std)
+    model.save_pretrained(out)
+    return add_mtp_layer(out) if mtp else out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--tokenizer", type=Path, required=True, help="a tokenizer.json whose vocabulary the model uses")
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="glm4_moe")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer of families that have one")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    if args.hidden < 16 or args.hidden % 16:
+        ap.error(f"--hidden {args.hidden}: expected a multiple of 16")
     vocab = len(json.loads(args.tokenizer.read_text())["model"]["vocab"])
-    torch.manual_seed(args.seed)
-    cfg = Glm4MoeConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=args.hidden // 4, moe_intermediate_size=args.hidden, num_experts_per_tok=2,
-                        n_routed_experts=args.experts, n_shared_experts=1, first_k_dense_replace=1,
-                        max_position_embeddings=2048, eos_token_id=0)
-    Glm4MoeForCausalLM(cfg).save_pretrained(args.out)
+    config = {**family_config(args.family, args.hidden, args.layers, args.experts), "vocab_size": vocab}
+    mtp = FAMILIES[args.family][2] and not args.no_mtp
+    write_checkpoint(args.out, args.family, config, seed=args.seed, mtp=mtp)
     shutil.copy(args.tokenizer, args.out / "tokenizer.json")
     print(f"wrote {args.out}")
 

@@ -31,7 +31,7 @@ from runtime.attention import CausalAttention  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
 from bench.corpus import corpus_files, heldout_prompts, read_source as read  # noqa: E402
 from runtime.layers import Router  # noqa: E402
-from runtime.model import Glm4MoeForCausalLM  # noqa: E402
+from runtime.model import CausalLM  # noqa: E402
 from runtime.weights import iter_hf_state  # noqa: E402
 
 EOS = "<|endoftext|>"
@@ -69,7 +69,7 @@ def model_config(args, vocab_size: int, eos: int) -> ModelConfig:
                        max_position_embeddings=2048, num_nextn_predict_layers=1, eos_token_ids=(eos,))
 
 
-def init_weights(model: Glm4MoeForCausalLM, std: float = 0.02) -> None:
+def init_weights(model: CausalLM, std: float = 0.02) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -82,7 +82,7 @@ def init_weights(model: Glm4MoeForCausalLM, std: float = 0.02) -> None:
                 p.mul_(1.0 / math.sqrt(2 * model.config.num_hidden_layers))
 
 
-def losses(model: Glm4MoeForCausalLM, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def losses(model: CausalLM, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """batch [B, S+2] -> (next-token loss, MTP next-next-token loss)."""
     b, s2 = batch.shape
     s = s2 - 2
@@ -100,7 +100,7 @@ def losses(model: Glm4MoeForCausalLM, batch: torch.Tensor) -> tuple[torch.Tensor
     return main, mtp
 
 
-def expert_load_hooks(model: Glm4MoeForCausalLM) -> dict[Router, torch.Tensor]:
+def expert_load_hooks(model: CausalLM) -> dict[Router, torch.Tensor]:
     loads: dict[Router, torch.Tensor] = {}
 
     def hook(mod: Router, _inp, out) -> None:
@@ -127,7 +127,7 @@ def evaluate(model, data: np.ndarray, seq: int, batches: int = 8, batch: int = 8
     return tot_main / batches, tot_mtp / batches
 
 
-def export(model: Glm4MoeForCausalLM, out_dir: Path, tokenizer_path: Path, meta: dict) -> None:
+def export(model: CausalLM, out_dir: Path, tokenizer_path: Path, meta: dict) -> None:
     from safetensors.torch import save_file
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = model.config
@@ -194,7 +194,7 @@ def main() -> None:
         cfg = ModelConfig(**{**state["config"], "eos_token_ids": tuple(state["config"]["eos_token_ids"])})
     else:
         cfg = model_config(args, tok.get_vocab_size(), tok.token_to_id(EOS))
-    model = Glm4MoeForCausalLM(cfg)
+    model = CausalLM(cfg)
     init_weights(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                             betas=(0.9, 0.95), weight_decay=0.1)

@@ -29,7 +29,8 @@ def test_both_rotary_spellings_give_the_same_config():
     ({k: v for k, v in RAW.items() if k != "n_routed_experts"} | {"rope_theta": 1e4}, "n_routed_experts"),
     (RAW, "rope_theta"),
     ({**RAW, "rope_theta": 1e4, "num_key_value_heads": 3}, "num_key_value_heads=3"),
-    ({**RAW, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "yarn"),
+    ({**RAW, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "llama3"),
+    ({**RAW, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "yarn.*factor"),
 ])
 def test_bad_configs_name_the_field(raw, match):
     with pytest.raises(ConfigError, match=match):

@@ -1,4 +1,5 @@
-"""Parity with transformers' Glm4MoeForCausalLM on checkpoints it wrote itself.
+"""Parity with transformers' Glm4MoeForCausalLM on checkpoints it wrote itself (the helpers serve
+every family: tests/runtime/test_families.py).
 
 transformers runs RMSNorm and the router in float32 even inside a float64 model. Those float32
 islands round differently with memory alignment (two identical float32 `F.linear` calls on
@@ -44,23 +45,39 @@ def _router_in_input_dtype(self, hidden_states):
     return logits, weights * self.routed_scaling_factor, idx
 
 
+def _softmax_router_in_input_dtype(self, hidden_states):
+    x = hidden_states.reshape(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(x, self.weight.to(x.dtype))
+    weights, idx = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return logits, weights, idx
+
+
 @pytest.fixture
 def float64_islands(monkeypatch):
-    from transformers.models.glm4_moe import modeling_glm4_moe as m
-    monkeypatch.setattr(m.Glm4MoeRMSNorm, "forward", _norm_in_input_dtype)
-    monkeypatch.setattr(m.Glm4MoeTopkRouter, "forward", _router_in_input_dtype)
+    """Every family's RMSNorm and router in the model dtype on the reference side."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+    from transformers.models.glm4_moe import modeling_glm4_moe as glm
+    from transformers.models.glm4_moe_lite import modeling_glm4_moe_lite as lite
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen
+    for norm in (glm.Glm4MoeRMSNorm, ds.DeepseekV3RMSNorm, lite.Glm4MoeLiteRMSNorm, qwen.Qwen3MoeRMSNorm):
+        monkeypatch.setattr(norm, "forward", _norm_in_input_dtype)
+    for router in (glm.Glm4MoeTopkRouter, ds.DeepseekV3TopkRouter, lite.Glm4MoeLiteTopkRouter):
+        monkeypatch.setattr(router, "forward", _router_in_input_dtype)
+    monkeypatch.setattr(qwen.Qwen3MoeTopKRouter, "forward", _softmax_router_in_input_dtype)
 
 
 def reference(path, dtype):
-    from transformers import Glm4MoeForCausalLM
-    return Glm4MoeForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="eager").eval()
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="eager").eval()
 
 
 def our_logits_stepwise(model, ids: list[int], prefill: int) -> torch.Tensor:
     """Prefill the first `prefill` tokens in one chunk, then one token per step; logits of every row."""
     cfg = model.config
-    cache = PagedKVCache(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                         head_dim=cfg.head_dim, num_blocks=16, block_size=4, dtype=model.dtype)
+    cache = PagedKVCache(num_layers=cfg.num_hidden_layers, num_blocks=16, block_size=4, dtype=model.dtype,
+                         **model.cache_layout())
     rows = []
     start = 0
     with torch.no_grad():

@@ -1,0 +1,103 @@
+"""The model registry: which checkpoint families this runtime serves and what each adds.
+
+Every family is built from the same blocks (runtime.layers, runtime.mla, runtime.rotary); a
+family only reads the `config.json` fields in which it differs into `ModelConfig` keywords:
+
+| architecture | attention | router | MLP pattern | MTP layer |
+|---|---|---|---|---|
+| Glm4MoeForCausalLM | GQA, partial rotary, optional q/k norm | sigmoid, grouped | first_k_dense_replace | optional |
+| Qwen3MoeForCausalLM | GQA, q/k norm | softmax top-k | decoder_sparse_step, mlp_only_layers | none |
+| DeepseekV3ForCausalLM | MLA, YaRN | sigmoid, grouped | first_k_dense_replace | optional |
+| Glm4MoeLiteForCausalLM | MLA | sigmoid, grouped | mlp_layer_types | optional |
+
+A checkpoint is matched by its `architectures` list first, then by `model_type`. This module
+imports nothing of the project: `runtime.config` turns what it returns into a `ModelConfig`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Raw = dict[str, Any]
+
+
+class UnknownArchitecture(ValueError):
+    """A config.json naming no architecture this runtime serves."""
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    architecture: str
+    model_type: str
+    read: Callable[[Raw], Raw]   # config.json -> the ModelConfig keywords this family sets itself
+
+
+def _glm4_moe(raw: Raw) -> Raw:
+    return {"router_scoring": "sigmoid"}
+
+
+def _qwen3_moe(raw: Raw) -> Raw:
+    if raw.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=true is not supported")
+    experts = raw.get("num_experts", raw.get("num_local_experts"))
+    if experts is None:
+        raise ValueError("missing field 'num_experts'")
+    return {"router_scoring": "softmax", "n_routed_experts": experts, "n_shared_experts": 0,
+            "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 0,
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)), "use_qk_norm": True,
+            "o_proj_bias": bool(raw.get("attention_bias", False)), "num_nextn_predict_layers": 0,
+            "decoder_sparse_step": int(raw.get("decoder_sparse_step", 1)),
+            "mlp_only_layers": tuple(raw.get("mlp_only_layers") or ()), "partial_rotary_factor": 1.0}
+
+
+def _mla(raw: Raw) -> Raw:
+    """The multi-head latent attention fields shared by DeepSeek-V3 and GLM-4.7-Flash."""
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if not raw.get(name):
+            raise ValueError(f"missing field {name!r}")
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    return {"router_scoring": "sigmoid", "kv_lora_rank": raw["kv_lora_rank"], "q_lora_rank": raw.get("q_lora_rank"),
+            "qk_nope_head_dim": raw["qk_nope_head_dim"], "qk_rope_head_dim": raw["qk_rope_head_dim"],
+            "v_head_dim": raw["v_head_dim"], "rope_interleave": bool(raw.get("rope_interleave", True)),
+            "head_dim": raw["qk_rope_head_dim"], "o_proj_bias": bool(raw.get("attention_bias", False)),
+            "partial_rotary_factor": float(raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
+            "num_key_value_heads": raw.get("num_key_value_heads") or raw["num_attention_heads"]}
+
+
+def _deepseek_v3(raw: Raw) -> Raw:
+    return {**_mla(raw), "first_k_dense_replace": int(raw.get("first_k_dense_replace", 0))}
+
+
+def _glm4_moe_lite(raw: Raw) -> Raw:
+    out = _mla(raw)
+    types = raw.get("mlp_layer_types")
+    if types is None:
+        return {**out, "first_k_dense_replace": int(raw.get("first_k_dense_replace", 1))}
+    if len(types) != raw["num_hidden_layers"] or set(types) - {"dense", "sparse"}:
+        raise ValueError(f"mlp_layer_types={types} must give 'dense' or 'sparse' for each of the "
+                         f"{raw['num_hidden_layers']} layers")
+    return {**out, "first_k_dense_replace": 0,
+            "mlp_only_layers": tuple(i for i, t in enumerate(types) if t == "dense")}
+
+
+FAMILIES: dict[str, Family] = {f.architecture: f for f in (
+    Family("Glm4MoeForCausalLM", "glm4_moe", _glm4_moe),
+    Family("Qwen3MoeForCausalLM", "qwen3_moe", _qwen3_moe),
+    Family("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek_v3),
+    Family("Glm4MoeLiteForCausalLM", "glm4_moe_lite", _glm4_moe_lite),
+)}
+
+
+def family_of(raw: Raw) -> Family:
+    """The family of a config.json: by `architectures`, else by `model_type`; anything else is
+    refused naming it and the supported architectures."""
+    for arch in raw.get("architectures") or ():
+        if arch in FAMILIES:
+            return FAMILIES[arch]
+    for family in FAMILIES.values():
+        if raw.get("model_type") == family.model_type:
+            return family
+    named = raw.get("architectures") or raw.get("model_type")
+    raise UnknownArchitecture(f"architecture {named!r} (model_type={raw.get('model_type')!r}) is not supported; "
+                              f"supported: {', '.join(FAMILIES)}")

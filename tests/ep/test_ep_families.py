@@ -1,0 +1,33 @@
+"""EP 2 equals EP 1 on every family (float64, greedy and seeded; gloo ranks started by the mp
+launcher): routed experts split across the ranks, query heads split, and for multi-head latent
+attention the latent projections and cache replicated; the MTP families draft at EP 2 too."""
+from __future__ import annotations
+
+import pytest
+
+from launch.mp import MPGroup
+from runtime.sampler import SamplingParams
+from serving.llm import LLM
+
+PROMPTS = [[5, 17, 200, 3], [9, 9, 9, 100, 250, 31, 7, 64, 12], [300]]
+PARAMS = [SamplingParams(max_tokens=10, ignore_eos=True),
+          SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=5)]
+CASES = [("qwen_norm", "alltoall", {}), ("deepseek_yarn", "allreduce", dict(spec="mtp", num_drafts=2)),
+         ("glm_lite", "alltoall", dict(spec="mtp", num_drafts=2))]
+
+
+@pytest.mark.parametrize("case, mode, spec", CASES, ids=[c for c, _, _ in CASES])
+def test_ep2_tokens_equal_one_rank_in_float64(family_ckpt, case, mode, spec):
+    path = family_ckpt(case)
+    single = LLM(path, dtype="float64", kv_cache_tokens=1024)
+    want = [[o.token_ids for o in single.generate(PROMPTS, p)] for p in PARAMS]
+    llm = LLM(path, dtype="float64", kv_cache_tokens=1024, ep=2, moe_a2a=mode, ep_timeout_s=60, launcher=MPGroup,
+              **spec)
+    try:
+        assert [[o.token_ids for o in llm.generate(PROMPTS, p)] for p in PARAMS] == want
+        assert len(llm.rank_weight_bytes) == 2
+        assert max(llm.rank_weight_bytes) < sum(p.numel() * p.element_size() for p in single.model.parameters())
+        if spec:
+            assert llm.engine.metrics.drafted_tokens > 0
+    finally:
+        llm.shutdown()
