@@ -251,7 +251,7 @@ class HFArm:
             cell = self._run(prompts, concurrency, n, max_tokens)
         finally:
             torch.set_num_threads(before)
-        cell["workload"] = workload   # compared with the engine arms of the same workload (bench.cells)
+        cell["request_kind"] = kind   # compared with the engine arms of the same request kind (bench.cells)
         return cell
 
     def _run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int) -> dict:

@@ -37,8 +37,10 @@ ShardSpecs = dict[str, tuple[int, int, int]]  # param name -> (dim, start, stop)
 
 
 class RowParallelLinear(Linear):
-    """A linear over this rank's slice of the input features (`in_parts` heads); partial sums
-    all-reduced, then the (replicated) bias added once."""
+    """A linear over this rank's slice of the input features; partial sums all-reduced, then the
+    (replicated) bias added once. Batch-invariant at EP 2, each rank's slice is one of the two
+    halves one rank sums (`runtime.batch_invariant.split_linear`), so the all-reduce adds what
+    EP 1 adds."""
 
     def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = False,
                  in_parts: int = 1) -> None:
@@ -177,7 +179,7 @@ def _split_attention(attn: nn.Module, name: str, cfg: ModelConfig, topo: EPTopol
     attn.q_proj = Linear(h, (h1 - h0) * d, bias=cfg.attention_bias)
     attn.k_proj = Linear(h, (k1 - k0) * d, bias=cfg.attention_bias)
     attn.v_proj = Linear(h, (k1 - k0) * d, bias=cfg.attention_bias)
-    attn.o_proj = RowParallelLinear((h1 - h0) * d, h, comm, bias=cfg.o_proj_bias, in_parts=h1 - h0)
+    attn.o_proj = RowParallelLinear((h1 - h0) * d, h, comm, bias=cfg.o_proj_bias)
     attn.num_heads, attn.num_kv_heads = h1 - h0, k1 - k0
     specs: ShardSpecs = {}
     for proj, (a, b) in (("q_proj", (h0, h1)), ("k_proj", (k0, k1)), ("v_proj", (k0, k1))):
@@ -197,8 +199,7 @@ def _split_latent_attention(attn: MLAttention, name: str, cfg: ModelConfig, topo
     q_name = "q_b_proj" if attn.has_q_lora else "q_proj"
     setattr(attn, q_name, Linear(cfg.q_lora_rank or cfg.hidden_size, (h1 - h0) * qk, bias=False))
     attn.kv_b_proj = Linear(attn.kv_lora_rank, (h1 - h0) * kv, bias=False)
-    attn.o_proj = RowParallelLinear((h1 - h0) * attn.v_dim, cfg.hidden_size, comm, bias=cfg.o_proj_bias,
-                                    in_parts=h1 - h0)
+    attn.o_proj = RowParallelLinear((h1 - h0) * attn.v_dim, cfg.hidden_size, comm, bias=cfg.o_proj_bias)
     attn.num_heads = h1 - h0
     return {f"{name}.{q_name}.weight": (0, h0 * qk, h1 * qk), f"{name}.kv_b_proj.weight": (0, h0 * kv, h1 * kv),
             f"{name}.o_proj.weight": (1, h0 * attn.v_dim, h1 * attn.v_dim)}

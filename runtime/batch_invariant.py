@@ -7,8 +7,7 @@ runs on):
   three classes (1 row, 2-9 rows, 15 rows and more); bfloat16 changes at 33 rows for the dense
   MLP's down projection (visible only on real activations: random data rarely crosses a
   bfloat16 rounding step). `linear` therefore calls the GEMM on fixed tiles of exactly
-  `MIN_ROWS` rows, the last one padded, so every call has one shape. The routed experts take
-  their per-expert loop with the same tiles (`RoutedExperts._looped`).
+  `MIN_ROWS` rows, the last one padded, so every call has one shape.
 - Attention over a padded batch: the number of keys a softmax and its weighted sum run over
   is the longest context in the step, and a row's query count picks the kernel. `attention`
   fixes both: scores come from matmuls of one fixed shape ([QUERY_TILE x g, D] x [D, KEY_CHUNK]
@@ -22,10 +21,12 @@ runs on):
   than a vector (the router's 8 expert scores) therefore changes with the rows before it.
   `rowwise` pads such rows to whole vectors (`LANES`) first.
 - RMSNorm, softmax, log-softmax and the top-k reduce within a row; they already are invariant.
+- The routed experts run densely: every local expert over every row in grouped matmuls of one
+  shape (each expert a group of exactly `MIN_ROWS` rows; `RoutedExperts._dense_tiles`).
 - Expert parallelism: an attention output projection is row-parallel (each rank sums over its
   heads, then the ranks' sums are all-reduced), which adds in another order than one rank's
-  GEMM. `split_linear` sums per head as a balanced tree on every rank count, so EP 2 adds what
-  EP 1 adds. The routed experts' combine adds exact zeros for choices held elsewhere, and two
+  GEMM. One rank sums the projection in two halves of its heads (`split_linear`), each rank of
+  EP 2 computes one half, so EP 2 adds what EP 1 adds. The routed experts' combine adds exact zeros for choices held elsewhere, and two
   ranks' all-reduce (a + b) is order-free; more ranks than 2 are not covered.
 
 The float64 reference mode runs these kernels too (it is batch-invariant by default).
@@ -59,11 +60,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out[:n].reshape(*x.shape[:-1], weight.shape[0])
 
 
+def halves(num_heads: int) -> int:
+    """The slices an attention output projection sums in batch-invariant mode: its two halves of
+    heads (one per rank at EP 2), or 1 for an odd head count."""
+    return 2 if num_heads % 2 == 0 else 1
+
+
 def split_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
-    """`linear` over `parts` equal slices of the input features (an attention output projection:
-    one slice per head), the partial sums added as a balanced tree in slice order. An EP rank
-    holding a contiguous power-of-two share of the slices computes one subtree of it, and the
-    all-reduce of two ranks adds the two subtrees: the same sums in the same order as one rank."""
+    """`linear` over `parts` equal slices of the input features, the partial sums added as a
+    balanced tree in slice order. An output projection is summed in two halves of its heads: at
+    EP 2 each rank's row-parallel slice is one half, and the all-reduce of two ranks (a + b, order
+    free) adds the same two sums as one rank."""
     width = weight.shape[1] // parts
     if width * parts != weight.shape[1]:
         raise ValueError(f"{weight.shape[1]} input features do not split into {parts} equal parts")

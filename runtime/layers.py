@@ -37,8 +37,8 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class Linear(nn.Linear):
     """`nn.Linear` with a batch-invariant path (`runtime.batch_invariant.linear`) when switched on;
-    `in_parts` > 1 sums that path over equal slices of the input features (one per attention head:
-    `runtime.batch_invariant.split_linear`)."""
+    `in_parts` > 1 sums that path over equal slices of the input features (an attention output
+    projection's two halves of its heads: `runtime.batch_invariant.split_linear`)."""
 
     batch_invariant = False
     in_parts = 1
@@ -79,7 +79,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
         self.o_proj = Linear(self.num_heads * d, h, bias=cfg.o_proj_bias)
-        self.o_proj.in_parts = self.num_heads
+        self.o_proj.in_parts = bi.halves(self.num_heads)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.use_qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.use_qk_norm else None
 
@@ -170,7 +170,7 @@ class RoutedExperts(nn.Module):
     experts computes only those and leaves other tokens' rows at zero.
     """
 
-    batch_invariant = False   # the per-expert loop on fixed GEMM tiles (runtime.batch_invariant)
+    batch_invariant = False   # every expert densely on fixed tiles (runtime.batch_invariant)
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, expert_offset: int = 0) -> None:
         super().__init__()
@@ -186,11 +186,14 @@ class RoutedExperts(nn.Module):
         """x [T, H], weights/ids [T, k] (global ids) -> weighted sum over the local experts [T, H].
 
         Rows routed to experts outside this shard contribute zero. float32 and bfloat16 take the
-        grouped path (no host synchronisation); float64, the reference mode, and the
-        batch-invariant mode loop over experts (their GEMMs on fixed tiles).
+        grouped path (no host synchronisation), or in batch-invariant mode every expert densely on
+        fixed tiles; float64, the reference mode, loops over experts (on fixed tiles when
+        batch-invariant).
         """
-        if x.dtype == torch.float64 or self.batch_invariant:
+        if x.dtype == torch.float64:
             return self._looped(x, weights, ids)
+        if self.batch_invariant:
+            return self._dense_tiles(x, weights, ids)
         if torch.compiler.is_compiling():   # opaque to inductor: grouped_mm has no float32 meta kernel
             return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
         return self._grouped(x, weights, ids)
@@ -215,6 +218,26 @@ class RoutedExperts(nn.Module):
         per_choice = torch.where(is_local[:, None], per_choice, 0.0)
         # Sum over the k choices in a fixed order: the result does not depend on the batch.
         return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
+
+    def _dense_tiles(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Batch-invariant: every local expert over every row, in grouped matmuls of one shape (each
+        expert a group of exactly MIN_ROWS rows, runtime.batch_invariant), with no host sync; each
+        choice then takes its expert's row. Dense costs E/k times the FLOPs of the routed rows, but
+        two calls per tile of rows instead of a loop over the touched experts."""
+        t, k = ids.shape
+        e, tile = self.num_local_experts, bi.MIN_ROWS
+        offs = torch.arange(1, e + 1, device=x.device, dtype=torch.int32) * tile
+        ys = []
+        for rows in F.pad(x, (0, 0, 0, -t % tile)).split(tile):
+            xs = rows.repeat(e, 1)                                              # [E*tile, H], expert-major
+            gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+            ys.append(torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs).view(e, tile, -1))
+        y = torch.cat(ys, dim=1)                                                # [E, T padded, H]
+        local = ids - self.expert_offset
+        is_local = (local >= 0) & (local < e)
+        per_choice = y[local.clamp(0, e - 1), torch.arange(t, device=x.device)[:, None]]   # [T, k, H]
+        per_choice = torch.where(is_local[..., None], per_choice, 0.0)
+        return (per_choice * weights.to(x.dtype)[..., None]).sum(dim=1)
 
     def _looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The reference path: one pair of matmuls per touched local expert (syncs with the host)."""

@@ -62,7 +62,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=cfg.o_proj_bias)
-        self.o_proj.in_parts = self.num_heads   # batch-invariant: summed per head (runtime.batch_invariant)
+        self.o_proj.in_parts = bi.halves(self.num_heads)   # batch-invariant: EP 2 adds what EP 1 adds
 
     @property
     def num_kv_heads(self) -> int:
