@@ -21,8 +21,8 @@ runs on):
   than a vector (the router's 8 expert scores) therefore changes with the rows before it.
   `rowwise` pads such rows to whole vectors (`LANES`) first.
 - RMSNorm, softmax, log-softmax and the top-k reduce within a row; they already are invariant.
-- The routed experts run densely: every local expert over every row in grouped matmuls of one
-  shape (each expert a group of exactly `MIN_ROWS` rows; `RoutedExperts._dense_tiles`).
+- The routed experts loop over the touched experts with `linear` on each (`RoutedExperts._looped`,
+  one host sync per layer).
 - Expert parallelism: an attention output projection is row-parallel (each rank sums over its
   heads, then the ranks' sums are all-reduced), which adds in another order than one rank's
   GEMM. One rank sums the projection in two halves of its heads (`split_linear`), each rank of

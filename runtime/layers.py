@@ -170,7 +170,7 @@ class RoutedExperts(nn.Module):
     experts computes only those and leaves other tokens' rows at zero.
     """
 
-    batch_invariant = False   # every expert densely on fixed tiles (runtime.batch_invariant)
+    batch_invariant = False   # the per-expert loop on fixed GEMM tiles (runtime.batch_invariant)
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, expert_offset: int = 0) -> None:
         super().__init__()
@@ -186,14 +186,13 @@ class RoutedExperts(nn.Module):
         """x [T, H], weights/ids [T, k] (global ids) -> weighted sum over the local experts [T, H].
 
         Rows routed to experts outside this shard contribute zero. float32 and bfloat16 take the
-        grouped path (no host synchronisation), or in batch-invariant mode every expert densely on
-        fixed tiles; float64, the reference mode, loops over experts (on fixed tiles when
-        batch-invariant).
+        grouped path (no host synchronisation); float64, the reference mode, and the
+        batch-invariant mode loop over the touched experts (on fixed GEMM tiles when
+        batch-invariant). Every expert densely on fixed grouped-matmul tiles, tried for the
+        batch-invariant mode, was slower (bench/records/batch_invariant_*.json, design §3.2).
         """
-        if x.dtype == torch.float64:
+        if x.dtype == torch.float64 or self.batch_invariant:
             return self._looped(x, weights, ids)
-        if self.batch_invariant:
-            return self._dense_tiles(x, weights, ids)
         if torch.compiler.is_compiling():   # opaque to inductor: grouped_mm has no float32 meta kernel
             return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
         return self._grouped(x, weights, ids)
@@ -218,26 +217,6 @@ class RoutedExperts(nn.Module):
         per_choice = torch.where(is_local[:, None], per_choice, 0.0)
         # Sum over the k choices in a fixed order: the result does not depend on the batch.
         return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
-
-    def _dense_tiles(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Batch-invariant: every local expert over every row, in grouped matmuls of one shape (each
-        expert a group of exactly MIN_ROWS rows, runtime.batch_invariant), with no host sync; each
-        choice then takes its expert's row. Dense costs E/k times the FLOPs of the routed rows, but
-        two calls per tile of rows instead of a loop over the touched experts."""
-        t, k = ids.shape
-        e, tile = self.num_local_experts, bi.MIN_ROWS
-        offs = torch.arange(1, e + 1, device=x.device, dtype=torch.int32) * tile
-        ys = []
-        for rows in F.pad(x, (0, 0, 0, -t % tile)).split(tile):
-            xs = rows.repeat(e, 1)                                              # [E*tile, H], expert-major
-            gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-            ys.append(torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs).view(e, tile, -1))
-        y = torch.cat(ys, dim=1)                                                # [E, T padded, H]
-        local = ids - self.expert_offset
-        is_local = (local >= 0) & (local < e)
-        per_choice = y[local.clamp(0, e - 1), torch.arange(t, device=x.device)[:, None]]   # [T, k, H]
-        per_choice = torch.where(is_local[..., None], per_choice, 0.0)
-        return (per_choice * weights.to(x.dtype)[..., None]).sum(dim=1)
 
     def _looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The reference path: one pair of matmuls per touched local expert (syncs with the host)."""
