@@ -273,6 +273,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def leave(code: int) -> int:
+    """The exit code of a finished command. Under torchrun the process leaves at once: its gloo
+    group's threads are still joinable at interpreter teardown, which then aborts
+    (std::terminate, SIGABRT) on some runs and fails the whole torchrun job after a clean run."""
+    from launch.torchrun import torchrun_rank
+    if torchrun_rank() is None:
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from engine.engine import RequestError
@@ -283,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     from serving.deployment import GroupFailed, GroupStartError
     try:
         if args.command == "generate":
-            return cmd_generate(args)
+            return leave(cmd_generate(args))
         if args.command == "serve":
-            return cmd_serve(args)
+            return leave(cmd_serve(args))
         from launch.bench_cli import cmd_bench
         return cmd_bench(args)
     except (UsageError, RequestError, ConfigError, CheckpointError, FileNotFoundError, ValueError,
