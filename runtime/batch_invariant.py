@@ -122,20 +122,18 @@ def attention_tiles(contexts: Sequence[torch.Tensor], starts: Sequence[int], cou
             while j >= 0:
                 path.append(j)
                 j = tree[j]
-            lists.append(torch.cat((ctx[:start], ctx[start:][torch.tensor(path[::-1], dtype=torch.long)])))
+            lists.append(torch.cat((ctx[:start], ctx[start:][torch.tensor(path[::-1], device=ctx.device)])))
             rows.append([first + i])
             lengths.append([start + len(path)])
+    device = lists[0].device
     k_max = -(-max(int(c.shape[0]) for c in lists) // KEY_CHUNK) * KEY_CHUNK
-    cells = torch.zeros(len(lists), k_max, dtype=torch.long)
-    for i, c in enumerate(lists):
-        cells[i, :c.shape[0]] = c
-    row_t = torch.zeros(len(lists), QUERY_TILE, dtype=torch.long)
-    len_t = torch.ones(len(lists), QUERY_TILE, dtype=torch.long)
-    real = torch.zeros(len(lists), QUERY_TILE, dtype=torch.bool)
-    for i, (r, ln) in enumerate(zip(rows, lengths)):
-        row_t[i, :len(r)] = torch.tensor(r)
-        len_t[i, :len(ln)] = torch.tensor(ln)
-        real[i, :len(r)] = True
+    cells = torch.nn.utils.rnn.pad_sequence(lists, batch_first=True)            # padding: cell 0
+    cells = F.pad(cells, (0, k_max - cells.shape[1]))
+    pad = [QUERY_TILE - len(r) for r in rows]
+    # Padding rows repeat row 0 and see one key; `real` drops them.
+    row_t = torch.tensor([r + [0] * p for r, p in zip(rows, pad)], device=device)
+    len_t = torch.tensor([ln + [1] * p for ln, p in zip(lengths, pad)], device=device)
+    real = torch.tensor([[True] * len(r) + [False] * p for r, p in zip(rows, pad)], device=device)
     return AttentionTiles(cells=cells, rows=row_t, lengths=len_t, real=real)
 
 
