@@ -230,11 +230,31 @@ class Engine:
         reqs = [ProposeRequest(self.states[batch[i].seq.seq_id], batch[i].seq.token_ids, d,
                                tree.counts[:d] if tree is not None else (), batch[i].seq.grammar)
                 for i, d in zip(idx, depths)]
-        got = self.proposer.propose_batch(reqs) if reqs else []
+        feeds = self.feed_only({batch[i].seq.seq_id for i in idx})
+        got = self.proposer.propose_batch(reqs + feeds) if reqs or feeds else []
         if got is None:
             got = [self.proposer.propose(r) for r in reqs]
         for i, d, drafts in zip(idx, depths, got):
             out[i] = drafts.cut(self.depth.verify_depth(d, drafts.probs))
+        return out
+
+    def feed_only(self, drafting: set[int]) -> list[ProposeRequest]:
+        """Feed-only requests (no drafts) for running sequences that do not draft this step and
+        whose unfed rows complete a KV block, so the prefix cache can index it: a drafter with
+        cache rows finalises a block only once it is fed (`num_final`), and above the width cap
+        nobody drafts. Fed a block at a time, a decoding sequence costs the drafter one batched
+        row per token, as drafting would; the prompt is fed at once after its prefill."""
+        if self.proposer is None or not self.proposer.writes_cache_rows or self.scheduler.prefix is None:
+            return []
+        size = self.runner.cache.block_size
+        out = []
+        for seq in self.scheduler.running:
+            state = self.states.get(seq.seq_id)
+            if seq.seq_id in drafting or state is None or not state.pending_hidden:
+                continue
+            end = state.fed_upto + sum(h.shape[0] for h in state.pending_hidden)
+            if end // size > state.fed_upto // size:
+                out.append(ProposeRequest(state, seq.token_ids, 0, grammar=seq.grammar))
         return out
 
     def _rows(self, batch: list[Scheduled], drafts: list[Drafts], vplan

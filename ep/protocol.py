@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from speculative.proposer import EP_CMD_MTP_PROPOSE
 from speculative.settings import MAX_NUM_DRAFTS
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 HEADER_WORDS = 8
 NO_SLOT = 0xFFFFFFFF
 MAX_SLOT = 1 << 30
@@ -49,6 +49,7 @@ EP_CMD_SLOT_ATTACH = 0xFFFFFFF7   # append the cached full block `length` to the
 #                                   The rest is derived from the last FORWARD (`derive_propose`).
 EP_CMD_MTP_PROPOSE_BATCH = 0xFFFFFFF4  # num_seqs, num_obs, bulk_len, num_ops, stop_bits | bulk: ops, obs,
 #                                        then per sequence (slot, num_drafts, m, m feed tokens);
+#                                        num_drafts 0: feed only (the prefix cache needs its rows);
 #                                        stop_bits: rank 0's TAU, checked against the handshake's
 # An observation (slot, row, count, position) says: rows row..row+count-1 of the last target
 # forward's hidden are the committed positions position.. of that slot (the drafter's input).
@@ -280,7 +281,7 @@ def parse_propose_batch(cmd: Command, *, vocab_size: int) -> tuple[ProposePayloa
         feed = b[off + 3:off + 3 + m]
         if len(feed) != m:
             raise ProtocolError(f"MTP_PROPOSE_BATCH: truncated feed of slot {slot} ({len(feed)} of {m} tokens)")
-        if slot >= MAX_SLOT or not 1 <= k <= MAX_NUM_DRAFTS:
+        if slot >= MAX_SLOT or not 0 <= k <= MAX_NUM_DRAFTS:
             raise ProtocolError(f"MTP_PROPOSE_BATCH: slot {slot} / num_drafts {k} out of range")
         _check_tokens(feed, vocab_size, "MTP_PROPOSE_BATCH")
         seqs.append((slot, k, list(feed)))
@@ -342,7 +343,7 @@ def propose_command(last: ForwardPayload | None, payload: ProposePayload, stop: 
     """The command rank 0 sends for `payload`: the three words when exactly one sequence drafts and
     `derive_propose` gives back exactly `payload`, else the batched form. `pending[i]` is
     (last_token, position) of `payload.seqs[i]`: its pending token and where that token sits."""
-    if len(payload.seqs) == 1 and len(pending) == 1:
+    if len(payload.seqs) == 1 and len(pending) == 1 and payload.seqs[0][1] > 0:
         slot, num_drafts, _ = payload.seqs[0]
         last_token, position = pending[0]
         if derive_propose(last, slot, last_token, position, num_drafts) == payload:

@@ -61,6 +61,7 @@ def grammar_masked(logits: torch.Tensor, grammars: list[GrammarMatcher | None],
 
 
 class MTPProposer(DraftProposer):
+    writes_cache_rows = True
     # Whether the spine is picked from the grammar-masked logits. The sharded drafter (ep.driver)
     # keeps the raw arg-max, which every rank feeds onward in lockstep; only its hedges are masked.
     masks_spine = True
@@ -95,7 +96,9 @@ class MTPProposer(DraftProposer):
         return [req.token_ids[min(max(i + shift, 0), last)] for i in range(st.fed_upto + 1, st.fed_upto + 1 + m)]
 
     def propose_batch(self, reqs: list[ProposeRequest]) -> list[Drafts]:
-        flags = [r.num_drafts > 0 and bool(r.state.pending_hidden) for r in reqs]
+        """Drafts for every request; one with no unfed rows gets none, one with `num_drafts` 0 is
+        only fed (its rows written, so its blocks become final for the prefix cache)."""
+        flags = [bool(r.state.pending_hidden) for r in reqs]
         live = [r for r, is_live in zip(reqs, flags) if is_live]
         feeds = [self.feed_tokens(r) for r in live]
         self.before_draft(live, feeds)
@@ -110,7 +113,8 @@ class MTPProposer(DraftProposer):
     def draft(self, states: list[ProposerState], feeds: list[list[int]], num_drafts: list[int],
               stop: float | None = None, trees: list[tuple[int, ...]] | None = None,
               grammars: list[GrammarMatcher | None] | None = None) -> list[Drafts]:
-        """Feed each state's unfed rows with their tokens, then draft; a chain whose last draft's
+        """Feed each state's unfed rows with their tokens, then draft (nothing for a state whose
+        `num_drafts` is 0: it is only fed); a chain whose last draft's
         top-1 probability is below `stop` is not extended. `trees[i]`, when given, is candidates
         per depth: the next-best tokens of each depth's distribution become hedges. `grammars[i]`,
         when given, masks each depth's distribution to what state i's grammar allows after the
@@ -141,8 +145,10 @@ class MTPProposer(DraftProposer):
             st.fed_upto += m
             st.pending_hidden.clear()
         hidden, last = self._forward(tokens, torch.cat(hiddens), chunks)
-        positions = [c.end - 1 for c in chunks]
-        active = list(live)
+        keep = [j for j in live if num_drafts[j] > 0]          # the rest were only fed
+        active = [live[j] for j in keep]
+        positions = [chunks[j].end - 1 for j in keep]
+        last = last[keep] if len(keep) < len(live) else last
         for _ in range(max(num_drafts)):
             logits = self.model.mtp_logits(hidden[last]).float()                 # [B, V]
             masked = logits if grammars is None else grammar_masked(

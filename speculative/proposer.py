@@ -47,7 +47,7 @@ class Drafts:
 class ProposeRequest:
     state: ProposerState
     token_ids: Sequence[int]   # every committed token of the sequence
-    num_drafts: int
+    num_drafts: int            # 0: feed the unfed rows only (their cache rows become final), no drafts
     # Candidates per depth of a draft tree (speculative.tree_shape): the drafter's top-1 is the
     # spine, its next-best count - 1 tokens the hedges. Empty: a chain.
     tree: tuple[int, ...] = ()
@@ -70,6 +70,10 @@ def cut_at_grammar(drafts: Drafts, grammar: GrammarMatcher | None) -> Drafts:
 
 class DraftProposer(ABC):
     """A source of draft tokens. Implementations must not change any committed state of the target."""
+
+    # Does this drafter keep rows in the KV cache (written when it is fed)? Then a sequence that
+    # does not draft must still be fed now and then, or its blocks never become final (`num_final`).
+    writes_cache_rows = False
 
     def alloc_state(self, seq_id: int) -> ProposerState:
         return ProposerState(seq_id=seq_id)

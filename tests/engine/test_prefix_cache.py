@@ -60,14 +60,14 @@ def drafter_rows(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 def test_drafter_rows_of_a_cached_prefix_equal_computed_ones(ckpt_mtp):
     """The MTP drafter's keys/values share the blocks: those a request attaches are the ones it
-    would have written itself, down to the row before the first computed position. Blocks whose
-    drafter rows were never written (the first round ran wider than the width cap, so it never
-    drafted) are not offered at all."""
+    would have written itself, down to the row before the first computed position. A first round
+    wider than the width cap never drafts, yet its blocks are offered all the same: the engine
+    feeds the drafter every completed block of a sequence that does not draft (`feed_only`)."""
     off = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, prefix_cache=False, **SPECS["mtp"])
     on = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, **SPECS["mtp"])
     capped = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, mtp_max_seqs=1, **SPECS["mtp"])
     cases = [(SECOND[1], 32), (NEW_NEXT, 0), (SHARED[:16] + [SHARED[16], 7], 16)]
-    for llm, cases in ((on, cases), (capped, [(SECOND[1], 0)])):
+    for llm, cases in ((on, cases), (capped, cases)):
         llm.generate(FIRST, PARAMS["greedy"])
         for prompt, cached in cases:
             before = llm.engine.scheduler.num_prefix_hit_tokens

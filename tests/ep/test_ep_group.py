@@ -209,14 +209,16 @@ def test_mp_group_restarts_after_a_killed_worker_and_loses_nothing(ckpt_mtp):
 
 def test_prefix_cache_at_ep2_equals_one_rank_computing_everything(ckpt_mtp):
     """Every rank's cache attaches the same blocks from the journal (the sharded drafter's rows
-    too): cached prefixes give the tokens, drafts and acceptance of one rank without a cache."""
+    too): cached prefixes give the tokens, drafts and acceptance of one rank without a cache. The
+    first round runs wider than the width cap, so its blocks are final only through the feed-only
+    proposes (0 drafts) that rank 0 sends its workers."""
     shared = [(i * 37) % 300 + 1 for i in range(40)]
     first = [shared + [5, 6, 7], shared[:20] + [2, 4]]
     second = [shared + [11, 12], shared[:16] + [299, 5], shared[:33] + [9]]
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=5)
     one = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, prefix_cache=False)
     want = [one.generate([p], params)[0] for p in second]
-    llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, ep=2, launcher=MPGroup)
+    llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, mtp_max_seqs=1, ep=2, launcher=MPGroup)
     try:
         llm.generate(first, params)
         got = [llm.generate([p], params)[0] for p in second]

@@ -90,8 +90,10 @@ def test_propose_batch_round_trip_and_refusals():
     assert p.seqs == [(2, 3, [11, 12, 13]), (5, 1, [4])]
     with pytest.raises(ProtocolError, match="token 13 outside the vocabulary of 13"):
         parse_propose_batch(roundtrip(cmd), vocab_size=13)
-    bad = propose_batch_command([], [], [(2, 0, [1])])
-    with pytest.raises(ProtocolError, match="num_drafts 0 out of range"):
+    feed_only = propose_batch_command([], [], [(2, 0, [1])])
+    assert parse_propose_batch(roundtrip(feed_only), vocab_size=20)[0].seqs == [(2, 0, [1])]
+    bad = propose_batch_command([], [], [(2, 17, [1])])
+    with pytest.raises(ProtocolError, match="num_drafts 17 out of range"):
         parse_propose_batch(roundtrip(bad), vocab_size=20)
     good = propose_batch_command([], [], [(2, 1, [1])])
     short = Command(good.code, good.slot, (2, 0, 4, 0, 0), good.bulk)
