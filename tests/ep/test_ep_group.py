@@ -179,13 +179,16 @@ def test_sharded_drafter_under_a_grammar_keeps_the_ranks_in_step(ckpt_mtp):
 
 def test_mp_group_restarts_after_a_killed_worker_and_loses_nothing(ckpt_mtp):
     """The deployment's supervision (both launchers): a worker SIGKILLed in mid-generation is replaced, the
-    requests continue from what they committed, and the tokens equal an undisturbed run's."""
+    requests continue from what they committed, and the tokens equal an undisturbed run's. The
+    prompts share two full blocks: the prefix cache (on) starts empty in the new group, whose
+    recomputed blocks later requests find again; the reference computes everything."""
     import threading
-    prompts = [[5, 17, 200, 3], [9, 9, 9, 100]]
+    shared = [(i * 37) % 300 + 1 for i in range(34)]
+    prompts = [shared + [5, 17, 200, 3], shared + [9, 9, 9, 100]]
     params = [GREEDY, SEEDED]
     long = [SamplingParams(max_tokens=60, ignore_eos=True),
             SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.8, seed=5)]
-    one = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, spec="mtp", num_drafts=2)
+    one = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, spec="mtp", num_drafts=2, prefix_cache=False)
     want = [o.token_ids for o in one.generate(prompts, long)]
     llm = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, spec="mtp", num_drafts=2, ep=2, launcher=MPGroup,
               ep_timeout_s=30, max_restarts=1)
@@ -201,8 +204,9 @@ def test_mp_group_restarts_after_a_killed_worker_and_loses_nothing(ckpt_mtp):
         assert not runner.is_alive()
         assert [s.output_ids for s in seqs] == want
         assert llm.deployment.restarts == 1 and llm.deployment.group.pids[0] != first
-        assert [o.token_ids for o in llm.generate(prompts, params)] == \
-            [o.token_ids for o in one.generate(prompts, params)]  # the new group serves on
+        again = llm.generate(prompts, params)
+        assert [o.token_ids for o in again] == [o.token_ids for o in one.generate(prompts, params)]  # it serves on
+        assert [o.cached_tokens for o in again] == [32, 32]
     finally:
         llm.shutdown()
 
