@@ -28,6 +28,7 @@ from bench.cells import add_ratios, summarize
 from bench.corpus import heldout_prompts
 from bench.report import check_provenance, machine, plot, print_table, provenance, verify_key_settings
 from bench.request_kinds import REQUEST_KINDS, cell_name, request_params
+from bench.vllm_arm import peer_ratios
 from serving.deployment import Launcher
 from serving.llm import LLM
 from speculative.ladder import MAX_MTP_MAX_SEQS
@@ -83,8 +84,10 @@ class BenchConfig:
     tree_shape: str | None = None
     enforce_eager: bool = False   # every engine arm without torch.compile
     request_kinds: tuple[str, ...] = ("plain",)
+    vllm_python: str | None = None   # the peer venv's Python for the vllm arms (bench.vllm_arm)
 
     def __post_init__(self) -> None:
+        from bench.vllm_arm import vllm_drafts, vllm_python
         from speculative.tree_shape import TreeShape
         for kind in self.request_kinds:
             if kind not in REQUEST_KINDS:
@@ -95,10 +98,18 @@ class BenchConfig:
             raise ValueError("bench arm 'tree' needs --tree-shape, e.g. 1,2,2")
         if self.tree_shape is not None:
             TreeShape.parse(self.tree_shape)
+        peers = [name for name in self.arms if vllm_drafts(name) is not None]
+        if peers:
+            vllm_python(self.vllm_python)
+            if self.ep != 1 or self.request_kinds != ("plain",):
+                raise ValueError(f"bench arms {','.join(peers)} (vLLM) run at --ep 1 with plain requests only")
         for name in self.arms:
             arm = arm_base(name)
+            if vllm_drafts(name) is not None:
+                continue
             if arm not in BUILT_ARMS and not TREE_ARM.match(arm):
-                raise ValueError(f"unknown bench arm {name!r} (built: {', '.join(BUILT_ARMS)}, treeDIGITS; "
+                raise ValueError(f"unknown bench arm {name!r} (built: {', '.join(BUILT_ARMS)}, treeDIGITS, "
+                                 "vllm, vllm-mtpK for K in 1..4; "
                                  f"an engine arm may end in {' and '.join(SUFFIXES)})")
             if arm == "hf" and name != arm:
                 raise ValueError(f"bench arm {name!r}: hf is transformers' generate, never compiled or "
@@ -273,6 +284,10 @@ class HFArm:
 
 
 def build_arm(name: str, config: BenchConfig, launcher: Launcher | None, threads: int):
+    from bench.vllm_arm import VLLMArm, vllm_drafts, vllm_python
+    if vllm_drafts(name) is not None:
+        return VLLMArm(name, config.model, config.dtype, vllm_python(config.vllm_python), max(config.concurrency),
+                       threads)
     return HFArm(config, threads) if name == "hf" else EngineArm(name, config, launcher)
 
 
@@ -357,10 +372,17 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
     end = check_provenance(start)
     cells = [summarize(runs[name, c]) for c in config.concurrency for name in names]
     add_ratios(cells, names[0])
+    peers = peer_ratios(cells)
     record = {"model": str(config.model), **start, **end, "kv_cache": kv_cache_bytes(config),
               "recorded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": machine(), "params": asdict(config), "verify_key": verify_key_settings(), "cells": cells}
+    if peers:
+        record["vs_vllm"] = peers
     print_table(cells)
+    for p in peers:
+        print(f"vs vLLM c={p['concurrency']} {p['pair']}: {p['ours']} {p['ours_tok_s']:.1f} / {p['vllm']} "
+              f"{p['vllm_tok_s']:.1f} = {'tie' if p['tie'] else format(p['ratio'], '.3f')} "
+              f"(accept_len {p['ours_accept_len']} / {p['vllm_accept_len']})")
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(record, indent=2) + "\n")

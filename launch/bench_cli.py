@@ -29,6 +29,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--repeats", type=int, default=1,
                    help="runs per cell, arms taking turns; the cell is the median run, with min and max beside it")
     b.add_argument("--enforce-eager", action="store_true", help="every engine arm runs without torch.compile")
+    b.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="arms vllm and vllm-mtpK (K=1..4) run vLLM's CPU build with this venv's Python "
+                        "(default: METRALE_VLLM_PYTHON); a yardstick, never a dependency")
     b.add_argument("--json-out", type=Path, default=None)
     b.add_argument("--plot-out", type=Path, default=None)
     chat = b.add_argument_group("chat workload")
@@ -55,7 +58,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          max_tokens=args.max_tokens or (48 if args.quick else 128),
                          requests=args.requests, repeats=args.repeats, quick=args.quick,
                          tree_shape=args.tree_shape, enforce_eager=args.enforce_eager,
-                         request_kinds=tuple(k.strip() for k in args.request_kinds.split(",")))
+                         request_kinds=tuple(k.strip() for k in args.request_kinds.split(",")),
+                         vllm_python=args.vllm_python)
     from launch import launcher_for
     run_bench(config, json_out=args.json_out, plot_out=args.plot_out,
               launcher=launcher_for(args.launcher) if config.ep > 1 else None)
