@@ -45,7 +45,7 @@ class VLLMArm:
         self.num_drafts = vllm_drafts(name)
         cfg = {"model": str(Path(model).resolve()), "dtype": dtype, "num_drafts": self.num_drafts,
                "max_num_seqs": max_num_seqs, "threads_bind": f"0-{threads - 1}"}
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="4",
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS=str(threads),
                    PYTHONPATH="", TOKENIZERS_PARALLELISM="false")
         print(f"bench: starting {name} ({python})", flush=True)
         self.proc = subprocess.Popen([python, str(CHILD), json.dumps(cfg)], stdin=subprocess.PIPE,
