@@ -62,10 +62,14 @@ class ServerConfig:
 
 def load_chat_template(model_dir: Path) -> str | None:
     path = model_dir / "tokenizer_config.json"
-    if path.is_file():
-        template = json.loads(path.read_text()).get("chat_template")
-        return template if isinstance(template, str) else None
-    return None
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    template = raw.get("chat_template") if isinstance(raw, dict) else None
+    return template if isinstance(template, str) else None
 
 
 def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
