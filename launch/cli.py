@@ -67,7 +67,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft trees with --spec mtp: candidates per depth, e.g. 1,2,2 (each 1..4, at most 7 nodes)")
     p.add_argument("--spec-verify", default="exact", choices=["exact", "rejection"],
                    help="exact: keyed target draws (same tokens as no speculation); rejection: rejection sampling")
-    p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (default 1, or torchrun's world size)")
+    p.add_argument("--ep", type=_positive_int, default=None, help="expert-parallel ranks (default 1, or torchrun's world size)")
     p.add_argument("--launcher", default="ray", choices=["ray", "mp"],
                    help="how --ep > 1 starts its worker ranks: Ray actors (default) or spawned processes")
     p.add_argument("--ray-address", default=None,
@@ -243,8 +243,6 @@ def make_llm(args: argparse.Namespace):
             return None
         return LLM(model=args.model, comm=comm, **common)
     ep = args.ep or 1
-    if ep < 1:
-        raise UsageError(f"--ep {ep} must be at least 1")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts {args.max_restarts} must be at least 0")
     launcher = None

@@ -110,6 +110,11 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
                            type_="authentication_error", code="invalid_api_key")
 
     async def read_json(request: Request):
+        ctype = request.headers.get("content-type")
+        if ctype is not None:
+            media = ctype.split(";", 1)[0].strip().lower()
+            if media != "application/json" and not media.endswith("+json"):
+                raise APIError(415, f"Content-Type {ctype!r} is not supported: send the body as application/json")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
             # Read what the client is sending anyway (up to a bound) before refusing: closing the
