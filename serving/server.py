@@ -25,7 +25,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -35,10 +35,31 @@ from starlette.routing import Route
 
 from engine.engine import RequestError
 from runtime.sampler import SamplingParams, choice_seed
-from serving.async_engine import SHUTDOWN, TIMEOUT, AsyncEngine, QueueFull, QueueLimits, RequestHandle, Update
+from serving.async_engine import (
+    SHUTDOWN,
+    TIMEOUT,
+    AsyncEngine,
+    QueueFull,
+    QueueLimits,
+    RequestHandle,
+    Update,
+)
 from serving.lifecycle import DEFAULT_DRAIN_TIMEOUT_S, Drain, run_server
-from serving.openai_api import APIError, ParsedRequest, parse_request, render_chat, with_max_tokens
-from serving.responses import ChoiceStream, TokenText, best_sequences, chat_choice, completion_choice, usage
+from serving.openai_api import (
+    APIError,
+    ParsedRequest,
+    parse_request,
+    render_chat,
+    with_max_tokens,
+)
+from serving.responses import (
+    ChoiceStream,
+    TokenText,
+    best_sequences,
+    chat_choice,
+    completion_choice,
+    usage,
+)
 from serving.server_metrics import ServerMetrics
 
 MAX_BODY_BYTES = 1 << 20
@@ -52,7 +73,7 @@ class ServerConfig:
     api_key: str | None = None
     chat_template: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
-    limits: QueueLimits = QueueLimits()
+    limits: QueueLimits = field(default_factory=QueueLimits)
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ installed) under --out.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import signal
 import socket
@@ -124,7 +125,7 @@ class RunningStream(threading.Thread):
 
 def max_gap(times: list[float], start: float, end: float) -> float | None:
     """The longest wait between consecutive token events that ends inside [start, end]."""
-    gaps = [b - a for a, b in zip(times, times[1:]) if start < b <= end]
+    gaps = [b - a for a, b in itertools.pairwise(times) if start < b <= end]
     return max(gaps) if gaps else None
 
 
