@@ -1,14 +1,16 @@
 """Load and shutdown of a real `metrale serve` process: a full waiting queue is a 503 with
 Retry-After, --request-timeout ends a request and frees its cache, SIGTERM drains (503s and
 /health "draining", open requests finish or end with finish reason `shutdown`) and exits 0 with
-no process left behind, at EP 1 and with an mp EP 2 group."""
+no process left behind, at EP 1 and with an EP 2 group (mp, and Ray with its own local cluster)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -72,11 +74,11 @@ class Stream:
         return events
 
 
-def start(*args: str) -> tuple[subprocess.Popen, str]:
+def start(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen(metrale_cmd("serve", "--model", str(MODEL_DIR), "--port", str(port),
                                         "--served-model-name", MODEL, "--enforce-eager", *args),
-                            env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env or run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -170,9 +172,19 @@ def test_request_timeout_ends_and_frees(limited):
     assert ok[0] == 200 and ok[2]["usage"]["completion_tokens"] == 4
 
 
-@pytest.mark.parametrize("ep", [[], ["--ep", "2", "--launcher", "mp"]], ids=["ep1", "ep2-mp"])
-def test_sigterm_drains_then_exits_0_without_orphans(ep):
-    proc, base = start("--drain-timeout", "4", *ep)
+@pytest.mark.parametrize("launcher", [None, "mp", "ray"], ids=["ep1", "ep2-mp", "ep2-ray"])
+def test_sigterm_drains_then_exits_0_without_orphans(launcher):
+    """With Ray: a local Ray of its own (usage statistics off, temp dir under /tmp); its actor,
+    raylet, GCS and helpers are all below the server process and must all be gone."""
+    ep = [] if launcher is None else ["--ep", "2", "--launcher", launcher]
+    env = run_env()
+    ray_tmp = None
+    if launcher == "ray":
+        ray_tmp = tempfile.mkdtemp(prefix="mray", dir="/tmp")
+        ep += ["--ray-temp-dir", ray_tmp]
+        env["RAY_USAGE_STATS_ENABLED"] = "0"
+        env.pop("RAY_ADDRESS", None)
+    proc, base = start("--drain-timeout", "4", *ep, env=env)
     kids = descendants(proc.pid)
     assert len(kids) >= (1 if ep else 0)
     try:
@@ -202,3 +214,5 @@ def test_sigterm_drains_then_exits_0_without_orphans(ep):
         for k in kids:
             if alive(k):
                 os.kill(k, signal.SIGKILL)
+        if ray_tmp is not None:
+            shutil.rmtree(ray_tmp, ignore_errors=True)
