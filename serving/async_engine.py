@@ -121,12 +121,6 @@ class AsyncEngine:
         self._inbox.put(("end_all", reason))
 
     @property
-    def num_waiting(self) -> int:
-        """Sequences submitted and not yet running (as of the engine thread's last look)."""
-        with self._lock:
-            return self._num_waiting + self._inbox_seqs
-
-    @property
     def num_open(self) -> int:
         """Requests submitted and not yet finished."""
         with self._lock:
