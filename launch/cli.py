@@ -12,6 +12,33 @@ class UsageError(ValueError):
     """Bad command-line input; printed as one line, exit status 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (`metrale serve: error: ...`), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds above 0")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds, at least 0")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -40,7 +67,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft trees with --spec mtp: candidates per depth, e.g. 1,2,2 (each 1..4, at most 7 nodes)")
     p.add_argument("--spec-verify", default="exact", choices=["exact", "rejection"],
                    help="exact: keyed target draws (same tokens as no speculation); rejection: rejection sampling")
-    p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (default 1, or torchrun's world size)")
+    p.add_argument("--ep", type=_positive_int, default=None, help="expert-parallel ranks (default 1, or torchrun's world size)")
     p.add_argument("--launcher", default="ray", choices=["ray", "mp"],
                    help="how --ep > 1 starts its worker ranks: Ray actors (default) or spawned processes")
     p.add_argument("--ray-address", default=None,
@@ -63,7 +90,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="metrale", description="Serve and benchmark MoE language models.")
+    ap = Parser(prog="metrale", description="Serve and benchmark MoE language models.")
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate continuations of prompts offline")
@@ -96,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="model name clients use (default: the folder name)")
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes")
+    s.add_argument("--max-waiting", type=_positive_int, default=None, metavar="N",
+                   help="most sequences waiting for a place in the batch; beyond it a request is a 503 with "
+                        "Retry-After (default 512)")
+    s.add_argument("--request-timeout", type=_positive_float, default=None, metavar="S",
+                   help="end a request unfinished S seconds after it arrived (waiting or running) and free its "
+                        "cache: a 504, or finish reason 'timeout' on a stream (default: no limit)")
+    s.add_argument("--drain-timeout", type=_non_negative_float, default=None, metavar="S",
+                   help="on SIGTERM, how long open requests may still run before they are ended with finish "
+                        "reason 'shutdown' (default 30)")
 
     from launch.bench_cli import add_bench_parser
     add_bench_parser(sub)
@@ -207,8 +243,6 @@ def make_llm(args: argparse.Namespace):
             return None
         return LLM(model=args.model, comm=comm, **common)
     ep = args.ep or 1
-    if ep < 1:
-        raise UsageError(f"--ep {ep} must be at least 1")
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts {args.max_restarts} must be at least 0")
     launcher = None
@@ -255,21 +289,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM (or Ctrl-C): drain (serving.lifecycle), stop every EP rank, exit 0."""
+    from serving.async_engine import QueueLimits
     from serving.server import ServerConfig, load_chat_template, serve
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} is not a TCP port")
+    name = args.served_model_name or Path(args.model).resolve().name
+    given = {k: v for k, v in (("max_waiting", args.max_waiting), ("request_timeout_s", args.request_timeout))
+             if v is not None}
+    drain_kw = {} if args.drain_timeout is None else {"drain_timeout_s": args.drain_timeout}
+    config = ServerConfig(served_model_name=name, api_key=args.api_key,
+                          chat_template=load_chat_template(Path(args.model)) if Path(args.model).is_dir() else None,
+                          limits=QueueLimits(**given), **drain_kw)
     llm = make_llm(args)
     if llm is None:
         return 0
-    name = args.served_model_name or Path(args.model).resolve().name
     print(f"metrale serve: {name} on http://{args.host}:{args.port} (spec {args.spec})", file=sys.stderr, flush=True)
     try:
-        serve(llm, host=args.host, port=args.port,
-              config=ServerConfig(served_model_name=name, api_key=args.api_key,
-                                  chat_template=load_chat_template(Path(args.model))))
+        drain = serve(llm, host=args.host, port=args.port, config=config)
     finally:
         llm.shutdown(graceful=llm.deployment.pending() is None)
+    print(f"metrale serve: stopped ({drain.num_ended} request(s) ended by the drain)", file=sys.stderr, flush=True)
     return 0
 
 

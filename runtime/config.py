@@ -98,7 +98,10 @@ class ModelConfig:
                      "num_attention_heads", "num_key_value_heads", "head_dim", "moe_intermediate_size",
                      "num_experts_per_tok", "n_routed_experts", "n_group", "topk_group",
                      "max_position_embeddings", "decoder_sparse_step"):
-            if getattr(self, name) < 1:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"config.json: {name}={value!r} must be a whole number")
+            if value < 1:
                 raise ConfigError(f"config.json: {name}={getattr(self, name)} must be at least 1")
         if self.router_scoring not in ROUTER_SCORINGS:
             raise ConfigError(f"config.json: router scoring {self.router_scoring!r}: expected one of "

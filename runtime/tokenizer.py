@@ -25,7 +25,10 @@ class Tokenizer:
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: the model folder needs tokenizer.json to take text")
-        self._tok = _HFTokenizer.from_file(str(path))
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception on a bad file
+            raise ValueError(f"{path}: not a readable tokenizer ({exc})") from None
         self._byte_level = _byte_level_table() if isinstance(self._tok.decoder, decoders.ByteLevel) else None
         self._special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from runtime.config import ModelConfig, load_config
 from runtime.model import CausalLM
@@ -48,6 +48,14 @@ def _expert_target(prefix: str, expert: int, proj: str) -> Target:
     return Target(f"{prefix}.gate_up_proj", expert, 0 if proj == "gate_proj" else 1)
 
 
+def open_safetensors(path: Path):
+    """`safe_open` of one checkpoint file; a corrupt or truncated file is a `CheckpointError` naming it."""
+    try:
+        return safe_open(str(path), "pt")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     """Map every tensor name to the safetensors file that holds it."""
     index = model_dir / "model.safetensors.index.json"
@@ -63,7 +71,7 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
         raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
     out = {}
     for path in files:
-        with safe_open(str(path), "pt") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 out[name] = path
     return out
@@ -145,7 +153,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
     filled: set[str] = set()
     expert_rows: dict[str, set[int]] = {}
     with ExitStack() as stack:
-        handles = {p: stack.enter_context(safe_open(str(p), "pt")) for p in set(files.values())}
+        handles = {p: stack.enter_context(open_safetensors(p)) for p in set(files.values())}
         for hf_name, path in sorted(files.items()):
             target = map_name(hf_name, cfg)
             if mtp_only and target is not None and target.param.startswith("layers."):

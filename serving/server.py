@@ -5,6 +5,12 @@ GET /v1/models, GET /health, GET /metrics. Every refusal is a 4xx with an OpenAI
 that names the field; the server keeps serving after each. A client that disconnects cancels its
 request and frees its slots.
 
+Load and shutdown (serving.async_engine.QueueLimits, serving.lifecycle): a request that would
+take the waiting queue past `max_waiting` sequences, and every request during a drain, is a 503
+with `Retry-After`. A request ended by `request_timeout_s` is a 504 (streaming: its choices end
+with finish reason `timeout`, then an error event); one ended by the drain's deadline a 503
+(streaming: finish reason `shutdown`, then an error event).
+
 A request becomes best_of (= n unless asked) sequences per prompt, all submitted together; choice
 i of a seeded request samples with `choice_seed(seed, i)`. Choices are indexed prompt-major
 (prompt p, choice j: index p * n + j); a stream sends each choice's chunks as its tokens commit,
@@ -19,7 +25,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -29,13 +35,36 @@ from starlette.routing import Route
 
 from engine.engine import RequestError
 from runtime.sampler import SamplingParams, choice_seed
-from serving.async_engine import AsyncEngine, RequestHandle, Update
-from serving.openai_api import APIError, ParsedRequest, parse_request, render_chat, with_max_tokens
-from serving.responses import ChoiceStream, TokenText, best_sequences, chat_choice, completion_choice, usage
+from serving.async_engine import (
+    SHUTDOWN,
+    TIMEOUT,
+    AsyncEngine,
+    QueueFull,
+    QueueLimits,
+    RequestHandle,
+    Update,
+)
+from serving.lifecycle import DEFAULT_DRAIN_TIMEOUT_S, Drain, run_server
+from serving.openai_api import (
+    APIError,
+    ParsedRequest,
+    parse_request,
+    render_chat,
+    with_max_tokens,
+)
+from serving.responses import (
+    ChoiceStream,
+    TokenText,
+    best_sequences,
+    chat_choice,
+    completion_choice,
+    usage,
+)
 from serving.server_metrics import ServerMetrics
 
 MAX_BODY_BYTES = 1 << 20
 DRAIN_LIMIT_BYTES = 16 << 20   # an oversized body is read (and dropped) up to this before the 413
+RETRY_AFTER_S = 1              # what a 503 tells the client to wait before trying again
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,18 +73,29 @@ class ServerConfig:
     api_key: str | None = None
     chat_template: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
+    limits: QueueLimits = field(default_factory=QueueLimits)
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s={self.drain_timeout_s!r} must be at least 0 seconds")
 
 
 def load_chat_template(model_dir: Path) -> str | None:
     path = model_dir / "tokenizer_config.json"
-    if path.is_file():
-        template = json.loads(path.read_text()).get("chat_template")
-        return template if isinstance(template, str) else None
-    return None
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    template = raw.get("chat_template") if isinstance(raw, dict) else None
+    return template if isinstance(template, str) else None
 
 
 def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
-              ranks: Callable[[], list[dict]] | None = None) -> Starlette:
+              ranks: Callable[[], list[dict]] | None = None, drain: Drain | None = None) -> Starlette:
+    """`drain`: the server's shutdown state (serving.lifecycle); None: this app never drains."""
     engine = aengine.engine
     tokenizer = engine.tokenizer
     hostname = socket.gethostname()
@@ -63,7 +103,25 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
 
     def error(exc: APIError) -> JSONResponse:
         metrics.rejected.labels(status=str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    def draining() -> bool:
+        return drain is not None and drain.is_draining
+
+    def ended_error(handle: RequestHandle) -> APIError | None:
+        """Why the server ended this request before it finished (timeout, shutdown), or None."""
+        reasons = {s.finish_reason for s in handle.seqs}
+        num_output = sum(s.num_output for s in handle.seqs)
+        if TIMEOUT in reasons:
+            return APIError(504, f"the request did not finish within --request-timeout "
+                                 f"{config.limits.request_timeout_s:g} s and was aborted after {num_output} "
+                                 "generated token(s)", type_="server_error", code="request_timeout")
+        if SHUTDOWN in reasons:
+            return APIError(503, f"the server shut down before the request finished (--drain-timeout "
+                                 f"{config.drain_timeout_s:g} s passed) after {num_output} generated token(s)",
+                            type_="server_error", code="shutdown")
+        return None
 
     def check_auth(request: Request) -> None:
         if config.api_key is None:
@@ -73,6 +131,11 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
                            type_="authentication_error", code="invalid_api_key")
 
     async def read_json(request: Request):
+        ctype = request.headers.get("content-type")
+        if ctype is not None:
+            media = ctype.split(";", 1)[0].strip().lower()
+            if media != "application/json" and not media.endswith("+json"):
+                raise APIError(415, f"Content-Type {ctype!r} is not supported: send the body as application/json")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > config.max_body_bytes:
             # Read what the client is sending anyway (up to a bound) before refusing: closing the
@@ -120,6 +183,9 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
 
     async def generate(request: Request, chat: bool) -> Response:
         try:
+            if draining():
+                raise APIError(503, "the server is shutting down and takes no new requests",
+                               type_="server_error", code="draining")
             check_auth(request)
             body = await read_json(request)
             req = parse_request(body, chat=chat, default_max_tokens=16 if not chat else 256,
@@ -138,6 +204,9 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
                          for i in range(req.best_of)]
             try:
                 handle = await aengine.submit(seqs)
+            except QueueFull as exc:
+                raise APIError(503, f"the server is overloaded: {exc}; retry later",
+                               type_="server_error", code="queue_full") from None
             except RequestError as exc:
                 param = {"prompt": "messages" if chat else "prompt",
                          "structured": req.structured_field}.get(exc.param, exc.param)
@@ -191,6 +260,9 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
             return JSONResponse(APIError(500, f"generation failed: {exc}", type_="server_error").body(), 500)
         for seq in handle.seqs:
             finished(seq)
+        ended = ended_error(handle)
+        if ended is not None:
+            return error(ended)
         choices = []
         show = req.logprobs is not None
         for p, echo in enumerate(echoes):
@@ -238,6 +310,12 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
             return
         for seq in handle.seqs:
             finished(seq)
+        ended = ended_error(handle)
+        if ended is not None:   # the choices ended with finish reason timeout/shutdown; say why
+            metrics.rejected.labels(status=str(ended.status)).inc()
+            yield "data: " + json.dumps(ended.body()) + "\n\n"
+            yield "data: [DONE]\n\n"
+            return
         if req.include_usage:
             yield event([], usage=usage(handle.seqs, num_prompt_tokens, req.best_of))
         yield "data: [DONE]\n\n"
@@ -258,8 +336,9 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
                                                          "max_model_len": engine.max_model_len}]})
 
     async def health(request: Request) -> Response:
-        ok = aengine.error is None
-        return JSONResponse({"status": "ok" if ok else "error", "model": config.served_model_name,
+        ok = aengine.error is None and not draining()
+        status = "ok" if ok else "error" if aengine.error is not None else "draining"
+        return JSONResponse({"status": status, "model": config.served_model_name,
                              "ranks": ranks() if ranks is not None else
                                        [{"rank": 0, "pid": os.getpid(), "host": hostname, "node": hostname}]},
                             status_code=200 if ok else 503)
@@ -281,9 +360,9 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method})
 
 
-def serve(llm, *, host: str, port: int, config: ServerConfig) -> None:
-    """Run the server until interrupted; the engine thread stops with it."""
-    import uvicorn
+def serve(llm, *, host: str, port: int, config: ServerConfig) -> Drain:
+    """Run the server until a signal's drain ends it (serving.lifecycle); the engine thread stops
+    with it. Returns the finished drain (how many requests it had to end)."""
     metrics = ServerMetrics()
     deployment = llm.deployment
 
@@ -292,9 +371,11 @@ def serve(llm, *, host: str, port: int, config: ServerConfig) -> None:
         if deployment.is_supervised:
             metrics.observe_deployment(deployment)
 
-    aengine = AsyncEngine(llm.engine, deployment, on_step=observe)
-    app = build_app(aengine, config, metrics, ranks=lambda: llm.rank_info)
+    aengine = AsyncEngine(llm.engine, deployment, on_step=observe, limits=config.limits)
+    drain = Drain(aengine, config.drain_timeout_s)
+    app = build_app(aengine, config, metrics, ranks=lambda: llm.rank_info, drain=drain)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        run_server(app, host=host, port=port, drain=drain)
     finally:
         aengine.shutdown()
+    return drain

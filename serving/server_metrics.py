@@ -13,8 +13,9 @@ class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("metrale_requests", "Finished requests by outcome", ["outcome"], registry=r)
-        self.rejected = Counter("metrale_requests_rejected", "Requests refused with a 4xx", ["status"],
-                                registry=r)
+        self.rejected = Counter("metrale_requests_rejected",
+                                "Requests refused with a 4xx, or ended with a 503/504 (queue full, draining, "
+                                "timeout, shutdown)", ["status"], registry=r)
         self.prompt_tokens = Counter("metrale_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("metrale_generation_tokens", "Output tokens sent", registry=r)
         self.latency = Histogram("metrale_request_latency_seconds", "Arrival to last token", registry=r,

@@ -11,7 +11,9 @@ from __future__ import annotations
 import enum
 import re
 
-from speculative.knobs import catchup_env, mtp_k_ladder_env, mtp_no_k_ladder, refeed_accepted_env
+from functools import cache
+
+from speculative.knobs import catchup_env, fallback, mtp_k_ladder_env, mtp_no_k_ladder, refeed_accepted_env
 
 DEFAULT_MTP_K_LADDER = "4:3,8:3,16:1,32:1"
 DEFAULT_MTP_MAX_SEQS = 32
@@ -75,10 +77,21 @@ def mtp_ladder_pinned() -> bool:
     return _published_ladder is not None or mtp_k_ladder_env() is not None
 
 
+@cache
+def _env_ladder() -> list[tuple[int, int]]:
+    """METRALE_MTP_K_LADDER parsed, else the default ladder (with one warning when it was set)."""
+    text = mtp_k_ladder_env()
+    steps = parse_mtp_k_ladder(text)
+    if steps is None and text is not None:
+        fallback("METRALE_MTP_K_LADDER", text, "is not a ladder (n_max:drafts[,n_max:drafts...])",
+                 f"the default {DEFAULT_MTP_K_LADDER}")
+    return steps or parse_mtp_k_ladder(DEFAULT_MTP_K_LADDER)
+
+
 def current_ladder() -> list[tuple[int, int]]:
     if _published_ladder is not None:
         return _published_ladder[1]
-    return parse_mtp_k_ladder(mtp_k_ladder_env()) or parse_mtp_k_ladder(DEFAULT_MTP_K_LADDER)
+    return _env_ladder()
 
 
 def mtp_ladder_drafts(n_active: int, num_drafts: int) -> int:

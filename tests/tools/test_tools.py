@@ -204,3 +204,22 @@ def test_train_tiny_trains_resumes_and_exports_a_servable_model(tmp_path):
     [res] = llm.generate("def main(", SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(res.token_ids) == 4
     llm.shutdown()
+
+
+def test_flood(tmp_path):
+    """A tiny flood (B=2: 20 requests at once) against a real server: the queue refuses with 503 and
+    Retry-After, what it took completes, the running stream finishes, the server drains and exits 0."""
+    proc = run_tool("flood.py", "--out", tmp_path, "--max-waiting", 2, "--running", 1, "--running-tokens", 200,
+                    "--baseline-s", 0.5, "--drain-timeout", 5)
+    report = json.loads(ok(proc).strip().splitlines()[-1])
+    assert report == json.loads((tmp_path / "flood.json").read_text())
+    assert (tmp_path / "flood.png").stat().st_size > 0
+    req = report["requests"]
+    assert req["refused_503"] + req["completed_200"] == 20 and req["other"] == 0
+    assert req["refused_503"] >= 1 and req["refused_with_retry_after"] == req["refused_503"]
+    assert req["completed_200"] >= 2                                  # at least the queue's worth
+    assert report["rss_mib"]["peak"] >= report["rss_mib"]["before_flood"] > 0
+    assert report["running_streams"]["finish_reasons"] == ["length"]
+    assert report["running_streams"]["max_gap_before_s"] > 0
+    assert report["shutdown"]["exit_code"] == 0
+    assert "--max-waiting 0 must be at least 1" in refused(run_tool("flood.py", "--out", tmp_path, "--max-waiting", 0))

@@ -1,0 +1,96 @@
+"""How `metrale serve` ends: a graceful drain on SIGTERM (or Ctrl-C), then uvicorn's exit.
+
+The first SIGTERM/SIGINT stops intake at once (every new request is a 503 with Retry-After and
+/health says "draining", while the port stays open so clients get an answer rather than a refused
+connection), lets the open requests finish for up to `drain_timeout_s`, ends the rest with finish
+reason `shutdown` (their clients get a final event or an error saying so), and only then lets
+uvicorn close its connections and return, so the caller can stop every EP rank and exit 0.
+A second signal during the drain exits at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from types import FrameType
+
+import uvicorn
+
+from serving.async_engine import SHUTDOWN, AsyncEngine
+
+log = logging.getLogger("metrale.server")
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+END_GRACE_S = 5.0   # after ending the open requests: how long their last events may take to go out
+
+
+class Drain:
+    """The drain's state, read by the request handlers (`is_draining`) and run once by `run`."""
+
+    def __init__(self, aengine: AsyncEngine, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+        if not timeout_s >= 0:
+            raise ValueError(f"drain timeout {timeout_s!r} must be at least 0 seconds")
+        self.aengine = aengine
+        self.timeout_s = timeout_s
+        self.is_draining = False
+        self.num_ended = 0      # requests still open at the deadline, ended with SHUTDOWN
+
+    async def run(self) -> None:
+        """Wait for the open requests (up to the timeout), then end what is left."""
+        self.is_draining = True
+        open_now = self.aengine.num_open
+        say(f"draining: no new requests; {open_now} open, up to {self.timeout_s:g} s to finish")
+        deadline = time.monotonic() + self.timeout_s
+        while self.aengine.num_open and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.num_ended = self.aengine.num_open
+        if self.num_ended:
+            say(f"drain timeout: ending {self.num_ended} unfinished request(s) (finish reason {SHUTDOWN!r})")
+            self.aengine.end_all(SHUTDOWN)
+            grace = time.monotonic() + END_GRACE_S
+            while self.aengine.num_open and time.monotonic() < grace:
+                await asyncio.sleep(0.05)
+
+
+def say(message: str) -> None:
+    print(f"metrale serve: {message}", file=sys.stderr, flush=True)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with its exit signal turned into a drain first."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self._drain_loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._drain_loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # The signal is deliberately not recorded the way uvicorn records it: uvicorn raises a
+        # recorded signal again once it has shut down, and the process would die of it (exit
+        # -15) after a clean drain.
+        if self.drain.is_draining or self._drain_loop is None:
+            say("second signal: exiting now")
+            self.should_exit = self.force_exit = True
+            return
+        self.drain.is_draining = True     # before anything else runs: new requests see it at once
+        self._drain_loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        async def drain_then_exit() -> None:
+            try:
+                await self.drain.run()
+            finally:
+                self.should_exit = True
+        self._drain_task = asyncio.ensure_future(drain_then_exit())
+
+
+def run_server(app, *, host: str, port: int, drain: Drain) -> None:
+    """Serve `app` until a signal's drain (or a second signal) ends it."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    DrainingServer(config, drain).run()
