@@ -108,7 +108,9 @@ def test_compile_probe_compiles_the_step_and_keeps_the_tokens(tmp_path):
     assert [r["concurrency"] for r in record["rows"]] == [1, 2]
     for r in record["rows"]:
         assert r["eager_tok_s"] > 0 and r["compiled_tok_s"] > 0
-        assert r["speedup"] == pytest.approx(r["compiled_tok_s"] / r["eager_tok_s"], rel=0.01, abs=0.002)
+        # tok/s are rounded to 0.1 (a loaded machine makes them small), the speedup from the unrounded ones
+        e, c = r["eager_tok_s"], r["compiled_tok_s"]
+        assert (c - 0.05) / (e + 0.05) - 0.001 <= r["speedup"] <= (c + 0.05) / max(e - 0.05, 1e-9) + 0.001
     assert "same greedy tokens: True" in stdout and stdout.rstrip().endswith(f"wrote {out}")
 
 
