@@ -186,16 +186,44 @@ class RoutedExperts(nn.Module):
         """x [T, H], weights/ids [T, k] (global ids) -> weighted sum over the local experts [T, H].
 
         Rows routed to experts outside this shard contribute zero. float32 and bfloat16 take the
-        grouped path (no host synchronisation); float64, the reference mode, and the
-        batch-invariant mode loop over the touched experts (on fixed GEMM tiles when
-        batch-invariant). Every expert densely on fixed grouped-matmul tiles, tried for the
-        batch-invariant mode, was slower (bench/records/batch_invariant_*.json, design §3.2).
+        grouped path on an accelerator (no host synchronisation) and the per-expert path on the
+        CPU (`_per_expert`); float64, the reference mode, and the batch-invariant mode loop over
+        the touched experts (on fixed GEMM tiles when batch-invariant). Every expert densely on
+        fixed grouped-matmul tiles, tried for the batch-invariant mode, was slower
+        (bench/records/batch_invariant_*.json, design §3.2).
         """
         if x.dtype == torch.float64 or self.batch_invariant:
             return self._looped(x, weights, ids)
         if torch.compiler.is_compiling():   # opaque to inductor: grouped_mm has no float32 meta kernel
             return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
-        return self._grouped(x, weights, ids)
+        return routed_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
+
+    def _per_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The CPU's path: choices sorted by local expert as in `_grouped`, then one pair of
+        matmuls per touched expert. Reading the counts costs the CPU nothing (there is no device
+        to wait for), and the loop skips the empty groups CPU `_grouped_mm` walks, each with its
+        own matmul and a read of its offset: 111 against 164 us per layer for one row, 519
+        against 571 for 16 (float32, one thread, 8 experts of 256 x 256; /tmp probe, design §3).
+        Each expert's matmuls see the rows `_grouped_mm` gives that group, so the two paths agree
+        bit for bit."""
+        t, k = ids.shape
+        e_local = self.num_local_experts
+        local = (ids - self.expert_offset).reshape(-1)                          # [T*k]
+        key = torch.where((local >= 0) & (local < e_local), local, e_local)    # non-local: a last group
+        order = torch.argsort(key, stable=True)                                # [T*k]
+        counts = torch.bincount(key, minlength=e_local + 1).tolist()
+        xs = x[order // k]                                                     # [T*k, H], expert-major
+        outs, start = [], 0
+        for e, n in enumerate(counts[:e_local]):
+            if n:
+                gate, up = F.linear(xs[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
+                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+                start += n
+        if counts[e_local]:
+            outs.append(x.new_zeros(counts[e_local], x.shape[1]))              # held by other ranks
+        ys = torch.cat(outs) if len(outs) > 1 else outs[0]
+        per_choice = torch.empty_like(ys).index_copy_(0, order, ys)             # back to choice order
+        return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Choices sorted by local expert, two grouped matmuls over the runs, no host sync.
@@ -243,14 +271,27 @@ class RoutedExperts(nn.Module):
         return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
 
 
+class _Experts:
+    """The weights of `RoutedExperts` without the module, for its paths as plain functions."""
+
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, expert_offset: int) -> None:
+        self.gate_up_proj, self.down_proj, self.expert_offset = gate_up_proj, down_proj, expert_offset
+        self.num_local_experts = gate_up_proj.shape[0]
+
+
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                   down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
+    """The float32 / bfloat16 routed experts: per expert on the CPU, grouped elsewhere."""
+    experts = _Experts(gate_up_proj, down_proj, expert_offset)
+    path = RoutedExperts._per_expert if x.device.type == "cpu" else RoutedExperts._grouped
+    return path(experts, x, weights, ids)
+
+
 @torch.library.custom_op("metrale::grouped_experts", mutates_args=())
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
                     down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
-    """`RoutedExperts._grouped` as an opaque op of a compiled graph."""
-    experts = RoutedExperts.__new__(RoutedExperts)
-    nn.Module.__init__(experts)
-    experts.expert_offset, experts.gate_up_proj, experts.down_proj = expert_offset, gate_up_proj, down_proj
-    return experts._grouped(x, weights, ids)
+    """`routed_experts` as an opaque op of a compiled graph."""
+    return routed_experts(x, weights, ids, gate_up_proj, down_proj, expert_offset)
 
 
 @grouped_experts.register_fake

@@ -1,5 +1,6 @@
-"""The routed experts' two paths give the same rows: the grouped one (no host synchronisation,
-float32 and bfloat16) and the reference loop over experts (float64), also on an EP shard."""
+"""The routed experts' paths give the same rows: the grouped one (no host synchronisation, float32
+and bfloat16 on an accelerator), the per-expert one (the CPU's) and the reference loop over experts
+(float64), also on an EP shard."""
 from __future__ import annotations
 
 import pytest
@@ -23,6 +24,7 @@ def test_grouped_equals_the_loop(dtype, offset, num_local):
         weights = torch.rand(t, 2)
         got, want = experts._grouped(x, weights, ids), experts._looped(x, weights, ids)
         assert torch.equal(got, want)
+        assert torch.equal(experts._per_expert(x, weights, ids), want)
         off_shard = ((ids < offset) | (ids >= offset + num_local)).all(dim=1)
         assert not got[off_shard].any()                                   # rows with no local expert: zero
 
@@ -32,7 +34,8 @@ def test_float64_takes_the_reference_loop(monkeypatch):
     calls = []
     monkeypatch.setattr(RoutedExperts, "_looped", lambda self, *a: calls.append("loop") or a[0])
     monkeypatch.setattr(RoutedExperts, "_grouped", lambda self, *a: calls.append("grouped") or a[0])
+    monkeypatch.setattr(RoutedExperts, "_per_expert", lambda self, *a: calls.append("per expert") or a[0])
     x, w, ids = torch.zeros(2, 16, dtype=torch.float64), torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.long)
     experts(x, w, ids)
     experts.float()(x.float(), w, ids)
-    assert calls == ["loop", "grouped"]
+    assert calls == ["loop", "per expert"]      # float32 on the CPU: per expert (grouped on an accelerator)
