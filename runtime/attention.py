@@ -193,9 +193,16 @@ def forward_context(paged: PagedAttention):
         _step_context.paged = None
 
 
-@torch.library.custom_op("metrale::paged_attention", mutates_args=())
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
-                    scale: float) -> torch.Tensor:
+# Defined with the low-level registration (a schema and one kernel for every backend), not
+# `torch.library.custom_op`, whose Python wrappers (alias checks, dynamo guards) cost more per
+# call than this op's own host work on a one-row step.
+torch.library.define("metrale::paged_attention",
+                     "(Tensor q, Tensor k, Tensor v, int layer_idx, float scale) -> Tensor")
+
+
+@torch.library.impl("metrale::paged_attention", "CompositeExplicitAutograd")
+def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
+                     scale: float) -> torch.Tensor:
     """q [T, nh, D], k [T, nkv, D], v [T, nkv, Dv] -> [T, nh, Dv], through the forward context's cache."""
     paged = getattr(_step_context, "paged", None)
     if paged is None:
@@ -203,9 +210,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx
     return paged.attend(layer_idx, q, k, v, scale).contiguous()
 
 
-@paged_attention.register_fake
+@torch.library.register_fake("metrale::paged_attention")
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+paged_attention = torch.ops.metrale.paged_attention
 
 
 class ContextAttention:

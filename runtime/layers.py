@@ -287,17 +287,19 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     return path(experts, x, weights, ids)
 
 
-@torch.library.custom_op("metrale::grouped_experts", mutates_args=())
-def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
-                    down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
-    """`routed_experts` as an opaque op of a compiled graph."""
-    return routed_experts(x, weights, ids, gate_up_proj, down_proj, expert_offset)
+# The low-level registration, as `runtime.attention.paged_attention` (fewer Python wrappers per call).
+torch.library.define("metrale::grouped_experts", "(Tensor x, Tensor weights, Tensor ids, Tensor gate_up_proj, "
+                     "Tensor down_proj, int expert_offset) -> Tensor")
+torch.library.impl("metrale::grouped_experts", "CompositeExplicitAutograd")(routed_experts)
 
 
-@grouped_experts.register_fake
+@torch.library.register_fake("metrale::grouped_experts")
 def _(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
       down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
     return x.new_empty(x.shape)
+
+
+grouped_experts = torch.ops.metrale.grouped_experts   # `routed_experts` as an opaque op of a compiled graph
 
 
 class MoE(nn.Module):
