@@ -30,8 +30,11 @@ def words_to_u32(words: torch.Tensor) -> list[int]:
 
 
 class Communicator:
-    def __init__(self, *, rank: int, world_size: int, init_method: str, timeout_s: float = 60.0,
+    def __init__(self, *, rank: int, world_size: int, init_method: str | None, timeout_s: float = 60.0,
                  backend: str | None = None) -> None:
+        """Joins the group at `init_method` now; None builds it unjoined (a warm standby loads its
+        shard first), and `join` joins later. The layers made parallel keep this object, so a rank
+        that `join`s a fresh group after `close` keeps its shard."""
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
@@ -41,10 +44,15 @@ class Communicator:
         if world_size > 1 and self.backend == "gloo":
             # Ranks share the host's cores: more threads than cores per rank only adds contention.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        if world_size > 1:
-            dist.init_process_group(self.backend, init_method=init_method, rank=rank, world_size=world_size,
-                                    timeout=dt.timedelta(seconds=timeout_s))
         self.comm_seconds = 0.0  # wall time spent inside collectives (for the step split)
+        if init_method is not None:
+            self.join(init_method)
+
+    def join(self, init_method: str) -> None:
+        """Join the group at `init_method` (after `close` for a fresh group: a new address)."""
+        if self.world_size > 1:
+            dist.init_process_group(self.backend, init_method=init_method, rank=self.rank,
+                                    world_size=self.world_size, timeout=dt.timedelta(seconds=self.timeout_s))
 
     def _run(self, what: str, fn, *args, **kwargs):
         if self.world_size == 1:
