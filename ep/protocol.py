@@ -151,6 +151,15 @@ def decode(header: list[int], bulk: list[int]) -> Command:
     return Command(code=code, slot=slot, params=tuple(header[2:2 + nparams]), bulk=list(bulk))
 
 
+# --- LOGITS ------------------------------------------------------------------------------------
+def parse_logits(cmd: Command) -> list[int]:
+    """The rows of a LOGITS; its row count must be its bulk length."""
+    num_rows, n = cmd.params
+    if num_rows != n:
+        raise ProtocolError(f"LOGITS: {num_rows} rows announced, {n} bulk words")
+    return list(cmd.bulk)
+
+
 # --- FORWARD -----------------------------------------------------------------------------------
 def forward_command(ops: list[Op], chunks: list[tuple[int, int, int]], tokens: list[int],
                     obs: list[Observation] = (), trees: dict[int, list[int]] | None = None) -> Command:

@@ -22,7 +22,7 @@ from ep.comm import CommError, Communicator
 from ep.protocol import (EP_CMD_FORWARD, EP_CMD_LOGITS, EP_CMD_MTP_PROPOSE, EP_CMD_MTP_PROPOSE_BATCH,
                          EP_CMD_SHUTDOWN, EP_CMD_SLOT_FREE, Command, ForwardPayload, Observation, Op,
                          ProposePayload, ProtocolError, decode, derive_propose, float_bits, parse_forward,
-                         parse_propose, parse_propose_batch)
+                         parse_logits, parse_propose, parse_propose_batch)
 from runtime.attention import SeqChunk
 from runtime.model import CausalLM
 from runtime.model_runner import ModelRunner
@@ -100,9 +100,10 @@ class Worker:
 
     # --- LOGITS -----------------------------------------------------------------------------------
     def check_logits(self, cmd: Command) -> list[int]:
-        if self.last_hidden is None or any(r >= self.last_hidden.shape[0] for r in cmd.bulk):
-            raise ProtocolError(f"LOGITS: rows {cmd.bulk[:4]} outside the last forward")
-        return cmd.bulk
+        rows = parse_logits(cmd)
+        if self.last_hidden is None or any(r >= self.last_hidden.shape[0] for r in rows):
+            raise ProtocolError(f"LOGITS: rows {rows[:4]} outside the last forward")
+        return rows
 
     def run_logits(self, rows: list[int]) -> bool:
         self.runner.logits(self.last_hidden, rows)
@@ -174,6 +175,17 @@ HANDLERS: dict[int, Handler] = {
 }
 
 
+def check_command(worker: Worker, header: list[int], bulk: list[int]) -> tuple[Handler, Any]:
+    """Decode one command's words and check them against this worker's state: (its handler, the
+    checked payload), or `ProtocolError` naming why it cannot run. Any words at all give one of
+    the two (tests/ep/test_wire_fuzz.py); nothing here changes the worker."""
+    cmd = decode(header, bulk)
+    handler = HANDLERS.get(cmd.code)
+    if handler is None:
+        raise ProtocolError(f"{cmd.name} is not a command workers execute")
+    return handler, handler.check(worker, cmd)
+
+
 def worker_loop(runner: ModelRunner, comm: Communicator, confidence_stop: float | None = None) -> None:
     """Ranks above 0: execute rank 0's commands until SHUTDOWN. A refused command is skipped by
     every rank together; a broken link raises `CommError` and ends the worker."""
@@ -182,11 +194,7 @@ def worker_loop(runner: ModelRunner, comm: Communicator, confidence_stop: float 
         header, bulk = recv_command(comm)
         reason = 0
         try:
-            cmd = decode(header, bulk)
-            handler = HANDLERS.get(cmd.code)
-            if handler is None:
-                raise ProtocolError(f"{cmd.name} is not a command workers execute")
-            payload = handler.check(worker, cmd)
+            handler, payload = check_command(worker, header, bulk)
         except ProtocolError as exc:
             log.error("rank %d: refused command: %s", comm.rank, exc)
             reason = REFUSED_COMMAND

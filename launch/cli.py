@@ -219,8 +219,9 @@ def make_llm(args: argparse.Namespace):
         from launch.ray_group import RayOptions
         ray_options = RayOptions(address=args.ray_address, placement_strategy=args.placement_strategy,
                                  temp_dir=args.ray_temp_dir, usage_stats=args.ray_usage_stats)
-        launcher = launcher_for(args.launcher, ray_options=ray_options, warm_standby=args.warm_standby)
-    return LLM(model=args.model, ep=ep, launcher=launcher, max_restarts=args.max_restarts, **common)
+        launcher = launcher_for(args.launcher, ray_options=ray_options)
+    return LLM(model=args.model, ep=ep, launcher=launcher, max_restarts=args.max_restarts,
+               warm_standby=args.warm_standby, **common)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

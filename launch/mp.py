@@ -74,13 +74,11 @@ class MPGroup:
 
     kind = "mp"
 
-    def __init__(self, cfg: GroupConfig, worker_overrides: dict[int, dict] | None = None,
-                 warm_standby: bool = True) -> None:
+    def __init__(self, cfg: GroupConfig, worker_overrides: dict[int, dict] | None = None) -> None:
         if cfg.ep < 2:
             raise ValueError(f"an mp group needs ep >= 2, got {cfg.ep}")
         self.cfg = cfg
         self.overrides = worker_overrides or {}
-        self.warm_standby = warm_standby
         self.generation = 0
         self.workers: list[_Proc] = []
         self.standby: dict[int, _Proc] = {}
@@ -111,7 +109,7 @@ class MPGroup:
             self.workers.append(proc)
         self._comm.join(init_method)
         self.comm = self._comm
-        if self.warm_standby:
+        if self.cfg.warm_standby:
             self.standby = {rank: self._spawn(rank) for rank in range(1, self.cfg.ep)}
 
     @property

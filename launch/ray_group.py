@@ -99,8 +99,7 @@ class RayGroup:
 
     kind = "ray"
 
-    def __init__(self, cfg: GroupConfig, opts: RayOptions, worker_overrides: dict[int, dict] | None = None,
-                 warm_standby: bool = True) -> None:
+    def __init__(self, cfg: GroupConfig, opts: RayOptions, worker_overrides: dict[int, dict] | None = None) -> None:
         import ray
         from ray.util.placement_group import placement_group
         if cfg.ep < 2:
@@ -121,7 +120,7 @@ class RayGroup:
         self.gpu = torch.cuda.is_available()
         # A standby shares its rank's bundle without a CPU of its own; on GPU it would need a second
         # device for its shard, so GPU groups start cold.
-        self.warm_standby = warm_standby and not self.gpu
+        self.warm_standby = cfg.warm_standby and not self.gpu
         unit = {"GPU": 1.0, "CPU": 1.0} if self.gpu else {"CPU": 1.0}
         bundles = [{**unit, pin: 0.001}] + [dict(unit) for _ in range(cfg.ep - 1)]
         self.pg = placement_group(bundles, strategy=opts.placement_strategy, name="")
@@ -176,7 +175,7 @@ class RayGroup:
         extra = self.overrides.get(rank, {})
         return GroupConfig(model_dir=extra.get("model_dir", self.cfg.model_dir), dtype=extra.get("dtype", self.cfg.dtype),
                            ep=self.cfg.ep, moe_a2a=self.cfg.moe_a2a, kv_cache_tokens=self.cfg.kv_cache_tokens,
-                           timeout_s=self.cfg.timeout_s)
+                           timeout_s=self.cfg.timeout_s, warm_standby=False)
 
     def _watch(self, calls: list) -> None:
         """Wait for the first worker call to end; unless the group is being stopped, that rank died."""

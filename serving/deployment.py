@@ -57,6 +57,7 @@ class GroupConfig:
     moe_a2a: str = "alltoall"
     kv_cache_tokens: int = 32768
     timeout_s: float = 60.0
+    warm_standby: bool = True   # keep a spare per worker rank, its shard loaded, for the next restart
 
 
 class WorkerGroup(Protocol):
@@ -85,6 +86,7 @@ class DeploymentConfig:
     max_restarts: int = DEFAULT_MAX_RESTARTS
     enforce_eager: bool = False   # no torch.compile of the target step (single process; EP ranks run eager)
     batch_invariant: bool | None = None   # batch-invariant kernels (runtime.batch_invariant); None: float64 only
+    warm_standby: bool = True    # spare worker ranks with their shards loaded (only when restarts are allowed)
 
     def __post_init__(self) -> None:
         if self.ep < 1:
@@ -133,7 +135,8 @@ class Deployment:
         if config.ep > 1 and comm is None:
             self.group = launcher(GroupConfig(model_dir=str(config.model_dir), dtype=config.dtype, ep=config.ep,
                                               moe_a2a=config.moe_a2a, kv_cache_tokens=config.kv_cache_tokens,
-                                              timeout_s=config.ep_timeout_s))
+                                              timeout_s=config.ep_timeout_s,
+                                              warm_standby=config.warm_standby and config.max_restarts > 0))
             self.comm = self.group.comm
         try:
             self.runner, self.proposer = self._build()
