@@ -14,6 +14,9 @@ import torch
 import torch.distributed as dist
 
 
+JOIN_TIMEOUT_S = 60.0
+
+
 class CommError(RuntimeError):
     """A collective failed: a peer died, the link broke, or it timed out."""
 
@@ -49,10 +52,22 @@ class Communicator:
             self.join(init_method)
 
     def join(self, init_method: str) -> None:
-        """Join the group at `init_method` (after `close` for a fresh group: a new address)."""
-        if self.world_size > 1:
+        """Join the group at `init_method` (after `close` for a fresh group: a new address). At a
+        `tcp://host:port` the rendezvous waits up to JOIN_TIMEOUT_S (or the collective timeout when
+        longer) for every rank to arrive, since a rank may still be importing and loading; the
+        collectives then run with `timeout_s`. Other methods (torchrun's env://) go to torch as they are."""
+        if self.world_size == 1:
+            return
+        timeout = dt.timedelta(seconds=self.timeout_s)
+        host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+        if not init_method.startswith("tcp://") or not host or not port.isdigit():
             dist.init_process_group(self.backend, init_method=init_method, rank=self.rank,
-                                    world_size=self.world_size, timeout=dt.timedelta(seconds=self.timeout_s))
+                                    world_size=self.world_size, timeout=timeout)
+            return
+        store = dist.TCPStore(host, int(port), self.world_size, is_master=self.rank == 0,
+                              timeout=dt.timedelta(seconds=max(JOIN_TIMEOUT_S, self.timeout_s)))
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=timeout)
 
     def _run(self, what: str, fn, *args, **kwargs):
         if self.world_size == 1:

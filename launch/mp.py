@@ -37,21 +37,24 @@ def _rank_settings(cfg: GroupConfig, overrides: dict) -> tuple[str, str]:
 
 
 def worker_main(rank: int, cfg: GroupConfig, overrides: dict, conn: Connection) -> None:
-    """A spawned worker: load its shard unjoined (warm), wait for the group's address and
-    generation on `conn`, then join, agree on the handshake and serve commands. The pipe closing
-    first (the launcher went away, or retired this standby) ends it quietly."""
+    """A spawned worker: unless its group's address is waiting already (a cold start: join at
+    once, load after the handshake), load its shard unjoined (a warm standby), then wait for the
+    group's address and generation on `conn`, join, agree on the handshake and serve commands.
+    The pipe closing first (the launcher went away, or retired this standby) ends it quietly."""
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
     model_dir, dtype = _rank_settings(cfg, overrides)
     comm = Communicator(rank=rank, world_size=cfg.ep, init_method=None, timeout_s=cfg.timeout_s)
-    try:
-        model = load_shard_model(model_dir, dtype, comm, cfg.moe_a2a)
-    except Exception as exc:   # reported once this process is asked to join; the group start fails then
-        model, failure = None, f"metrale worker rank {rank}: {type(exc).__name__}: {exc}"
+    model = failure = None
+    if not conn.poll():
+        try:
+            model = load_shard_model(model_dir, dtype, comm, cfg.moe_a2a)
+        except Exception as exc:   # reported once this process is asked to join; the group start fails then
+            failure = f"metrale worker rank {rank}: {type(exc).__name__}: {exc}"
     try:
         init_method, generation = conn.recv()
     except (EOFError, OSError):
         sys.exit(0)
-    if model is None:
+    if failure is not None:
         print(failure, file=sys.stderr, flush=True)
         sys.exit(2)
     comm.join(init_method)
