@@ -102,10 +102,12 @@ def test_a_worker_stopped_past_the_timeout_never_rejoins(ckpt_plain, want):
 
 @pytest.mark.timeout(180)
 def test_a_refused_command_restarts_the_group_and_loses_nothing(ckpt_plain, want):
-    """Rank 0 never reads a worker's refusal as data: the group restarts and the requests go on."""
+    """Rank 0 never reads a worker's refusal as data: the group restarts (here cold: no standby)
+    and the requests go on."""
     llm = LLM(ckpt_plain, dtype="float64", kv_cache_tokens=1024, ep=2, launcher=MPGroup, ep_timeout_s=30,
-              max_restarts=1)
+              max_restarts=1, warm_standby=False)
     try:
+        assert llm.deployment.group.standby == {}
         driver = llm.engine.runner
         forward, sent = driver.forward, []
 
@@ -116,7 +118,7 @@ def test_a_refused_command_restarts_the_group_and_loses_nothing(ckpt_plain, want
             return forward(tokens, chunks)
         driver.forward = garbage_once
         got = llm.generate(PROMPTS, PARAMS)
-        assert sent and llm.deployment.restarts == 1
+        assert sent and llm.deployment.restarts == 1 and llm.deployment.group.standby == {}
         assert [o.token_ids for o in got] == want
     finally:
         llm.shutdown()
