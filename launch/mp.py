@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from ep.channel import load_shard_model
-from ep.comm import Communicator, free_port
+from ep.comm import JOIN_TIMEOUT_S, Communicator, free_port
 from ep.worker import serve_rank
-from serving.deployment import GroupConfig
+from serving.deployment import GroupConfig, GroupStartError
 
 __all__ = ["GroupConfig", "MPGroup"]
 
@@ -57,6 +57,7 @@ def worker_main(rank: int, cfg: GroupConfig, overrides: dict, conn: Connection) 
     if failure is not None:
         print(failure, file=sys.stderr, flush=True)
         sys.exit(2)
+    conn.send("joining")
     comm.join(init_method)
     code, message = serve_rank(comm, model_dir, dtype, cfg.moe_a2a, cfg.kv_cache_tokens,
                                model=model, generation=generation)
@@ -110,10 +111,30 @@ class MPGroup:
                 proc = self._spawn(rank)
             proc.conn.send((init_method, self.generation))
             self.workers.append(proc)
+        self._wait_joining()
         self._comm.join(init_method)
         self.comm = self._comm
         if self.cfg.warm_standby:
             self.standby = {rank: self._spawn(rank) for rank in range(1, self.cfg.ep)}
+
+    def _wait_joining(self) -> None:
+        """Wait until every worker is about to join (a cold one has imported everything by then);
+        one that exits first fails the start at once instead of leaving rank 0 in the rendezvous."""
+        limit = max(JOIN_TIMEOUT_S, self.cfg.timeout_s)
+        deadline = time.monotonic() + limit
+        for rank, w in enumerate(self.workers, 1):
+            try:
+                while not w.conn.poll(0.05):
+                    if not w.process.is_alive():
+                        raise EOFError
+                    if time.monotonic() > deadline:
+                        raise GroupStartError(f"rank {rank} (pid {w.process.pid}) did not reach the rendezvous "
+                                              f"within {limit:.0f} s")
+                w.conn.recv()
+            except (EOFError, OSError):
+                w.process.join(timeout=1)
+                raise GroupStartError(f"rank {rank} (pid {w.process.pid}) exited with code {w.process.exitcode} "
+                                      "before joining the group") from None
 
     @property
     def procs(self) -> list[mp.Process]:

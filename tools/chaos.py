@@ -10,14 +10,16 @@ which faults are injected on a schedule (--faults, seconds after that pass start
 
     kill     SIGKILL of worker rank 1
     stop     SIGSTOP of rank 1 for --ep-timeout + 2 s, then SIGCONT (the stale rank must not rejoin)
-    double   SIGKILL of rank 1 and of the group's warm standbys, then of the new rank 1 as soon as
-             /health shows it (a second fault before the first is healed)
+    double   a second fault before the first is healed: mp: SIGKILL of rank 1 and of its warm
+             standby, then of the cold rank 1 the restart spawns, while it starts; Ray: SIGKILL of
+             rank 1, then of the new rank 1 as soon as /health shows it
     burst    --burst clients that start streaming and disconnect after two chunks
 
 It checks every request completed in both passes token for token (text and token count) against
 the reference, counts errors by kind and requests lost (a stream that ended without a finish
 reason), checks that the KV cache's free blocks return to the total once the server is idle
-(/metrics), and writes chaos.json and chaos.png (streamed tokens/s over time, faults marked) into
+(/metrics), records per fault the restarts, the server's recovery seconds and the longest stall
+between streamed tokens, and writes chaos.json and chaos.png (streamed tokens/s over time, faults marked) into
 --out. Exit code 0 when nothing was lost or wrong and the cache came back whole.
 """
 from __future__ import annotations
@@ -245,14 +247,25 @@ async def inject(kind: str, base: str, server_pid: int, args, t0: float, burst_r
         signal_pid(victim, signal.SIGSTOP)
         await asyncio.sleep(args.ep_timeout + 2)
         rec["continued"] = signal_pid(victim, signal.SIGCONT)
-    elif kind == "double":
-        spares = [p for p in spawned_children(server_pid) if p != victim and p not in worker_pids(base)] \
-            if args.launcher == "mp" else []
-        for pid in [victim, *spares]:
+    elif kind == "double" and args.launcher == "mp":
+        # Rank 1 and the standbys, so the restart spawns a cold rank 1; that one dies while it starts.
+        known = set(spawned_children(server_pid)) | {victim}
+        for pid in known:
             signal_pid(pid, signal.SIGKILL)
-        rec["standbys_killed"] = spares
+        rec["standbys_killed"] = sorted(known - {victim})
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:   # the next group's rank 1, the moment it shows
+        while time.monotonic() < deadline:
+            fresh = [p for p in spawned_children(server_pid) if p not in known]
+            if fresh:
+                signal_pid(fresh[0], signal.SIGKILL)
+                rec["second_pid"] = fresh[0]
+                rec["second_at_s"] = round(time.perf_counter() - t0, 3)
+                break
+            await asyncio.sleep(0.005)
+    elif kind == "double":   # Ray: the next group's rank 1, the moment /health shows it
+        signal_pid(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
             try:
                 pids = await asyncio.to_thread(worker_pids, base)
             except OSError:
@@ -328,9 +341,15 @@ def phases(results: list[Result], faults: list[dict], wall: float) -> dict:
     return {"before": rate(times, 0, first), "during": rate(times, first, last), "after": rate(times, last, wall)}
 
 
-def next_token_after(results: list[Result], at: float) -> float | None:
-    later = [t for r in results for t in r.chunk_times if t > at]
-    return round(min(later) - at, 3) if later else None
+def longest_stall(results: list[Result], start: float, end: float) -> float | None:
+    """The longest time between streamed tokens (any client) from `start` to the first token after `end`:
+    the outage clients saw around a fault."""
+    times = sorted(t for r in results for t in r.chunk_times)
+    after = [t for t in times if t > end]
+    if not after:
+        return None
+    points = [start] + [t for t in times if start < t <= end] + [after[0]]
+    return round(max(b - a for a, b in zip(points, points[1:])), 3)
 
 
 def plot(path: Path, results: list[Result], faults: list[dict], wall: float, title: str) -> None:
@@ -416,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         log.close()
     for f in faults:
         if "skipped" not in f:
-            f["kill_to_next_token_s"] = next_token_after(results, f.get("second_at_s", f["at_s"]))
+            f["longest_stall_s"] = longest_stall(results, f["at_s"], f.get("healed_at_s", f["at_s"]))
     outcome = compare(reference, results)
     record = {
         "model": str(model), "launcher": args.launcher, "ep": 2, "dtype": "float64", "clients": args.clients,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_env
-from tools.chaos import Result, compare, make_requests, parse_faults
+from tools.chaos import Result, compare, longest_stall, make_requests, parse_faults
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,6 +39,13 @@ def test_compare_counts_wrong_lost_errored_and_cancelled():
     assert (out["completed"], out["wrong"], out["wrong_requests"], out["errored"], out["lost"], out["cancelled"]) == \
         (2, 1, [1], 1, 1, 1)
     assert out["error_kinds"] == {"APIConnectionError": 1} and out["compared"] == 2
+
+
+def test_the_longest_stall_spans_a_fault_up_to_the_first_token_after_healing():
+    results = [Result(0, chunk_times=[0.5, 1.0, 1.2, 4.0, 4.1]), Result(1, chunk_times=[0.9, 2.0, 5.0])]
+    assert longest_stall(results, 1.1, 3.0) == 2.0      # 2.0 -> 4.0
+    assert longest_stall(results, 1.1, 1.15) == 0.1     # 1.1 -> 1.2, the first token after healing
+    assert longest_stall(results, 1.1, 6.0) is None     # no token after healing
 
 
 @pytest.mark.timeout(150)
