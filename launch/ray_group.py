@@ -110,7 +110,7 @@ class RayGroup:
         self.standby: dict[int, object] = {}   # rank -> an actor preloading that rank's shard
         self.owns_ray = connect(opts, cfg.ep)
         self.comm: Communicator | None = None
-        self.comm_: Communicator | None = None   # rank 0's, kept across restarts (its shard stays loaded)
+        self._rank0_comm: Communicator | None = None   # rank 0's, kept across restarts (its shard stays loaded)
         self.actors: list = []
         self.calls: list = []
         self.infos: list[dict] = []
@@ -154,10 +154,11 @@ class RayGroup:
                       for rank, actor in enumerate(self.actors, 1)]
         threading.Thread(target=self._watch, args=(self.calls,), name="metrale-ray-watchdog",
                          daemon=True).start()
-        if self.comm_ is None:
-            self.comm_ = Communicator(rank=0, world_size=self.cfg.ep, init_method=None, timeout_s=self.cfg.timeout_s)
-        self.comm_.join(init_method)
-        self.comm = self.comm_
+        if self._rank0_comm is None:
+            self._rank0_comm = Communicator(rank=0, world_size=self.cfg.ep, init_method=None,
+                                            timeout_s=self.cfg.timeout_s)
+        self._rank0_comm.join(init_method)
+        self.comm = self._rank0_comm
         if self.warm_standby:
             for rank in range(1, self.cfg.ep):
                 self.standby[rank] = self._new_actor(rank, 0)
