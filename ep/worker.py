@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ep.channel import (OP_NAMES, REFUSED_COMMAND, gather_rank_info, gather_weight_bytes, load_shard, recv_command, report_status,
-                        worker_handshake)
+from ep.channel import (OP_NAMES, REFUSED_COMMAND, gather_rank_info, gather_weight_bytes, load_shard, recv_command,
+                        report_status, worker_handshake)
 from ep.comm import CommError, Communicator
 from ep.protocol import (EP_CMD_FORWARD, EP_CMD_LOGITS, EP_CMD_MTP_PROPOSE, EP_CMD_MTP_PROPOSE_BATCH,
                          EP_CMD_SHUTDOWN, EP_CMD_SLOT_FREE, Command, ForwardPayload, Observation, Op,

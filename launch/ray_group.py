@@ -174,8 +174,8 @@ class RayGroup:
 
     def _rank_cfg(self, rank: int) -> GroupConfig:
         extra = self.overrides.get(rank, {})
-        return GroupConfig(model_dir=extra.get("model_dir", self.cfg.model_dir), dtype=extra.get("dtype", self.cfg.dtype),
-                           ep=self.cfg.ep, moe_a2a=self.cfg.moe_a2a, kv_cache_tokens=self.cfg.kv_cache_tokens,
+        return GroupConfig(model_dir=extra.get("model_dir", self.cfg.model_dir),
+                           dtype=extra.get("dtype", self.cfg.dtype), ep=self.cfg.ep, moe_a2a=self.cfg.moe_a2a, kv_cache_tokens=self.cfg.kv_cache_tokens,
                            timeout_s=self.cfg.timeout_s, warm_standby=False)
 
     def _watch(self, calls: list) -> None:
