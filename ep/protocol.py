@@ -208,7 +208,6 @@ def parse_forward(cmd: Command, *, vocab_size: int) -> ForwardPayload:
     tokens = b[off:off + num_tokens]
     off += num_tokens
     obs = [tuple(b[off + 4 * i:off + 4 * i + 4]) for i in range(num_obs)]
-    trees = _parse_trees(b[off + 4 * num_obs:], chunks)
     _check_obs(obs, "FORWARD")
     _check_ops(ops, "FORWARD")
     if sum(c[2] for c in chunks) != num_tokens or any(c[2] == 0 for c in chunks):
@@ -217,6 +216,7 @@ def parse_forward(cmd: Command, *, vocab_size: int) -> ForwardPayload:
         if slot >= MAX_SLOT:
             raise ProtocolError(f"FORWARD: slot {slot} out of range (0..{MAX_SLOT - 1})")
     _check_tokens(tokens, vocab_size, "FORWARD")
+    trees = _parse_trees(b[off + 4 * num_obs:], chunks)   # after the chunk checks: a tree needs a root row
     return ForwardPayload(ops=ops, chunks=chunks, tokens=tokens, obs=obs, trees=trees)
 
 

@@ -210,9 +210,12 @@ def test_a_worker_process_refuses_garbage_in_one_line_each_and_stays_in_step(ckp
 
 
 @pytest.mark.timeout(120)
-def test_a_worker_started_for_another_generation_is_refused_at_the_handshake(ckpt_plain, capfd):
-    """A rank started for an older group (one stopped past the timeout, then continued) never joins a newer one."""
-    from ep.channel import HandshakeError
+@pytest.mark.parametrize("field", ["group generation", "protocol version"])
+def test_a_handshake_of_another_generation_or_protocol_is_refused_in_one_line(ckpt_plain, capfd, field):
+    """A rank started for an older group (one stopped past the timeout, then continued) never joins a
+    newer one; a rank speaking another protocol version never joins at all."""
+    from ep.channel import HANDSHAKE_FIELDS, HandshakeError, handshake_words
+    from ep.protocol import EP_CMD_HANDSHAKE, PROTOCOL_VERSION
     ctx = mp.get_context("spawn")
     init_method = f"tcp://127.0.0.1:{free_port()}"
     ours, theirs = ctx.Pipe()
@@ -221,8 +224,15 @@ def test_a_worker_started_for_another_generation_is_refused_at_the_handshake(ckp
     ours.send((init_method, 1))
     comm = Communicator(rank=0, world_size=2, init_method=init_method, timeout_s=30)
     try:
-        with pytest.raises(HandshakeError, match="rank 1 has another group generation than rank 0"):
-            driver_handshake(comm, ckpt_plain, "float32", generation=2)
+        if field == "group generation":
+            with pytest.raises(HandshakeError, match="rank 1 has another group generation than rank 0"):
+                driver_handshake(comm, ckpt_plain, "float32", generation=2)
+        else:   # rank 0's words, but a protocol version from the future
+            words = [*handshake_words(ckpt_plain, 2, "float32"), 0]
+            words[0] = PROTOCOL_VERSION + 1
+            comm.broadcast(u32_to_words(encode(Command(EP_CMD_HANDSHAKE, 1, tuple(words)))[0]))
+            reason = check_status(comm, report_status(comm, 0), "HANDSHAKE", HANDSHAKE_FIELDS)
+            assert reason == (1, 1) and HANDSHAKE_FIELDS[1] == "protocol version"
         proc.join(timeout=30)
         assert proc.exitcode == 2
     finally:
@@ -230,7 +240,8 @@ def test_a_worker_started_for_another_generation_is_refused_at_the_handshake(ckp
             proc.kill()
         comm.close()
     err = capfd.readouterr().err
-    assert "metrale worker rank 1: HandshakeError: EP handshake failed: rank 1 has another group generation" in err
+    [line] = [line for line in err.splitlines() if line.startswith("metrale worker rank 1")]
+    assert line == f"metrale worker rank 1: HandshakeError: EP handshake failed: rank 1 has another {field} than rank 0"
 
 
 def test_garbage_in_the_start_gathers_is_a_failed_peer():
