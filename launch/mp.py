@@ -101,7 +101,7 @@ class MPGroup:
 
     def start(self) -> None:
         """A fresh group: the next generation at a new address, each rank from its standby when
-        one is alive (else spawned cold); then the next standbys are spawned."""
+        one is alive (else spawned cold)."""
         self.generation += 1
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.workers = []
@@ -114,8 +114,14 @@ class MPGroup:
         self._wait_joining()
         self._comm.join(init_method)
         self.comm = self._comm
+
+    def ready(self) -> None:
+        """The group serves: spawn the standbys the next restart takes (after the start, so their
+        imports and loading do not compete with it)."""
         if self.cfg.warm_standby:
-            self.standby = {rank: self._spawn(rank) for rank in range(1, self.cfg.ep)}
+            for rank in range(1, self.cfg.ep):
+                if rank not in self.standby or not self.standby[rank].process.is_alive():
+                    self.standby[rank] = self._spawn(rank)
 
     def _wait_joining(self) -> None:
         """Wait until every worker is about to join (a cold one has imported everything by then);

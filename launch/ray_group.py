@@ -159,10 +159,14 @@ class RayGroup:
                                             timeout_s=self.cfg.timeout_s)
         self._rank0_comm.join(init_method)
         self.comm = self._rank0_comm
+
+    def ready(self) -> None:
+        """The group serves: start the standby actors the next restart takes, each preloading its shard."""
         if self.warm_standby:
             for rank in range(1, self.cfg.ep):
-                self.standby[rank] = self._new_actor(rank, 0)
-                self.standby[rank].preload.remote(rank, self._rank_cfg(rank))
+                if rank not in self.standby:
+                    self.standby[rank] = self._new_actor(rank, 0)
+                    self.standby[rank].preload.remote(rank, self._rank_cfg(rank))
 
     def _new_actor(self, rank: int, num_cpus: int):
         import ray

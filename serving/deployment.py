@@ -66,6 +66,7 @@ class WorkerGroup(Protocol):
 
     def start(self) -> None: ...
     def nodes(self) -> list[str]: ...
+    def ready(self) -> None: ...   # the group serves: prepare what a restart needs (warm standbys)
     def dead(self) -> str | None: ...
     def failure_report(self) -> str: ...
     def stop(self, timeout_s: float = 10.0) -> None: ...
@@ -143,6 +144,8 @@ class Deployment:
         except BaseException:
             self._stop_group()
             raise
+        if self.group is not None:
+            self.group.ready()
 
     @property
     def is_supervised(self) -> bool:
@@ -260,6 +263,7 @@ class Deployment:
                 why = f"restart {self.restarts} failed: {type(exc).__name__}: {exc}"
         engine.reset(self.runner, self.proposer)
         self.last_recovery_s = time.perf_counter() - t0
+        self.group.ready()
         log.warning("EP group serving again after %.2f s (%d ranks)", self.last_recovery_s, len(self.rank_info))
 
     # --- the end --------------------------------------------------------------------------
