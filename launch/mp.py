@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import socket
 import sys
 import time
@@ -63,7 +64,11 @@ def worker_main(rank: int, cfg: GroupConfig, overrides: dict, conn: Connection) 
                                model=model, generation=generation)
     if message:
         print(message, file=sys.stderr, flush=True)
-    sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # os._exit, as the torchrun entry does: gloo's still-joinable threads can abort interpreter
+    # teardown (SIGABRT) after a clean shutdown.
+    os._exit(code)
 
 
 @dataclass(slots=True)
