@@ -11,17 +11,19 @@ import hashlib
 import json
 import os
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from ep.comm import Communicator, u32_to_words, words_to_u32
+from ep.comm import CommError, Communicator, u32_to_words, words_to_u32
 from ep.parallel import parallelize
 from ep.protocol import (BATCH_INVARIANT_BIT, DTYPE_CODES, DTYPE_MASK, EP_CMD_HANDSHAKE, EP_CMD_SLOT_ATTACH, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE, EP_CMD_SLOT_RESERVE,
                          EP_CMD_SLOT_REWIND, HEADER_WORDS, NO_SLOT, PROTOCOL_VERSION, Command, ProtocolError,
                          bulk_len, encode, float_bits, parse_stop)
 from ep.topology import EPTopology
 from runtime.config import load_config
+from runtime.model import CausalLM
 from runtime.model_runner import ModelRunner
 from runtime.weights import checkpoint_files, load_model
 
@@ -31,12 +33,20 @@ OP_CODES = {"reserve": EP_CMD_SLOT_RESERVE, "rewind": EP_CMD_SLOT_REWIND, "free"
 OP_NAMES = {v: k for k, v in OP_CODES.items()}
 # Handshake words every rank must agree on -> the reason code a mismatch is reported with.
 HANDSHAKE_FIELDS = {1: "protocol version", 2: "world size", 3: "model fingerprint", 4: "dtype",
-                    5: "confidence stop"}
+                    5: "confidence stop", 6: "group generation"}
+# Reason codes a worker reports a refused command with (status word: reason << 16 | rank).
+REFUSED_COMMAND = 1
 HANDSHAKE_CHECKS = ((0, 1), (1, 2), (2, 3), (3, 3), (4, 4))   # (word, reason); word 5, the stop, is adopted
 
 
 class CommandRefused(RuntimeError):
-    pass
+    """A worker refused a command; every rank skipped it. The deployment restarts the group: rank 0
+    and its workers disagree about something, and nothing a refused step computed is kept."""
+
+
+class PeerGarbage(CommError):
+    """A worker answered with words that are no valid reply (a status naming no worker rank or no
+    known reason, an impossible pid or size): the rank is treated as failed, never its words as data."""
 
 
 class HandshakeError(RuntimeError):
@@ -51,13 +61,20 @@ def model_fingerprint(model_dir: str | Path) -> int:
     return int.from_bytes(hashlib.sha256((cfg + "\n" + names).encode()).digest()[:8], "little")
 
 
-def load_shard(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: str,
-               kv_cache_tokens: int, batch_invariant: bool) -> ModelRunner:
-    """This rank's model shard (reading only its tensors) and its KV cache."""
+def load_shard_model(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: str) -> CausalLM:
+    """This rank's model shard, reading only its tensors. It runs no collective, so a warm standby
+    loads it before joining a group; its parallel layers use `comm` once it has joined."""
     cfg = load_config(model_dir)
     topo = EPTopology.of(cfg, comm.rank, comm.world_size)
-    model = load_model(model_dir, dtype, expert_range=topo.expert_range(),
-                       transform=lambda m: parallelize(m, topo, comm, moe_mode))
+    return load_model(model_dir, dtype, expert_range=topo.expert_range(),
+                      transform=lambda m: parallelize(m, topo, comm, moe_mode))
+
+
+def load_shard(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: str,
+               kv_cache_tokens: int, batch_invariant: bool, model: CausalLM | None = None) -> ModelRunner:
+    """This rank's model shard (`model` when loaded already) and a fresh KV cache."""
+    if model is None:
+        model = load_shard_model(model_dir, dtype, comm, moe_mode)
     return ModelRunner(model, kv_cache_tokens=kv_cache_tokens, batch_invariant=batch_invariant)
 
 
@@ -77,7 +94,19 @@ def send_command(comm: Communicator, cmd: Command) -> None:
         comm.broadcast(u32_to_words(bulk))
     status = report_status(comm, 0)
     if status:
-        raise CommandRefused(f"rank {status & 0xFFFF} refused {cmd.name} (reason {status >> 16}); see its log")
+        rank, reason = check_status(comm, status, cmd.name)
+        raise CommandRefused(f"rank {rank} refused {cmd.name} (reason {reason}); see its log")
+
+
+def check_status(comm: Communicator, status: int, what: str, reasons: Iterable[int] = (REFUSED_COMMAND,)
+                 ) -> tuple[int, int]:
+    """A non-zero status word -> (worker rank, reason); `PeerGarbage` when it names no worker rank
+    or no reason in `reasons`."""
+    rank, reason = status & 0xFFFF, status >> 16
+    if not 1 <= rank < comm.world_size or reason not in reasons:
+        raise PeerGarbage(f"rank 0: the status word {status:#x} after {what} names no worker rank "
+                          f"(1..{comm.world_size - 1}) and known reason {sorted(reasons)}; a peer sent garbage")
+    return rank, reason
 
 
 def recv_command(comm: Communicator) -> tuple[list[int], list[int]]:
@@ -95,33 +124,39 @@ def handshake_words(model_dir: str | Path, world_size: int, dtype: str) -> tuple
     return PROTOCOL_VERSION, world_size, fp & 0xFFFFFFFF, fp >> 32, DTYPE_CODES[dtype]
 
 
-def _handshake_failed(status: int) -> HandshakeError:
-    return HandshakeError(f"EP handshake failed: rank {status & 0xFFFF} has another "
-                          f"{HANDSHAKE_FIELDS.get(status >> 16, 'setting')} than rank 0")
+def _handshake_failed(comm: Communicator, status: int) -> HandshakeError:
+    rank, reason = check_status(comm, status, "HANDSHAKE", HANDSHAKE_FIELDS) if comm.rank == 0 \
+        else (status & 0xFFFF, status >> 16)
+    return HandshakeError(f"EP handshake failed: rank {rank} has another "
+                          f"{HANDSHAKE_FIELDS.get(reason, 'setting')} than rank 0")
 
 
 def driver_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
-                     confidence_stop: float | None = None, batch_invariant: bool = False) -> None:
+                     confidence_stop: float | None = None, batch_invariant: bool = False,
+                     generation: int = 0) -> None:
     """Rank 0: announce what this group must agree on (protocol version, world size, model
-    fingerprint, dtype), and what every rank adopts: the confidence stop TAU every rank drafts
-    with (None: no stop) and whether every rank runs the batch-invariant kernels.
+    fingerprint, dtype, and the group's generation, which travels in the header's slot word: the
+    launcher counts its groups, so a rank started for an older group never joins a newer one),
+    and what every rank adopts: the confidence stop TAU every rank drafts with (None: no stop)
+    and whether every rank runs the batch-invariant kernels.
     Raises `HandshakeError` naming the first rank that disagrees; every rank stops then."""
     if confidence_stop is not None and not 0.0 < confidence_stop < 1.0:
         raise ValueError(f"confidence_stop={confidence_stop} must be in (0, 1) or None")
     *words, dtype_word = handshake_words(model_dir, comm.world_size, dtype)
     mode = dtype_word | (BATCH_INVARIANT_BIT if batch_invariant else 0)
     words = (*words, mode, float_bits(confidence_stop))
-    header, _ = encode(Command(EP_CMD_HANDSHAKE, NO_SLOT, words))
+    header, _ = encode(Command(EP_CMD_HANDSHAKE, generation, words))
     comm.broadcast(u32_to_words(header))
     status = report_status(comm, 0)
     if status:
-        raise _handshake_failed(status)
+        raise _handshake_failed(comm, status)
 
 
-def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str) -> tuple[float | None, bool]:
-    """Ranks above 0: check rank 0's handshake against this rank's own words; returns what the
-    group adopts from rank 0: the confidence stop TAU (float32-exact; None for no stop) and
-    whether the batch-invariant kernels run."""
+def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
+                     generation: int = 0) -> tuple[float | None, bool]:
+    """Ranks above 0: check rank 0's handshake against this rank's own words (and the generation
+    of the group its launcher started it for); returns what the group adopts from rank 0: the
+    confidence stop TAU (float32-exact; None for no stop) and whether the batch-invariant kernels run."""
     header, _ = recv_command(comm)
     mine = handshake_words(model_dir, comm.world_size, dtype)
     kind, stop, batch_invariant = 0, None, False
@@ -134,6 +169,7 @@ def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str) -> t
             kind = 4
         theirs[4] &= DTYPE_MASK
         kind = kind or next((reason for i, reason in HANDSHAKE_CHECKS if theirs[i] != mine[i]), 0)
+        kind = kind or (6 if header[0] != generation else 0)
         if not kind:
             try:
                 stop = parse_stop(theirs[5], "HANDSHAKE")
@@ -141,7 +177,7 @@ def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str) -> t
                 kind = 5
     status = report_status(comm, (kind << 16) | comm.rank if kind else 0)
     if status:
-        raise _handshake_failed(status)
+        raise _handshake_failed(comm, status)
     return stop, batch_invariant
 
 
@@ -150,10 +186,21 @@ def gather_rank_info(comm: Communicator) -> list[dict]:
     name = socket.gethostname().encode()[:64].ljust(64, b"\0")
     row = torch.tensor([os.getpid(), *name], dtype=torch.int64)
     rows = comm.all_gather(row[None])
-    return [{"rank": r, "pid": int(rows[r, 0]), "host": bytes(rows[r, 1:].tolist()).rstrip(b"\0").decode()}
-            for r in range(comm.world_size)]
+    bad = next((r for r in range(comm.world_size)
+                if not 0 < int(rows[r, 0]) < 1 << 31 or not all(0 <= b < 256 for b in rows[r, 1:].tolist())), None)
+    if bad is not None:
+        raise PeerGarbage(f"rank {comm.rank}: rank {bad} sent pid {int(rows[bad, 0])} and a host name that is "
+                          "no bytes; a peer sent garbage")
+    try:
+        return [{"rank": r, "pid": int(rows[r, 0]), "host": bytes(rows[r, 1:].tolist()).rstrip(b"\0").decode()}
+                for r in range(comm.world_size)]
+    except UnicodeDecodeError as exc:
+        raise PeerGarbage(f"rank {comm.rank}: a host name is not UTF-8 ({exc}); a peer sent garbage") from None
 
 
 def gather_weight_bytes(comm: Communicator, runner: ModelRunner) -> list[int]:
-    out = comm.all_gather(torch.tensor([weight_bytes(runner)], dtype=torch.int64))
-    return out.tolist()
+    out = comm.all_gather(torch.tensor([weight_bytes(runner)], dtype=torch.int64)).tolist()
+    bad = next((r for r, n in enumerate(out) if n <= 0), None)
+    if bad is not None:
+        raise PeerGarbage(f"rank {comm.rank}: rank {bad} reports {out[bad]} weight bytes; a peer sent garbage")
+    return out

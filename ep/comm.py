@@ -14,6 +14,9 @@ import torch
 import torch.distributed as dist
 
 
+JOIN_TIMEOUT_S = 60.0
+
+
 class CommError(RuntimeError):
     """A collective failed: a peer died, the link broke, or it timed out."""
 
@@ -30,8 +33,11 @@ def words_to_u32(words: torch.Tensor) -> list[int]:
 
 
 class Communicator:
-    def __init__(self, *, rank: int, world_size: int, init_method: str, timeout_s: float = 60.0,
+    def __init__(self, *, rank: int, world_size: int, init_method: str | None, timeout_s: float = 60.0,
                  backend: str | None = None) -> None:
+        """Joins the group at `init_method` now; None builds it unjoined (a warm standby loads its
+        shard first), and `join` joins later. The layers made parallel keep this object, so a rank
+        that `join`s a fresh group after `close` keeps its shard."""
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
@@ -41,10 +47,27 @@ class Communicator:
         if world_size > 1 and self.backend == "gloo":
             # Ranks share the host's cores: more threads than cores per rank only adds contention.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        if world_size > 1:
-            dist.init_process_group(self.backend, init_method=init_method, rank=rank, world_size=world_size,
-                                    timeout=dt.timedelta(seconds=timeout_s))
         self.comm_seconds = 0.0  # wall time spent inside collectives (for the step split)
+        if init_method is not None:
+            self.join(init_method)
+
+    def join(self, init_method: str) -> None:
+        """Join the group at `init_method` (after `close` for a fresh group: a new address). At a
+        `tcp://host:port` the rendezvous waits up to JOIN_TIMEOUT_S (or the collective timeout when
+        longer) for every rank to arrive, since a rank may still be importing and loading; the
+        collectives then run with `timeout_s`. Other methods (torchrun's env://) go to torch as they are."""
+        if self.world_size == 1:
+            return
+        timeout = dt.timedelta(seconds=self.timeout_s)
+        host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+        if not init_method.startswith("tcp://") or not host or not port.isdigit():
+            dist.init_process_group(self.backend, init_method=init_method, rank=self.rank,
+                                    world_size=self.world_size, timeout=timeout)
+            return
+        store = dist.TCPStore(host, int(port), self.world_size, is_master=self.rank == 0,
+                              timeout=dt.timedelta(seconds=max(JOIN_TIMEOUT_S, self.timeout_s)))
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=timeout)
 
     def _run(self, what: str, fn, *args, **kwargs):
         if self.world_size == 1:

@@ -152,6 +152,15 @@ def decode(header: list[int], bulk: list[int]) -> Command:
     return Command(code=code, slot=slot, params=tuple(header[2:2 + nparams]), bulk=list(bulk))
 
 
+# --- LOGITS ------------------------------------------------------------------------------------
+def parse_logits(cmd: Command) -> list[int]:
+    """The rows of a LOGITS; its row count must be its bulk length."""
+    num_rows, n = cmd.params
+    if num_rows != n:
+        raise ProtocolError(f"LOGITS: {num_rows} rows announced, {n} bulk words")
+    return list(cmd.bulk)
+
+
 # --- FORWARD -----------------------------------------------------------------------------------
 def forward_command(ops: list[Op], chunks: list[tuple[int, int, int]], tokens: list[int],
                     obs: list[Observation] = (), trees: dict[int, list[int]] | None = None) -> Command:
@@ -200,7 +209,6 @@ def parse_forward(cmd: Command, *, vocab_size: int) -> ForwardPayload:
     tokens = b[off:off + num_tokens]
     off += num_tokens
     obs = [tuple(b[off + 4 * i:off + 4 * i + 4]) for i in range(num_obs)]
-    trees = _parse_trees(b[off + 4 * num_obs:], chunks)
     _check_obs(obs, "FORWARD")
     _check_ops(ops, "FORWARD")
     if sum(c[2] for c in chunks) != num_tokens or any(c[2] == 0 for c in chunks):
@@ -209,6 +217,7 @@ def parse_forward(cmd: Command, *, vocab_size: int) -> ForwardPayload:
         if slot >= MAX_SLOT:
             raise ProtocolError(f"FORWARD: slot {slot} out of range (0..{MAX_SLOT - 1})")
     _check_tokens(tokens, vocab_size, "FORWARD")
+    trees = _parse_trees(b[off + 4 * num_obs:], chunks)   # after the chunk checks: a tree needs a root row
     return ForwardPayload(ops=ops, chunks=chunks, tokens=tokens, obs=obs, trees=trees)
 
 

@@ -16,14 +16,15 @@ from typing import Any
 
 import torch
 
-from ep.channel import (OP_NAMES, gather_rank_info, gather_weight_bytes, load_shard, recv_command, report_status,
-                        worker_handshake)
+from ep.channel import (OP_NAMES, REFUSED_COMMAND, gather_rank_info, gather_weight_bytes, load_shard, recv_command,
+                        report_status, worker_handshake)
 from ep.comm import CommError, Communicator
 from ep.protocol import (EP_CMD_FORWARD, EP_CMD_LOGITS, EP_CMD_MTP_PROPOSE, EP_CMD_MTP_PROPOSE_BATCH,
                          EP_CMD_SHUTDOWN, EP_CMD_SLOT_FREE, Command, ForwardPayload, Observation, Op,
                          ProposePayload, ProtocolError, decode, derive_propose, float_bits, parse_forward,
-                         parse_propose, parse_propose_batch)
+                         parse_logits, parse_propose, parse_propose_batch)
 from runtime.attention import SeqChunk
+from runtime.model import CausalLM
 from runtime.model_runner import ModelRunner
 from speculative.mtp import MTPProposer
 from speculative.proposer import ProposerState
@@ -99,9 +100,10 @@ class Worker:
 
     # --- LOGITS -----------------------------------------------------------------------------------
     def check_logits(self, cmd: Command) -> list[int]:
-        if self.last_hidden is None or any(r >= self.last_hidden.shape[0] for r in cmd.bulk):
-            raise ProtocolError(f"LOGITS: rows {cmd.bulk[:4]} outside the last forward")
-        return cmd.bulk
+        rows = parse_logits(cmd)
+        if self.last_hidden is None or any(r >= self.last_hidden.shape[0] for r in rows):
+            raise ProtocolError(f"LOGITS: rows {rows[:4]} outside the last forward")
+        return rows
 
     def run_logits(self, rows: list[int]) -> bool:
         self.runner.logits(self.last_hidden, rows)
@@ -173,6 +175,17 @@ HANDLERS: dict[int, Handler] = {
 }
 
 
+def check_command(worker: Worker, header: list[int], bulk: list[int]) -> tuple[Handler, Any]:
+    """Decode one command's words and check them against this worker's state: (its handler, the
+    checked payload), or `ProtocolError` naming why it cannot run. Any words at all give one of
+    the two (tests/ep/test_wire_fuzz.py); nothing here changes the worker."""
+    cmd = decode(header, bulk)
+    handler = HANDLERS.get(cmd.code)
+    if handler is None:
+        raise ProtocolError(f"{cmd.name} is not a command workers execute")
+    return handler, handler.check(worker, cmd)
+
+
 def worker_loop(runner: ModelRunner, comm: Communicator, confidence_stop: float | None = None) -> None:
     """Ranks above 0: execute rank 0's commands until SHUTDOWN. A refused command is skipped by
     every rank together; a broken link raises `CommError` and ends the worker."""
@@ -181,27 +194,26 @@ def worker_loop(runner: ModelRunner, comm: Communicator, confidence_stop: float 
         header, bulk = recv_command(comm)
         reason = 0
         try:
-            cmd = decode(header, bulk)
-            handler = HANDLERS.get(cmd.code)
-            if handler is None:
-                raise ProtocolError(f"{cmd.name} is not a command workers execute")
-            payload = handler.check(worker, cmd)
+            handler, payload = check_command(worker, header, bulk)
         except ProtocolError as exc:
             log.error("rank %d: refused command: %s", comm.rank, exc)
-            reason = 1
+            reason = REFUSED_COMMAND
         if report_status(comm, (reason << 16) | comm.rank if reason else 0):
             continue
         if handler.run(worker, payload):
             return
 
 
-def serve_rank(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_cache_tokens: int) -> tuple[int, str]:
-    """Agree on the handshake, load this rank's shard, then execute rank 0's commands until it
-    shuts the group down. Returns (exit code, message): (0, "") on a clean shutdown, 3 when the
-    group broke, 2 for any other failure; the group is always left."""
+def serve_rank(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_cache_tokens: int, *,
+               model: CausalLM | None = None, generation: int = 0) -> tuple[int, str]:
+    """Agree on the handshake, load this rank's shard (`model`: loaded already, by a warm
+    standby), then execute rank 0's commands until it shuts the group down. `generation`: the
+    group the launcher started this rank for (checked at the handshake). Returns (exit code,
+    message): (0, "") on a clean shutdown, 3 when the group broke, 2 for any other failure (a
+    refused handshake, garbage the word stream cannot stay in step after); the group is always left."""
     try:
-        confidence_stop, batch_invariant = worker_handshake(comm, model_dir, dtype)
-        runner = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens, batch_invariant)
+        confidence_stop, batch_invariant = worker_handshake(comm, model_dir, dtype, generation)
+        runner = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens, batch_invariant, model)
         gather_weight_bytes(comm, runner)
         gather_rank_info(comm)
         worker_loop(runner, comm, confidence_stop)

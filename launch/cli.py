@@ -78,6 +78,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-usage-stats", action="store_true", help="let Ray send usage statistics (off by default)")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="restarts of the EP group after a rank dies before giving up (0: none)")
+    p.add_argument("--warm-standby", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep one spawned worker per rank with its shard loaded, so a restart of the EP group "
+                        "needs no cold start (mp; Ray on CPU); --no-warm-standby saves that memory")
     p.add_argument("--moe-a2a", default="alltoall", choices=["alltoall", "allreduce"], help="MoE dispatch mode")
     p.add_argument("--ep-timeout", type=float, default=60.0, help="seconds before a collective is declared dead")
     p.add_argument("--enforce-eager", action="store_true",
@@ -251,7 +254,8 @@ def make_llm(args: argparse.Namespace):
         ray_options = RayOptions(address=args.ray_address, placement_strategy=args.placement_strategy,
                                  temp_dir=args.ray_temp_dir, usage_stats=args.ray_usage_stats)
         launcher = launcher_for(args.launcher, ray_options=ray_options)
-    return LLM(model=args.model, ep=ep, launcher=launcher, max_restarts=args.max_restarts, **common)
+    return LLM(model=args.model, ep=ep, launcher=launcher, max_restarts=args.max_restarts,
+               warm_standby=args.warm_standby, **common)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ep.channel import load_shard_model
 from ep.comm import Communicator, free_port
 from ep.worker import serve_rank
 from serving.deployment import GroupConfig, GroupStartError
@@ -36,16 +37,30 @@ class RayOptions:
 
 
 class RankActor:
-    """A worker rank inside a Ray actor."""
+    """A worker rank inside a Ray actor. A warm standby is asked to `preload` its rank's shard
+    (unjoined) right away; its later `serve` (Ray runs an actor's calls in order) then only joins."""
+
+    def __init__(self) -> None:
+        self.preloaded: tuple[int, Communicator, object] | None = None
+
+    def preload(self, rank: int, cfg: GroupConfig) -> None:
+        comm = Communicator(rank=rank, world_size=cfg.ep, init_method=None, timeout_s=cfg.timeout_s)
+        self.preloaded = rank, comm, load_shard_model(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a)
 
     def info(self) -> dict:
         import ray
         return {"pid": os.getpid(), "host": socket.gethostname(), "node": ray.get_runtime_context().get_node_id(),
                 "ip": ray.util.get_node_ip_address()}
 
-    def serve(self, rank: int, init_method: str, cfg: GroupConfig) -> tuple[int, str]:
-        comm = Communicator(rank=rank, world_size=cfg.ep, init_method=init_method, timeout_s=cfg.timeout_s)
-        return serve_rank(comm, cfg.model_dir, cfg.dtype, cfg.moe_a2a, cfg.kv_cache_tokens)
+    def serve(self, rank: int, init_method: str, cfg: GroupConfig, generation: int = 0) -> tuple[int, str]:
+        if self.preloaded is not None and self.preloaded[0] == rank:
+            _, comm, model = self.preloaded
+            comm.join(init_method)
+        else:
+            comm, model = Communicator(rank=rank, world_size=cfg.ep, init_method=init_method,
+                                       timeout_s=cfg.timeout_s), None
+        return serve_rank(comm, cfg.model_dir, cfg.dtype, cfg.moe_a2a, cfg.kv_cache_tokens,
+                          model=model, generation=generation)
 
 
 def connect(opts: RayOptions, min_cpus: int) -> bool:
@@ -91,8 +106,11 @@ class RayGroup:
             raise ValueError(f"a Ray group needs ep >= 2, got {cfg.ep}")
         self.cfg, self.opts = cfg, opts
         self.overrides = worker_overrides or {}
+        self.generation = 0
+        self.standby: dict[int, object] = {}   # rank -> an actor preloading that rank's shard
         self.owns_ray = connect(opts, cfg.ep)
         self.comm: Communicator | None = None
+        self._rank0_comm: Communicator | None = None   # rank 0's, kept across restarts (its shard stays loaded)
         self.actors: list = []
         self.calls: list = []
         self.infos: list[dict] = []
@@ -100,6 +118,9 @@ class RayGroup:
         self._stopping = False
         self.driver_node, self.driver_ip, pin = _driver_node()
         self.gpu = torch.cuda.is_available()
+        # A standby shares its rank's bundle without a CPU of its own; on GPU it would need a second
+        # device for its shard, so GPU groups start cold.
+        self.warm_standby = cfg.warm_standby and not self.gpu
         unit = {"GPU": 1.0, "CPU": 1.0} if self.gpu else {"CPU": 1.0}
         bundles = [{**unit, pin: 0.001}] + [dict(unit) for _ in range(cfg.ep - 1)]
         self.pg = placement_group(bundles, strategy=opts.placement_strategy, name="")
@@ -119,29 +140,47 @@ class RayGroup:
 
     def start(self) -> None:
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        actor_cls = ray.remote(RankActor)
         self._dead, self._stopping = None, False
-        self.actors = [actor_cls.options(num_cpus=1, num_gpus=1 if self.gpu else 0, max_restarts=0,
-                                         scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                             placement_group=self.pg, placement_group_bundle_index=rank)).remote()
-                       for rank in range(1, self.cfg.ep)]
+        self.generation += 1
+        standby, self.standby = self.standby, {}
+        self.actors = [standby.pop(rank, None) or self._new_actor(rank, 1) for rank in range(1, self.cfg.ep)]
         try:
             self.infos = ray.get([a.info.remote() for a in self.actors], timeout=self.opts.start_timeout_s)
         except Exception as exc:
             raise GroupStartError(f"Ray could not start the worker ranks: {type(exc).__name__}: "
                                f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
         init_method = f"tcp://{self.driver_ip}:{free_port()}"
-        self.calls = []
-        for rank, actor in enumerate(self.actors, 1):
-            extra = self.overrides.get(rank, {})
-            cfg = GroupConfig(model_dir=extra.get("model_dir", self.cfg.model_dir), dtype=extra.get("dtype", self.cfg.dtype),
-                              ep=self.cfg.ep, moe_a2a=self.cfg.moe_a2a, kv_cache_tokens=self.cfg.kv_cache_tokens,
-                              timeout_s=self.cfg.timeout_s)
-            self.calls.append(actor.serve.remote(rank, init_method, cfg))
+        self.calls = [actor.serve.remote(rank, init_method, self._rank_cfg(rank), self.generation)
+                      for rank, actor in enumerate(self.actors, 1)]
         threading.Thread(target=self._watch, args=(self.calls,), name="metrale-ray-watchdog",
                          daemon=True).start()
-        self.comm = Communicator(rank=0, world_size=self.cfg.ep, init_method=init_method, timeout_s=self.cfg.timeout_s)
+        if self._rank0_comm is None:
+            self._rank0_comm = Communicator(rank=0, world_size=self.cfg.ep, init_method=None,
+                                            timeout_s=self.cfg.timeout_s)
+        self._rank0_comm.join(init_method)
+        self.comm = self._rank0_comm
+
+    def ready(self) -> None:
+        """The group serves: start the standby actors the next restart takes, each preloading its shard."""
+        if self.warm_standby:
+            for rank in range(1, self.cfg.ep):
+                if rank not in self.standby:
+                    self.standby[rank] = self._new_actor(rank, 0)
+                    self.standby[rank].preload.remote(rank, self._rank_cfg(rank))
+
+    def _new_actor(self, rank: int, num_cpus: int):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        return ray.remote(RankActor).options(
+            num_cpus=num_cpus, num_gpus=1 if self.gpu else 0, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                                 placement_group_bundle_index=rank)).remote()
+
+    def _rank_cfg(self, rank: int) -> GroupConfig:
+        extra = self.overrides.get(rank, {})
+        return GroupConfig(model_dir=extra.get("model_dir", self.cfg.model_dir),
+                           dtype=extra.get("dtype", self.cfg.dtype), ep=self.cfg.ep, moe_a2a=self.cfg.moe_a2a, kv_cache_tokens=self.cfg.kv_cache_tokens,
+                           timeout_s=self.cfg.timeout_s, warm_standby=False)
 
     def _watch(self, calls: list) -> None:
         """Wait for the first worker call to end; unless the group is being stopped, that rank died."""
@@ -194,9 +233,13 @@ class RayGroup:
             self.comm = None
 
     def close(self) -> None:
-        """Release the placement group and leave Ray (shutting down a Ray this group started)."""
+        """End the standbys, release the placement group and leave Ray (shutting down a Ray this
+        group started)."""
         import ray
         if ray.is_initialized():
+            for actor in self.standby.values():
+                ray.kill(actor, no_restart=True)
+            self.standby = {}
             try:
                 ray.util.remove_placement_group(self.pg)
             except Exception:  # already gone with a dead cluster

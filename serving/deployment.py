@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Protocol
 
 from engine.engine import Engine
-from ep.channel import driver_handshake, gather_rank_info, gather_weight_bytes, load_shard
+from ep.channel import (CommandRefused, driver_handshake, gather_rank_info, gather_weight_bytes, load_shard,
+                        load_shard_model)
 from ep.comm import CommError, Communicator
 from ep.driver import DriverRunner, ShardedMTPProposer
 from ep.local_drafter import load_local_drafter
+from runtime.model import CausalLM
 from runtime.model_runner import ModelRunner
 from runtime.sequence import Sequence
 from runtime.weights import load_model
@@ -55,6 +57,7 @@ class GroupConfig:
     moe_a2a: str = "alltoall"
     kv_cache_tokens: int = 32768
     timeout_s: float = 60.0
+    warm_standby: bool = True   # keep a spare per worker rank, its shard loaded, for the next restart
 
 
 class WorkerGroup(Protocol):
@@ -63,6 +66,7 @@ class WorkerGroup(Protocol):
 
     def start(self) -> None: ...
     def nodes(self) -> list[str]: ...
+    def ready(self) -> None: ...   # the group serves: prepare what a restart needs (warm standbys)
     def dead(self) -> str | None: ...
     def failure_report(self) -> str: ...
     def stop(self, timeout_s: float = 10.0) -> None: ...
@@ -83,6 +87,7 @@ class DeploymentConfig:
     max_restarts: int = DEFAULT_MAX_RESTARTS
     enforce_eager: bool = False   # no torch.compile of the target step (single process; EP ranks run eager)
     batch_invariant: bool | None = None   # batch-invariant kernels (runtime.batch_invariant); None: float64 only
+    warm_standby: bool = True    # spare worker ranks with their shards loaded (only when restarts are allowed)
 
     def __post_init__(self) -> None:
         if self.ep < 1:
@@ -125,16 +130,22 @@ class Deployment:
         self.rank_weight_bytes: list[int] = []
         self.restarts = 0
         self.last_recovery_s: float | None = None
+        # Rank 0's shard and the communicator its parallel layers use: a launcher that keeps that
+        # object across restarts (it joins each fresh group) gets the shard back without a reload.
+        self._shard: tuple[Communicator, CausalLM] | None = None
         if config.ep > 1 and comm is None:
             self.group = launcher(GroupConfig(model_dir=str(config.model_dir), dtype=config.dtype, ep=config.ep,
                                               moe_a2a=config.moe_a2a, kv_cache_tokens=config.kv_cache_tokens,
-                                              timeout_s=config.ep_timeout_s))
+                                              timeout_s=config.ep_timeout_s,
+                                              warm_standby=config.warm_standby and config.max_restarts > 0))
             self.comm = self.group.comm
         try:
             self.runner, self.proposer = self._build()
         except BaseException:
             self._stop_group()
             raise
+        if self.group is not None:
+            self.group.ready()
 
     @property
     def is_supervised(self) -> bool:
@@ -164,8 +175,12 @@ class Deployment:
         cfg = self.config
         try:
             batch_invariant = cfg.dtype == "float64" if cfg.batch_invariant is None else cfg.batch_invariant
-            driver_handshake(comm, cfg.model_dir, cfg.dtype, self.spec.confidence_stop, batch_invariant)
-            local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a, cfg.kv_cache_tokens, batch_invariant)
+            driver_handshake(comm, cfg.model_dir, cfg.dtype, self.spec.confidence_stop, batch_invariant,
+                             getattr(self.group, "generation", 0))
+            if self._shard is None or self._shard[0] is not comm:
+                self._shard = comm, load_shard_model(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a)
+            local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a, cfg.kv_cache_tokens, batch_invariant,
+                               self._shard[1])
             self.rank_weight_bytes = gather_weight_bytes(comm, local)
             info = gather_rank_info(comm)
         except BaseException as exc:
@@ -202,7 +217,7 @@ class Deployment:
 
     def handles(self, exc: BaseException) -> bool:
         """Is `exc` a failure of the group (recoverable by a restart)?"""
-        return self.group is not None and (isinstance(exc, CommError) or self.pending() is not None)
+        return self.group is not None and (isinstance(exc, (CommError, CommandRefused)) or self.pending() is not None)
 
     def reason(self, exc: BaseException) -> str:
         report = self.group.failure_report() if self.group is not None else ""
@@ -248,6 +263,7 @@ class Deployment:
                 why = f"restart {self.restarts} failed: {type(exc).__name__}: {exc}"
         engine.reset(self.runner, self.proposer)
         self.last_recovery_s = time.perf_counter() - t0
+        self.group.ready()
         log.warning("EP group serving again after %.2f s (%d ranks)", self.last_recovery_s, len(self.rank_info))
 
     # --- the end --------------------------------------------------------------------------

@@ -29,7 +29,7 @@ class LLM:
                  ep_timeout_s: float = 60.0, launcher: Launcher | None = None,
                  max_restarts: int = DEFAULT_MAX_RESTARTS, comm: Communicator | None = None,
                  enforce_eager: bool = False, batch_invariant: bool | None = None,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, warm_standby: bool = True) -> None:
         """Speculation: `spec` (none, mtp, ngram) with at most `num_drafts` drafts per step, a
         depth policy (`draft_policy` fixed/ladder/auto, or `mtp_k_ladder` text or "auto"), a
         width cap `mtp_max_seqs`, a confidence stop, a draft-tree shape ("1,2,2"); resolved once
@@ -39,7 +39,8 @@ class LLM:
         `ep` > 1 starts ep - 1 worker ranks with `launcher` (`launch.mp.MPGroup`, or a
         `launch.ray_group.RayGroup` factory) and supervises them: a dead rank restarts the group
         up to `max_restarts` times. `comm`, an already joined communicator of rank 0 (torchrun),
-        replaces the launcher (no restarts).
+        replaces the launcher (no restarts). `warm_standby`: the launcher keeps a spare process per
+        worker rank with its shard loaded, so a restart needs no cold start (when restarts are allowed).
 
         The target step is compiled with `torch.compile` (inductor) unless `enforce_eager`; float64
         (the reference mode) and EP groups run eager.
@@ -65,7 +66,7 @@ class LLM:
             DeploymentConfig(model_dir=model_dir, dtype=dtype, ep=ep if comm is None else comm.world_size,
                              moe_a2a=moe_a2a, kv_cache_tokens=kv_cache_tokens, ep_timeout_s=ep_timeout_s,
                              max_restarts=max_restarts, enforce_eager=enforce_eager,
-                             batch_invariant=batch_invariant), self.spec, launcher, comm)
+                             batch_invariant=batch_invariant, warm_standby=warm_standby), self.spec, launcher, comm)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.engine: Engine | None = Engine(self.deployment.runner, self.tokenizer, config, self.spec,
                                             self.deployment.proposer)

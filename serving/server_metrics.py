@@ -25,6 +25,9 @@ class ServerMetrics:
         self.running = Gauge("metrale_num_requests_running", "Sequences in the running batch", registry=r)
         self.waiting = Gauge("metrale_num_requests_waiting", "Sequences waiting for admission", registry=r)
         self.kv_usage = Gauge("metrale_kv_cache_usage_ratio", "Share of KV cache blocks in use", registry=r)
+        self.kv_free_blocks = Gauge("metrale_kv_cache_free_blocks",
+                                    "KV cache blocks no sequence holds (equal to the total when idle)", registry=r)
+        self.kv_blocks = Gauge("metrale_kv_cache_blocks", "KV cache blocks in all", registry=r)
         self.preemptions = Gauge("metrale_num_preemptions", "Preemptions so far (recompute)", registry=r)
         self.prefix_queried = Counter("metrale_prefix_cache_queried_tokens",
                                       "Tokens of admitted sequences looked up in the prefix cache", registry=r)
@@ -60,6 +63,8 @@ class ServerMetrics:
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
         self.kv_usage.set(1 - cache.num_free_blocks / cache.num_blocks)
+        self.kv_free_blocks.set(cache.num_free_blocks)
+        self.kv_blocks.set(cache.num_blocks)
         self.preemptions.set(sched.num_preemptions)
         queried, hits = sched.num_prefix_queried_tokens, sched.num_prefix_hit_tokens
         self.prefix_queried.inc(queried - self._prefix_seen[0])

@@ -84,6 +84,7 @@ def test_handshake_mismatch_stops_every_rank(ckpt_plain, ckpt_grouped):
         group.procs[0].join(timeout=30)
         assert group.procs[0].exitcode == 2  # the worker stopped too, with its own message
         group.stop()
+        group.close()
 
 
 def children_of(pid: int) -> list[int]:

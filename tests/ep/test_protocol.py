@@ -228,3 +228,11 @@ def test_rank0_sends_three_words_only_when_the_workers_derive_the_same_payload()
                                    (VERIFY, shifted, [(7, 13)])):
         cmd, got = propose_over_the_wire(last, payload, pending, stop=0.5)
         assert cmd.code == EP_CMD_MTP_PROPOSE_BATCH and got == payload
+
+
+def test_a_tree_over_an_empty_chunk_is_refused_not_a_crash():
+    # Found by tests/ep/test_wire_fuzz.py: the tree's root was read before the chunk sizes were checked.
+    header = [NO_SLOT, EP_CMD_FORWARD, 0, 2, 3, 12, 0, 3]
+    bulk = [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0xFFFFFFFF, 0]
+    with pytest.raises(ProtocolError, match=r"chunk sizes \[0, 1\] do not add up to 3 tokens"):
+        parse_forward(decode(header, bulk), vocab_size=10)
