@@ -18,26 +18,37 @@ class CommError(RuntimeError):
     """A collective failed: a peer died, the link broke, or it timed out."""
 
 
-def u32_to_words(values: list[int] | np.ndarray) -> torch.Tensor:
+def u32_to_words(values: list[int] | np.ndarray, device: torch.device | str = "cpu") -> torch.Tensor:
+    """u32 values -> int32 words on `device` (the communicator's: NCCL sends device tensors only)."""
     arr = np.asarray(values, dtype=np.uint64)
     if arr.size and int(arr.max()) > 0xFFFFFFFF:
         raise ValueError(f"value {int(arr.max())} does not fit in u32")
-    return torch.from_numpy(arr.astype(np.uint32).view(np.int32).copy())
+    return torch.from_numpy(arr.astype(np.uint32).view(np.int32).copy()).to(device)
 
 
 def words_to_u32(words: torch.Tensor) -> list[int]:
-    return words.numpy().astype(np.int32).view(np.uint32).astype(np.int64).tolist()
+    """int32 words (on any device; read back on the host) -> u32 values."""
+    return words.cpu().numpy().astype(np.int32).view(np.uint32).astype(np.int64).tolist()
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for a rank on a GPU, gloo on the CPU: chosen by where the tensors live, never by
+    whether the host has CUDA."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 class Communicator:
     def __init__(self, *, rank: int, world_size: int, init_method: str, timeout_s: float = 60.0,
-                 backend: str | None = None) -> None:
+                 device: torch.device | str = "cpu") -> None:
+        """Join the group as `rank`; this rank's tensors (weights, cache, every collective's
+        buffers) live on `device`, which picks the backend (`backend_for`)."""
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
-            else torch.device("cpu")
+        self.device = torch.device(device)
+        self.backend = backend_for(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         if world_size > 1 and self.backend == "gloo":
             # Ranks share the host's cores: more threads than cores per rank only adds contention.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -89,7 +100,7 @@ class Communicator:
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            self.all_reduce(torch.zeros(1))
+            self.all_reduce(torch.zeros(1, device=self.device))
 
     def close(self) -> None:
         if self.world_size > 1 and dist.is_initialized():

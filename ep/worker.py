@@ -195,13 +195,14 @@ def worker_loop(runner: ModelRunner, comm: Communicator, confidence_stop: float 
             return
 
 
-def serve_rank(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_cache_tokens: int) -> tuple[int, str]:
-    """Agree on the handshake, load this rank's shard, then execute rank 0's commands until it
+def serve_rank(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_cache_tokens: int,
+               gpu_memory_utilization: float | None = None) -> tuple[int, str]:
+    """Agree on the handshake, load this rank's shard (on the communicator's device), then execute rank 0's commands until it
     shuts the group down. Returns (exit code, message): (0, "") on a clean shutdown, 3 when the
     group broke, 2 for any other failure; the group is always left."""
     try:
         confidence_stop, batch_invariant = worker_handshake(comm, model_dir, dtype)
-        runner = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens, batch_invariant)
+        runner = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens, batch_invariant, gpu_memory_utilization)
         gather_weight_bytes(comm, runner)
         gather_rank_info(comm)
         worker_loop(runner, comm, confidence_stop)

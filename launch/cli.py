@@ -22,10 +22,30 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1]")
+    return value
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]",
+                   help="where weights, KV cache and every step tensor live (auto: CUDA when present); "
+                        "each EP rank takes its own local GPU")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder (config.json, *.safetensors, tokenizer.json)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    add_device_args(p)
     p.add_argument("--kv-cache-tokens", type=_positive_int, default=32768, help="KV cache budget in tokens")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="FRACTION",
+                   help="CUDA only: size the KV cache to what is left of this share of the GPU's memory after "
+                        "the weights (replaces --kv-cache-tokens; refused on the CPU)")
     p.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most sequences in one step")
     p.add_argument("--spec", default="none", choices=["none", "mtp", "ngram"],
                    help="speculative decoding: the checkpoint's MTP layer, prompt lookup, or none")
@@ -187,8 +207,14 @@ def make_llm(args: argparse.Namespace):
     from launch.torchrun import join, run_worker, torchrun_rank
     from serving import LLM
 
+    from runtime.device import resolve_device
+
+    device = resolve_device(args.device)
+    if args.gpu_memory_utilization is not None and device.type != "cuda":
+        raise UsageError(f"--gpu-memory-utilization sizes the KV cache from free GPU memory; on {device} use "
+                         "--kv-cache-tokens")
     spec = resolve_speculation(args)
-    common = dict(dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
+    common = dict(dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
                   spec_settings=spec, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout,
                   enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
                   prefix_cache=args.prefix_cache)
@@ -199,9 +225,10 @@ def make_llm(args: argparse.Namespace):
             raise UsageError(f"--ep {args.ep} conflicts with torchrun's world size {world}")
         if not Path(args.model).is_dir():
             raise UsageError(f"model folder {args.model!r} does not exist")
-        comm = join(rank, world, args.ep_timeout)
+        comm = join(rank, world, args.ep_timeout, device)
         if rank > 0:
-            code = run_worker(comm, args.model, args.dtype, args.moe_a2a, args.kv_cache_tokens)
+            code = run_worker(comm, args.model, args.dtype, args.moe_a2a, args.kv_cache_tokens,
+                              args.gpu_memory_utilization)
             if code:
                 raise SystemExit(code)
             return None
@@ -217,7 +244,11 @@ def make_llm(args: argparse.Namespace):
         ray_options = RayOptions(address=args.ray_address, placement_strategy=args.placement_strategy,
                                  temp_dir=args.ray_temp_dir, usage_stats=args.ray_usage_stats)
         launcher = launcher_for(args.launcher, ray_options=ray_options)
-    return LLM(model=args.model, ep=ep, launcher=launcher, max_restarts=args.max_restarts, **common)
+    if ep > 1 and args.launcher == "mp":
+        from runtime.device import check_local_gpus
+        check_local_gpus(device, ep)
+    return LLM(model=args.model, ep=ep, launcher=launcher, max_restarts=args.max_restarts, device=str(device),
+               **common)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

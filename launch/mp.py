@@ -13,8 +13,11 @@ import socket
 import sys
 import time
 
+import torch
+
 from ep.comm import Communicator, free_port
 from ep.worker import serve_rank
+from runtime.device import check_local_gpus, rank_device
 from serving.deployment import GroupConfig
 
 __all__ = ["GroupConfig", "MPGroup"]
@@ -24,9 +27,10 @@ def worker_main(rank: int, init_method: str, cfg: GroupConfig, model_dir_overrid
                 dtype_override: str | None = None) -> None:
     """A spawned worker: join the group, load its shard, agree on the handshake, serve commands."""
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
-    comm = Communicator(rank=rank, world_size=cfg.ep, init_method=init_method, timeout_s=cfg.timeout_s)
+    comm = Communicator(rank=rank, world_size=cfg.ep, init_method=init_method, timeout_s=cfg.timeout_s,
+                        device=rank_device(torch.device(cfg.device), rank))
     code, message = serve_rank(comm, model_dir_override or cfg.model_dir, dtype_override or cfg.dtype,
-                               cfg.moe_a2a, cfg.kv_cache_tokens)
+                               cfg.moe_a2a, cfg.kv_cache_tokens, cfg.gpu_memory_utilization)
     if message:
         print(message, file=sys.stderr, flush=True)
     sys.exit(code)
@@ -40,6 +44,7 @@ class MPGroup:
     def __init__(self, cfg: GroupConfig, worker_overrides: dict[int, dict] | None = None) -> None:
         if cfg.ep < 2:
             raise ValueError(f"an mp group needs ep >= 2, got {cfg.ep}")
+        check_local_gpus(torch.device(cfg.device), cfg.ep)   # one GPU per rank, all on this host
         self.cfg = cfg
         self.overrides = worker_overrides or {}
         self.procs: list = []
@@ -57,7 +62,7 @@ class MPGroup:
             p.start()
             self.procs.append(p)
         self.comm = Communicator(rank=0, world_size=self.cfg.ep, init_method=init_method,
-                                 timeout_s=self.cfg.timeout_s)
+                                 timeout_s=self.cfg.timeout_s, device=self.cfg.device)
 
     @property
     def pids(self) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,8 +44,11 @@ class RankActor:
                 "ip": ray.util.get_node_ip_address()}
 
     def serve(self, rank: int, init_method: str, cfg: GroupConfig) -> tuple[int, str]:
-        comm = Communicator(rank=rank, world_size=cfg.ep, init_method=init_method, timeout_s=cfg.timeout_s)
-        return serve_rank(comm, cfg.model_dir, cfg.dtype, cfg.moe_a2a, cfg.kv_cache_tokens)
+        # On CUDA the actor sees only its bundle's GPU (Ray sets CUDA_VISIBLE_DEVICES): cuda:0.
+        device = torch.device("cuda", 0) if torch.device(cfg.device).type == "cuda" else torch.device("cpu")
+        comm = Communicator(rank=rank, world_size=cfg.ep, init_method=init_method, timeout_s=cfg.timeout_s,
+                            device=device)
+        return serve_rank(comm, cfg.model_dir, cfg.dtype, cfg.moe_a2a, cfg.kv_cache_tokens, cfg.gpu_memory_utilization)
 
 
 def connect(opts: RayOptions, min_cpus: int) -> bool:
@@ -99,7 +102,7 @@ class RayGroup:
         self._dead: str | None = None
         self._stopping = False
         self.driver_node, self.driver_ip, pin = _driver_node()
-        self.gpu = torch.cuda.is_available()
+        self.gpu = torch.device(cfg.device).type == "cuda"   # one GPU per bundle, chosen by --device
         unit = {"GPU": 1.0, "CPU": 1.0} if self.gpu else {"CPU": 1.0}
         bundles = [{**unit, pin: 0.001}] + [dict(unit) for _ in range(cfg.ep - 1)]
         self.pg = placement_group(bundles, strategy=opts.placement_strategy, name="")
@@ -135,13 +138,13 @@ class RayGroup:
         self.calls = []
         for rank, actor in enumerate(self.actors, 1):
             extra = self.overrides.get(rank, {})
-            cfg = GroupConfig(model_dir=extra.get("model_dir", self.cfg.model_dir), dtype=extra.get("dtype", self.cfg.dtype),
-                              ep=self.cfg.ep, moe_a2a=self.cfg.moe_a2a, kv_cache_tokens=self.cfg.kv_cache_tokens,
-                              timeout_s=self.cfg.timeout_s)
+            cfg = replace(self.cfg, model_dir=extra.get("model_dir", self.cfg.model_dir),
+                          dtype=extra.get("dtype", self.cfg.dtype))
             self.calls.append(actor.serve.remote(rank, init_method, cfg))
         threading.Thread(target=self._watch, args=(self.calls,), name="metrale-ray-watchdog",
                          daemon=True).start()
-        self.comm = Communicator(rank=0, world_size=self.cfg.ep, init_method=init_method, timeout_s=self.cfg.timeout_s)
+        self.comm = Communicator(rank=0, world_size=self.cfg.ep, init_method=init_method, timeout_s=self.cfg.timeout_s,
+                                 device=self.cfg.device)
 
     def _watch(self, calls: list) -> None:
         """Wait for the first worker call to end; unless the group is being stopped, that rank died."""

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from engine.engine import Engine
 from ep.channel import driver_handshake, gather_rank_info, gather_weight_bytes, load_shard
 from ep.comm import CommError, Communicator
@@ -55,6 +57,8 @@ class GroupConfig:
     moe_a2a: str = "alltoall"
     kv_cache_tokens: int = 32768
     timeout_s: float = 60.0
+    device: str = "cpu"    # rank 0's device; on CUDA each further rank takes its own local GPU
+    gpu_memory_utilization: float | None = None
 
 
 class WorkerGroup(Protocol):
@@ -83,8 +87,15 @@ class DeploymentConfig:
     max_restarts: int = DEFAULT_MAX_RESTARTS
     enforce_eager: bool = False   # no torch.compile of the target step (single process; EP ranks run eager)
     batch_invariant: bool | None = None   # batch-invariant kernels (runtime.batch_invariant); None: float64 only
+    device: str = "cpu"                   # a resolved device (runtime.device.resolve_device): cpu, cuda:N
+    gpu_memory_utilization: float | None = None   # CUDA only: KV cache from free GPU memory
 
     def __post_init__(self) -> None:
+        if torch.device(self.device).type != "cuda" and self.gpu_memory_utilization is not None:
+            raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization} sizes the KV cache from free "
+                             f"GPU memory; on {self.device} size it with --kv-cache-tokens")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization} must be in (0, 1]")
         if self.ep < 1:
             raise ValueError(f"ep={self.ep} must be at least 1")
         if self.max_restarts < 0:
@@ -128,7 +139,8 @@ class Deployment:
         if config.ep > 1 and comm is None:
             self.group = launcher(GroupConfig(model_dir=str(config.model_dir), dtype=config.dtype, ep=config.ep,
                                               moe_a2a=config.moe_a2a, kv_cache_tokens=config.kv_cache_tokens,
-                                              timeout_s=config.ep_timeout_s))
+                                              timeout_s=config.ep_timeout_s, device=config.device,
+                                              gpu_memory_utilization=config.gpu_memory_utilization))
             self.comm = self.group.comm
         try:
             self.runner, self.proposer = self._build()
@@ -144,8 +156,10 @@ class Deployment:
     def _build(self) -> tuple[ModelRunner | DriverRunner, DraftProposer | None]:
         cfg = self.config
         if self.comm is None:
-            runner = ModelRunner(load_model(cfg.model_dir, cfg.dtype), kv_cache_tokens=cfg.kv_cache_tokens,
-                                 compiled=not cfg.enforce_eager, batch_invariant=cfg.batch_invariant)
+            runner = ModelRunner(load_model(cfg.model_dir, cfg.dtype, device=cfg.device),
+                                 kv_cache_tokens=cfg.kv_cache_tokens, compiled=not cfg.enforce_eager,
+                                 batch_invariant=cfg.batch_invariant,
+                                 gpu_memory_utilization=cfg.gpu_memory_utilization)
         else:
             runner = self._join_group(self.comm)
         try:
@@ -165,7 +179,10 @@ class Deployment:
         try:
             batch_invariant = cfg.dtype == "float64" if cfg.batch_invariant is None else cfg.batch_invariant
             driver_handshake(comm, cfg.model_dir, cfg.dtype, self.spec.confidence_stop, batch_invariant)
-            local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a, cfg.kv_cache_tokens, batch_invariant)
+            if comm.device != torch.device(cfg.device):
+                raise ValueError(f"rank 0's communicator is on {comm.device}, the deployment on {cfg.device}")
+            local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a, cfg.kv_cache_tokens, batch_invariant,
+                               cfg.gpu_memory_utilization)
             self.rank_weight_bytes = gather_weight_bytes(comm, local)
             info = gather_rank_info(comm)
         except BaseException as exc:

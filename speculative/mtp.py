@@ -54,10 +54,10 @@ def grammar_masked(logits: torch.Tensor, grammars: list[GrammarMatcher | None],
             rows.append((b, allowed))
     if not rows:
         return logits
-    refused = torch.zeros(logits.shape, dtype=torch.bool)                          # [B, V]
+    refused = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)    # [B, V]
     for b, allowed in rows:
         refused[b] = ~allowed
-    return logits.masked_fill(refused.to(logits.device), float("-inf"))
+    return logits.masked_fill(refused, float("-inf"))
 
 
 class MTPProposer(DraftProposer):
@@ -179,8 +179,8 @@ class MTPProposer(DraftProposer):
 
     def _forward(self, tokens: list[int], prev_hidden: torch.Tensor, chunks: list[SeqChunk]):
         plan = build_plan(self.cache, chunks)
-        h = self.model.mtp_forward(torch.tensor(tokens, dtype=torch.long), prev_hidden, plan.positions,
-                                   PagedAttention(self.cache, plan))
+        token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
+        h = self.model.mtp_forward(token_tensor, prev_hidden, plan.positions, PagedAttention(self.cache, plan))
         return h, plan.last_rows
 
     def num_final(self, state: ProposerState, num_computed: int) -> int:
