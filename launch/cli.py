@@ -74,7 +74,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-a2a", default="alltoall", choices=["alltoall", "allreduce"], help="MoE dispatch mode")
     p.add_argument("--ep-timeout", type=float, default=60.0, help="seconds before a collective is declared dead")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="run the target step eagerly, without torch.compile (float64 and EP always do)")
+                   help="run the target step eagerly: no torch.compile and no CUDA graph capture "
+                        "(float64 and EP always run eager)")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant kernels: a request's tokens do not depend on what shares its steps "
                         "(width, speculation, other requests); the step runs eager. Default: on for float64 only")

@@ -89,7 +89,9 @@ class StepPlan:
     last_rows: torch.Tensor      # [B] index of each sequence's last row in the step
     # One sequence with a plain causal mask: SDPA runs unmasked (one row) or with is_causal
     # (a chunk from position 0), the faster kernels, and the ones transformers itself picks.
-    mask_mode: str = "explicit"  # "explicit" | "none" | "causal"
+    # "padded" (runtime.static_step): every sequence has Q rows, row b*Q + q is (b, q), the mask
+    # is explicit and nothing about the layout is read back on the host.
+    mask_mode: str = "explicit"  # "explicit" | "none" | "causal" | "padded"
     # Batch-invariant attention (runtime.batch_invariant): the step's rows in fixed tiles, each
     # with its own key list; None runs SDPA over the padded batch.
     tiles: bi.AttentionTiles | None = None
@@ -165,6 +167,11 @@ class PagedAttention:
             return bi.attention(q, self.cache.k[layer_idx], self.cache.v[layer_idx], p.tiles, scale)
         keys = self.cache.k[layer_idx][p.gather].transpose(1, 2)    # [B, nkv, K, D]
         values = self.cache.v[layer_idx][p.gather].transpose(1, 2)
+        if p.mask_mode == "padded":
+            queries = q[p.q_index].transpose(1, 2)                  # [B, nh, Q, D]
+            out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=p.mask,
+                                                 scale=scale, enable_gqa=keys.shape[1] != queries.shape[1])
+            return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], out.shape[-1])   # [T, nh, Dv]
         single = p.gather.shape[0] == 1
         queries = (q.transpose(0, 1)[None] if single else q[p.q_index].transpose(1, 2))  # [B, nh, Q, D]
         out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),

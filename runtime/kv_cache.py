@@ -99,10 +99,16 @@ class PagedKVCache:
 
     def _planes(self, num_layers: int, num_cells: int, num_kv_heads: int, head_dim: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        k = torch.zeros(num_layers, num_cells, num_kv_heads, head_dim, dtype=dtype, device=self.device)  # [L, S, nkv, D]
+        # One cell past the blocks: the scratch cell padded rows of a static step write to (`scratch_cell`).
+        k = torch.zeros(num_layers, num_cells + 1, num_kv_heads, head_dim, dtype=dtype, device=self.device)  # [L, S+1, nkv, D]
         if self.latent_dim is not None:
             return k, k[..., :self.latent_dim]                                     # values: a view of keys
         return k, torch.zeros_like(k)
+
+    @property
+    def scratch_cell(self) -> int:
+        """A cell outside every block: padded rows write there and nobody reads it as context."""
+        return self.num_blocks * self.block_size
 
     @property
     def bytes_per_token(self) -> int:

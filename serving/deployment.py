@@ -89,6 +89,9 @@ class DeploymentConfig:
     batch_invariant: bool | None = None   # batch-invariant kernels (runtime.batch_invariant); None: float64 only
     device: str = "cpu"                   # a resolved device (runtime.device.resolve_device): cpu, cuda:N
     gpu_memory_utilization: float | None = None   # CUDA only: KV cache from free GPU memory
+    # Decode/verify steps padded to buckets (runtime.static_step), captured as CUDA graphs on CUDA
+    # unless enforce_eager. None: on for CUDA, off on the CPU (there it only adds padding).
+    static_steps: bool | None = None
 
     def __post_init__(self) -> None:
         if torch.device(self.device).type != "cuda" and self.gpu_memory_utilization is not None:
@@ -156,10 +159,13 @@ class Deployment:
     def _build(self) -> tuple[ModelRunner | DriverRunner, DraftProposer | None]:
         cfg = self.config
         if self.comm is None:
+            on_cuda = torch.device(cfg.device).type == "cuda"
+            static = cfg.static_steps if cfg.static_steps is not None else on_cuda and not cfg.enforce_eager
             runner = ModelRunner(load_model(cfg.model_dir, cfg.dtype, device=cfg.device),
                                  kv_cache_tokens=cfg.kv_cache_tokens, compiled=not cfg.enforce_eager,
                                  batch_invariant=cfg.batch_invariant,
-                                 gpu_memory_utilization=cfg.gpu_memory_utilization)
+                                 gpu_memory_utilization=cfg.gpu_memory_utilization, static_steps=static,
+                                 cuda_graphs=static and on_cuda and not cfg.enforce_eager)
         else:
             runner = self._join_group(self.comm)
         try:

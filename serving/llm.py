@@ -31,7 +31,7 @@ class LLM:
                  max_restarts: int = DEFAULT_MAX_RESTARTS, comm: Communicator | None = None,
                  enforce_eager: bool = False, batch_invariant: bool | None = None,
                  prefix_cache: bool = True, device: str = "auto",
-                 gpu_memory_utilization: float | None = None) -> None:
+                 gpu_memory_utilization: float | None = None, static_steps: bool | None = None) -> None:
         """Speculation: `spec` (none, mtp, ngram) with at most `num_drafts` drafts per step, a
         depth policy (`draft_policy` fixed/ladder/auto, or `mtp_k_ladder` text or "auto"), a
         width cap `mtp_max_seqs`, a confidence stop, a draft-tree shape ("1,2,2"); resolved once
@@ -57,7 +57,9 @@ class LLM:
         `device`: auto (CUDA when present), cpu, cuda or cuda:N; weights, cache, step tensors
         and the drafter live there, and each EP rank takes its own local GPU.
         `gpu_memory_utilization` (CUDA only, as vLLM's): the KV cache takes what is left of this
-        share of the GPU's memory after the weights, instead of `kv_cache_tokens`."""
+        share of the GPU's memory after the weights, instead of `kv_cache_tokens`.
+        `static_steps`: decode and verify steps padded to row buckets (runtime.static_step) and,
+        on CUDA unless `enforce_eager`, captured as CUDA graphs; None: on for CUDA only."""
         model_dir = Path(model)
         resolved = resolve_device(device) if comm is None else comm.device
         if not model_dir.is_dir():
@@ -74,7 +76,8 @@ class LLM:
                              moe_a2a=moe_a2a, kv_cache_tokens=kv_cache_tokens, ep_timeout_s=ep_timeout_s,
                              max_restarts=max_restarts, enforce_eager=enforce_eager,
                              batch_invariant=batch_invariant, device=str(resolved),
-                             gpu_memory_utilization=gpu_memory_utilization), self.spec, launcher, comm)
+                             gpu_memory_utilization=gpu_memory_utilization, static_steps=static_steps),
+            self.spec, launcher, comm)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.engine: Engine | None = Engine(self.deployment.runner, self.tokenizer, config, self.spec,
                                             self.deployment.proposer)
