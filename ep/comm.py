@@ -39,9 +39,12 @@ def backend_for(device: torch.device) -> str:
 
 class Communicator:
     def __init__(self, *, rank: int, world_size: int, init_method: str, timeout_s: float = 60.0,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", join_group: bool | None = None) -> None:
         """Join the group as `rank`; this rank's tensors (weights, cache, every collective's
-        buffers) live on `device`, which picks the backend (`backend_for`)."""
+        buffers) live on `device`, which picks the backend (`backend_for`). `join_group`: start
+        a process group and run every collective through it; None joins only when world_size > 1
+        (a single rank's collectives are then no-ops), True also at world size 1 (a check of the
+        backend through the EP code path)."""
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
@@ -49,16 +52,17 @@ class Communicator:
         self.backend = backend_for(self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.joined = world_size > 1 if join_group is None else join_group
         if world_size > 1 and self.backend == "gloo":
             # Ranks share the host's cores: more threads than cores per rank only adds contention.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        if world_size > 1:
+        if self.joined:
             dist.init_process_group(self.backend, init_method=init_method, rank=rank, world_size=world_size,
                                     timeout=dt.timedelta(seconds=timeout_s))
         self.comm_seconds = 0.0  # wall time spent inside collectives (for the step split)
 
     def _run(self, what: str, fn, *args, **kwargs):
-        if self.world_size == 1:
+        if not self.joined:
             return None
         import time
         t0 = time.perf_counter()
@@ -81,7 +85,7 @@ class Communicator:
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """[n, ...] on every rank -> [world * n, ...], rank-major."""
-        if self.world_size == 1:
+        if not self.joined:
             return tensor
         out = tensor.new_empty((self.world_size * tensor.shape[0], *tensor.shape[1:]))
         gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -92,18 +96,18 @@ class Communicator:
         """Uneven all-to-all along dim 0. The caller must have exchanged and checked the splits:
         gloo does not detect mismatched sizes (it returns stale data)."""
         out = tensor.new_empty((sum(recv_splits), *tensor.shape[1:]))
-        if self.world_size == 1:
+        if not self.joined:
             out.copy_(tensor)
             return out
         self._run("all_to_all", dist.all_to_all_single, out, tensor.contiguous(), recv_splits, send_splits)
         return out
 
     def barrier(self) -> None:
-        if self.world_size > 1:
+        if self.joined:
             self.all_reduce(torch.zeros(1, device=self.device))
 
     def close(self) -> None:
-        if self.world_size > 1 and dist.is_initialized():
+        if self.joined and dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # a broken group cannot always be torn down; the process exits anyway

@@ -127,3 +127,22 @@ def test_rank_zero_of_an_ep_group_names_every_device(ckpt_mtp):
     want = [o.token_ids for o in LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=1024, device="cpu").generate(
         PROMPTS, params)]
     assert got == want
+
+
+def test_gloo_at_world_size_one_through_the_ep_code_path():
+    """What the cuda suite checks with NCCL: a joined group of one rank drives the EP path
+    (handshake, shard, command words, collectives) and gives the single-process tokens."""
+    from ep.comm import Communicator, free_port
+    comm = Communicator(rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}", timeout_s=60,
+                        device="cpu", join_group=True)
+    assert comm.backend == "gloo" and comm.joined
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=5)
+    try:
+        llm = LLM(MODEL, dtype="float64", kv_cache_tokens=1024, comm=comm, spec="mtp", num_drafts=2)
+        got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        assert llm.engine.runner.sent["FORWARD"] > 0
+    finally:
+        comm.close()
+    want = [o.token_ids for o in LLM(MODEL, dtype="float64", kv_cache_tokens=1024, device="cpu").generate(
+        PROMPTS, params)]
+    assert got == want
