@@ -67,9 +67,10 @@ def static_shape(chunks: list[SeqChunk], max_keys: int) -> StaticShape | None:
 class StaticBuffers:
     """The inputs of one bucket's forward on the cache's device, overwritten in place by `fill`
     each step (a captured graph reads them at fixed addresses). Until the first fill every row
-    is padding, so a warm-up or capture writes to the scratch cell only."""
+    is padding, so a warm-up or capture writes to the scratch cell only. `hidden_in` [T, H]: the
+    previous hidden of each row, for the drafter's forward (None for the target's)."""
 
-    def __init__(self, shape: StaticShape, cache: PagedKVCache) -> None:
+    def __init__(self, shape: StaticShape, cache: PagedKVCache, hidden: tuple[int, torch.dtype] | None = None) -> None:
         b, q, k, t = shape.num_seqs, shape.num_rows, shape.num_keys, shape.num_tokens
         dev, scratch = cache.device, cache.scratch_cell
         self.shape = shape
@@ -79,6 +80,7 @@ class StaticBuffers:
         self.gather = torch.full((b, k), scratch, dtype=torch.long, device=dev)               # [B, K]
         self.mask = torch.zeros(b, 1, q, k, dtype=torch.bool, device=dev)                     # [B, 1, Q, K]
         self.mask[..., 0] = True
+        self.hidden_in = None if hidden is None else torch.zeros(t, hidden[0], dtype=hidden[1], device=dev)
         self._keys = torch.arange(k, device=dev)                                              # [K]
         self.plan = StepPlan(positions=self.positions, cell_mapping=self.cell_mapping, gather=self.gather,
                              q_index=torch.arange(t, device=dev).view(b, q),
@@ -137,13 +139,16 @@ class StepGraphs:
     CPU the same padded forward runs eagerly."""
 
     def __init__(self, forward: Callable[..., torch.Tensor], cache: PagedKVCache, max_keys: int,
-                 capture: bool) -> None:
+                 capture: bool, hidden: tuple[int, torch.dtype] | None = None) -> None:
+        """`hidden` (size, dtype): the forward also takes a hidden state per row, as the MTP
+        drafter's `mtp_forward(tokens, prev_hidden, positions, attention)` does."""
         if capture and cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {cache.device}")
         self.forward_fn = forward
         self.cache = cache
         self.max_keys = max_keys
         self.capture = capture
+        self.hidden = hidden
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.entries: dict[StaticShape, _Entry] = {}
         self.pool_bytes = 0
@@ -152,13 +157,18 @@ class StepGraphs:
     def shape_of(self, chunks: list[SeqChunk]) -> StaticShape | None:
         return static_shape(chunks, self.max_keys)
 
-    def run(self, tokens: list[int], chunks: list[SeqChunk], shape: StaticShape) -> tuple[torch.Tensor, StepPlan]:
+    def run(self, tokens: list[int], chunks: list[SeqChunk], shape: StaticShape,
+            hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, StepPlan]:
         """The step's pre-norm hidden [sum of chunk rows, H] (a copy: the next replay overwrites
-        the graph's output) and its padded plan."""
+        the graph's output) and its padded plan. `hidden` [sum of chunk rows, H]: the drafter's
+        input hidden of each row."""
         entry = self.entries.get(shape)
         if entry is None:
             entry = self.entries[shape] = self._prepare(shape)
         rows = entry.buffers.fill(tokens, chunks, self.cache)
+        if self.hidden is not None:
+            entry.buffers.hidden_in.zero_()
+            entry.buffers.hidden_in.index_copy_(0, rows, hidden.to(entry.buffers.hidden_in.dtype))
         if entry.graph is not None:
             entry.graph.replay()
             self.replays += 1
@@ -168,10 +178,13 @@ class StepGraphs:
         return out[rows], entry.buffers.plan
 
     def _forward(self, buffers: StaticBuffers) -> torch.Tensor:
-        return self.forward_fn(buffers.tokens, buffers.positions, PagedAttention(self.cache, buffers.plan))
+        attention = PagedAttention(self.cache, buffers.plan)
+        if buffers.hidden_in is not None:
+            return self.forward_fn(buffers.tokens, buffers.hidden_in, buffers.positions, attention)
+        return self.forward_fn(buffers.tokens, buffers.positions, attention)
 
     def _prepare(self, shape: StaticShape) -> _Entry:
-        buffers = StaticBuffers(shape, self.cache)
+        buffers = StaticBuffers(shape, self.cache, self.hidden)
         if not self.capture:
             return _Entry(buffers)
         graph, output, taken = capture_cuda_graph(lambda: self._forward(buffers), self.pool)

@@ -212,7 +212,9 @@ class Deployment:
             raise ValueError(f"--spec mtp: this {runner.model.config.architecture} checkpoint has no MTP layer "
                              "(no model.layers.{num_hidden_layers}.* tensors); use --spec ngram")
         if isinstance(runner, ModelRunner):
-            return MTPProposer(runner.model, runner.cache, spec.confidence_stop, spec.knobs)
+            graphs = runner.graphs   # the drafter's steps go static (and captured) with the target's
+            return MTPProposer(runner.model, runner.cache, spec.confidence_stop, spec.knobs,
+                               static_steps=graphs is not None, cuda_graphs=graphs is not None and graphs.capture)
         if not spec.ep_propose:
             return load_local_drafter(cfg.model_dir, cfg.dtype, runner.comm.rank, runner.comm.world_size,
                                       runner.cache, spec.confidence_stop, spec.knobs)

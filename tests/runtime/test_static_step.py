@@ -39,7 +39,8 @@ def test_buckets():
                          ids=["none-seeded", "mtp-chain-seeded", "tree-greedy"])
 def test_padded_steps_give_the_unpadded_tokens(spec, params):
     kw = dict(dtype="float64", kv_cache_tokens=2048, batch_invariant=False, enforce_eager=True, device="cpu")
-    want = [o.token_ids for o in LLM(MODEL, **kw, **spec).generate(PROMPTS, params)]
+    plain = LLM(MODEL, **kw, **spec)
+    want = [o.token_ids for o in plain.generate(PROMPTS, params)]
     llm = LLM(MODEL, static_steps=True, **kw, **spec)
     got = [o.token_ids for o in llm.generate(PROMPTS, params)]
     assert got == want
@@ -47,6 +48,11 @@ def test_padded_steps_give_the_unpadded_tokens(spec, params):
     assert graphs is not None and graphs.entries and graphs.replays == 0   # no capture on the CPU
     if spec["spec"] == "mtp":
         assert any(s.num_rows > 1 and s.num_seqs > 1 for s in graphs.entries)   # batched verifies went static
+        # The drafter's steps went static too, and drafted exactly what the unpadded drafter drafted.
+        assert any(s.num_rows == 1 and s.num_seqs > 1 for s in llm.engine.proposer.graphs.entries)
+        m, ref = llm.engine.metrics, plain.engine.metrics
+        assert (m.verifies, m.drafted_tokens, m.accepted_tokens) == (ref.verifies, ref.drafted_tokens,
+                                                                    ref.accepted_tokens)
 
 
 def test_static_steps_are_off_by_default_on_the_cpu_and_refuse_capture_there():
