@@ -214,6 +214,9 @@ class EngineArm:
                     batch_invariant=self.llm.engine.runner.batch_invariant)
         steps = max(1, engine.num_steps - steps0)
         cell["step_ms"] = round(1000 * wall / steps, 3)
+        graphs = getattr(self.llm.engine.runner, "graphs", None)
+        if graphs is not None:   # static steps (runtime.static_step): buckets, CUDA graphs and their pool
+            cell["static_steps"] = graphs.summary()
         cell["request_kind"] = kind
         if grammar is not None and grammar.num_masks > masks0:
             # Masks (consume the row's path, compute, roll back) and commits, on rank 0's step.

@@ -280,6 +280,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if verifies:
             line += f", accept_len {1 + sum(o.accepted_tokens for o in outputs) / verifies:.2f}"
         print(line + "]", file=sys.stderr)
+    graphs = getattr(llm.deployment.runner, "graphs", None)
+    if graphs is not None and graphs.capture:
+        s = graphs.summary()
+        print(f"[cuda graphs: {s['captured']} captured, pool {s['pool_mib']} MiB, {s['replays']} replays]",
+              file=sys.stderr)
     if len(llm.rank_weight_bytes) > 1:
         print("[weights per rank: " + ", ".join(f"rank {r}: {b / 2**20:.1f} MiB"
                                                 for r, b in enumerate(llm.rank_weight_bytes)) + "]", file=sys.stderr)

@@ -154,6 +154,11 @@ class StepGraphs:
         self.pool_bytes = 0
         self.replays = 0
 
+    def summary(self) -> dict:
+        """Buckets met, graphs captured, their pool's memory and the replays so far."""
+        return {"buckets": len(self.entries), "captured": sum(e.graph is not None for e in self.entries.values()),
+                "pool_mib": round(self.pool_bytes / 2**20, 1), "replays": self.replays}
+
     def shape_of(self, chunks: list[SeqChunk]) -> StaticShape | None:
         return static_shape(chunks, self.max_keys)
 

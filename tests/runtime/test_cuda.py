@@ -63,6 +63,9 @@ def test_every_tensor_lives_on_the_gpu():
         for t in (entry.buffers.tokens, entry.buffers.positions, entry.buffers.gather, entry.buffers.mask):
             assert t.device == CUDA
     assert runner.graphs.replays > 0 and runner.graphs.pool_bytes >= 0
+    drafter = llm.engine.proposer.graphs
+    assert drafter is not None and drafter.replays > 0
+    assert all(e.graph is not None and e.buffers.hidden_in.device == CUDA for e in drafter.entries.values())
 
 
 def test_nothing_falls_back_to_the_cpu_silently():

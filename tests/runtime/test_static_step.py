@@ -18,8 +18,8 @@ from serving.llm import LLM
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
 PROMPTS = [[5, 17, 200, 3, 5, 17, 200], [9, 9, 9, 100, 250, 31, 7, 64, 12, 13, 14], [300, 4]]
-GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
-SEEDED = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=11)
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=11)
 
 
 def test_buckets():
