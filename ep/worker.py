@@ -197,8 +197,8 @@ def worker_loop(runner: ModelRunner, comm: Communicator, confidence_stop: float 
 
 def serve_rank(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_cache_tokens: int,
                gpu_memory_utilization: float | None = None) -> tuple[int, str]:
-    """Agree on the handshake, load this rank's shard (on the communicator's device), then execute rank 0's commands until it
-    shuts the group down. Returns (exit code, message): (0, "") on a clean shutdown, 3 when the
+    """Agree on the handshake, load this rank's shard (on the communicator's device), then execute
+    rank 0's commands until it shuts the group down. Returns (exit code, message): (0, "") on a clean shutdown, 3 when the
     group broke, 2 for any other failure; the group is always left."""
     try:
         confidence_stop, batch_invariant = worker_handshake(comm, model_dir, dtype)

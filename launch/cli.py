@@ -206,17 +206,16 @@ def make_llm(args: argparse.Namespace):
     torchrun worker ranks, which serve rank 0's commands until it shuts them down."""
     from launch import launcher_for
     from launch.torchrun import join, run_worker, torchrun_rank
-    from serving import LLM
-
     from runtime.device import resolve_device
+    from serving import LLM
 
     device = resolve_device(args.device)
     if args.gpu_memory_utilization is not None and device.type != "cuda":
         raise UsageError(f"--gpu-memory-utilization sizes the KV cache from free GPU memory; on {device} use "
                          "--kv-cache-tokens")
     spec = resolve_speculation(args)
-    common = dict(dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
-                  spec_settings=spec, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout,
+    common = dict(dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
+                  gpu_memory_utilization=args.gpu_memory_utilization, spec_settings=spec, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout,
                   enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
                   prefix_cache=args.prefix_cache)
     tr = torchrun_rank()

@@ -63,7 +63,8 @@ def kv_tokens_for_memory(device: torch.device, utilization: float, bytes_per_tok
     process and others already hold (weights first: call after loading them), as vLLM's
     `--gpu-memory-utilization`. Raises ValueError when nothing is left for the cache."""
     if device.type != "cuda":
-        raise ValueError(f"--gpu-memory-utilization sizes a CUDA cache; the {device} cache is sized by --kv-cache-tokens")
+        raise ValueError(f"--gpu-memory-utilization sizes a CUDA cache; the {device} cache is sized by "
+                         "--kv-cache-tokens")
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization {utilization} must be in (0, 1]")
     free, total = torch.cuda.mem_get_info(device)

@@ -100,7 +100,8 @@ class PagedKVCache:
     def _planes(self, num_layers: int, num_cells: int, num_kv_heads: int, head_dim: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # One cell past the blocks: the scratch cell padded rows of a static step write to (`scratch_cell`).
-        k = torch.zeros(num_layers, num_cells + 1, num_kv_heads, head_dim, dtype=dtype, device=self.device)  # [L, S+1, nkv, D]
+        k = torch.zeros(num_layers, num_cells + 1, num_kv_heads, head_dim, dtype=dtype,
+                        device=self.device)                                        # [L, S+1, nkv, D]
         if self.latent_dim is not None:
             return k, k[..., :self.latent_dim]                                     # values: a view of keys
         return k, torch.zeros_like(k)
