@@ -71,7 +71,7 @@ def arm_list(text: str) -> tuple[str, ...]:
 def cmd_chat_bench(args: argparse.Namespace) -> int:
     from bench.chat import ChatBenchConfig, run_chat_bench
 
-    config = ChatBenchConfig(model=args.model, dtype=args.dtype, conversations=args.conversations, turns=args.turns,
+    config = ChatBenchConfig(model=args.model, dtype=args.dtype, device=args.device, conversations=args.conversations, turns=args.turns,
                              system_tokens=args.system_tokens, user_tokens=args.user_tokens,
                              max_tokens=args.max_tokens or 64, spec=args.spec,
                              arms=arm_list(args.arms or "no-cache,cache"))

@@ -146,3 +146,20 @@ def test_gloo_at_world_size_one_through_the_ep_code_path():
     want = [o.token_ids for o in LLM(MODEL, dtype="float64", kv_cache_tokens=1024, device="cpu").generate(
         PROMPTS, params)]
     assert got == want
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "gpu"], "device 'gpu': expected auto, cpu, cuda or cuda:N"),
+    (["--device", "cpu", "--gpu-memory-utilization", "0.5"],
+     "--gpu-memory-utilization sizes the KV cache from free GPU memory; on cpu use --kv-cache-tokens"),
+    (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "has no CUDA device")]))
+def test_cli_refuses_a_bad_device_in_one_line(capsys, argv, message):
+    from launch.cli import main
+    try:
+        code = main(["generate", "--model", str(MODEL), "--prompt", "x", "--max-tokens", "2", *argv])
+    except SystemExit as exc:   # argparse refuses a flag's value itself
+        code = exc.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert message in err[-1] and len([line for line in err if "error" in line]) == 1
