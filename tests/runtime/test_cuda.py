@@ -47,11 +47,16 @@ def share_equal(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def test_every_tensor_lives_on_the_gpu():
+    # No factory without a device, on the padded path (eager: torch.compile is kept out of the mode).
     mode = DevicelessFactories()
     with mode:
-        llm = LLM(MODEL, dtype="bfloat16", kv_cache_tokens=4096, device="cuda", spec="mtp", num_drafts=3)
-        outs = llm.generate(PROMPTS, [GREEDY, SEEDED, GREEDY, SEEDED])
+        llm = LLM(MODEL, dtype="bfloat16", kv_cache_tokens=4096, device="cuda", spec="mtp", tree_shape="1,2,2",
+                  enforce_eager=True, static_steps=True)
+        llm.generate(PROMPTS, [GREEDY, SEEDED, GREEDY, SEEDED])
     assert mode.calls == []
+    # The default on CUDA: graphs captured for target and drafter, every tensor on the GPU.
+    llm = LLM(MODEL, dtype="bfloat16", kv_cache_tokens=4096, device="cuda", spec="mtp", num_drafts=3)
+    outs = llm.generate(PROMPTS, [GREEDY, SEEDED, GREEDY, SEEDED])
     assert all(len(o.token_ids) == 24 for o in outs)
     runner = llm.engine.runner
     assert {p.device for p in llm.model.parameters()} == {CUDA}
