@@ -159,6 +159,13 @@ class StepGraphs:
         return {"buckets": len(self.entries), "captured": sum(e.graph is not None for e in self.entries.values()),
                 "pool_mib": round(self.pool_bytes / 2**20, 1), "replays": self.replays}
 
+    def prepare(self, shapes: list[StaticShape]) -> None:
+        """Make (on CUDA: capture) these buckets now, before any request: every row is padding,
+        so only the scratch cell is written."""
+        for shape in shapes:
+            if shape not in self.entries:
+                self.entries[shape] = self._prepare(shape)
+
     def shape_of(self, chunks: list[SeqChunk]) -> StaticShape | None:
         return static_shape(chunks, self.max_keys)
 

@@ -29,6 +29,7 @@ from ep.driver import DriverRunner, ShardedMTPProposer
 from ep.local_drafter import load_local_drafter
 from runtime.model_runner import ModelRunner
 from runtime.sequence import Sequence
+from runtime.static_step import MIN_KEYS, ROW_BUCKETS, StaticShape, bucket
 from runtime.weights import load_model
 from speculative.mtp import MTPProposer
 from speculative.ngram import NgramProposer
@@ -174,10 +175,27 @@ class Deployment:
             if isinstance(runner, DriverRunner):
                 runner.shutdown()
             raise
+        self._capture_at_start(runner, proposer)
         drafter = getattr(proposer, "model", None)
         if drafter is not None and drafter is not runner.model and self.rank_weight_bytes:  # rank 0's own drafter
             self.rank_weight_bytes[0] += sum(p.numel() * p.element_size() for p in drafter.parameters())
         return runner, proposer
+
+    def _capture_at_start(self, runner: ModelRunner | DriverRunner, proposer: DraftProposer | None) -> None:
+        """With CUDA graphs, capture the buckets of one sequence's decode, verify and draft steps
+        now and report the graph pool; other buckets are captured when first met."""
+        graphs = getattr(runner, "graphs", None)
+        if graphs is None or not graphs.capture:
+            return
+        rows = [1] + ([bucket(self.spec.num_drafts + 1, ROW_BUCKETS)] if self.spec.is_speculating else [])
+        keys = min(MIN_KEYS, graphs.max_keys)
+        graphs.prepare([StaticShape(1, q, keys) for q in rows if q is not None])
+        drafter = getattr(proposer, "graphs", None)
+        if drafter is not None and drafter.capture:
+            drafter.prepare([StaticShape(1, 1, keys)])
+        pool = graphs.pool_bytes + (drafter.pool_bytes if drafter is not None else 0)
+        log.warning("CUDA graphs at start: %d captured, pool %.1f MiB (more buckets are captured when first met)",
+                    len(graphs.entries) + (len(drafter.entries) if drafter is not None else 0), pool / 2**20)
 
     def _join_group(self, comm: Communicator) -> DriverRunner:
         """Rank 0's part of starting a group: handshake, its shard, every rank's pid and node."""

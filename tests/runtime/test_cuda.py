@@ -56,6 +56,9 @@ def test_every_tensor_lives_on_the_gpu():
     assert mode.calls == []
     # The default on CUDA: graphs captured for target and drafter, every tensor on the GPU.
     llm = LLM(MODEL, dtype="bfloat16", kv_cache_tokens=4096, device="cuda", spec="mtp", num_drafts=3)
+    # One sequence's decode and verify buckets, and the drafter's, are captured at start.
+    assert {StaticShape(1, 1, 256), StaticShape(1, 4, 256)} <= set(llm.engine.runner.graphs.entries)
+    assert StaticShape(1, 1, 256) in llm.engine.proposer.graphs.entries
     outs = llm.generate(PROMPTS, [GREEDY, SEEDED, GREEDY, SEEDED])
     assert all(len(o.token_ids) == 24 for o in outs)
     runner = llm.engine.runner
