@@ -4,7 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL ?= models/tiny-glm-moe
 
-.PHONY: run test venv clean-venv
+# `make gpu-check` on a machine with a GPU: the cuda tests and metrale bench, one table, JSON under
+# GPU_CHECK_OUT. It uses .venv when there is one, else the machine's python3 (with torch built for
+# CUDA, transformers and the project's small dependencies; no Ray); it never installs anything.
+GPU_CHECK_OUT ?= gpu-check-out
+GPU_PY ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || echo $(PY))
+
+.PHONY: run test venv clean-venv gpu-check
 
 $(BIN)/metrale: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,6 +27,9 @@ run: venv
 test: venv
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q tests
+
+gpu-check:
+	$(GPU_PY) tools/gpu_check.py --out-dir $(GPU_CHECK_OUT)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -85,10 +85,13 @@ class BenchConfig:
     enforce_eager: bool = False   # every engine arm without torch.compile
     request_kinds: tuple[str, ...] = ("plain",)
     vllm_python: str | None = None   # the peer venv's Python for the vllm arms (bench.vllm_arm)
+    device: str = "auto"   # every arm, the hf one too (runtime.device.resolve_device)
 
     def __post_init__(self) -> None:
         from bench.vllm_arm import vllm_drafts, vllm_python
         from speculative.tree_shape import TreeShape
+        from runtime.device import resolve_device
+        resolve_device(self.device)   # a bad device or CUDA that is not there: refused before any arm loads
         for kind in self.request_kinds:
             if kind not in REQUEST_KINDS:
                 raise ValueError(f"unknown bench request kind {kind!r} (one of {', '.join(REQUEST_KINDS)})")
@@ -172,7 +175,8 @@ class EngineArm:
                        tree_shape=self.tree_shape,
                        mtp_max_seqs=MAX_MTP_MAX_SEQS if policy == "fixed" and spec != "none" else None,
                        enforce_eager=config.enforce_eager or EAGER in arm_suffixes(name),
-                       batch_invariant=True if BATCH_INVARIANT in arm_suffixes(name) else None)
+                       batch_invariant=True if BATCH_INVARIANT in arm_suffixes(name) else None,
+                       device=config.device)
         self.comm = self.llm.deployment.comm
         self.layout = {"ep": config.ep, "launcher": config.launcher if config.ep > 1 else None,
                        "ranks": [{k: r[k] for k in ("rank", "pid", "host", "node")} for r in self.llm.rank_info]}
@@ -217,10 +221,13 @@ class EngineArm:
                     drafts_per_verify=round(m.drafted_tokens / m.verifies, 3) if m.verifies else None,
                     speculated_share=round(m.verifies / (m.verifies + plain), 4) if spec.is_speculating else None,
                     threads=torch.get_num_threads(), layout=self.layout,
-                    compiled=self.llm.engine.runner.compiled,
+                    compiled=self.llm.engine.runner.compiled, device=str(self.llm.engine.runner.cache.device),
                     batch_invariant=self.llm.engine.runner.batch_invariant)
         steps = max(1, engine.num_steps - steps0)
         cell["step_ms"] = round(1000 * wall / steps, 3)
+        graphs = getattr(self.llm.engine.runner, "graphs", None)
+        if graphs is not None:   # static steps (runtime.static_step): buckets, CUDA graphs and their pool
+            cell["static_steps"] = graphs.summary()
         cell["request_kind"] = kind
         if grammar is not None and grammar.num_masks > masks0:
             # Masks (consume the row's path, compute, roll back) and commits, on rank 0's step.
@@ -249,8 +256,10 @@ class HFArm:
 
     def __init__(self, config: BenchConfig, threads: int) -> None:
         from transformers import AutoModelForCausalLM  # every family of runtime.families
+        from runtime.device import resolve_device
         from runtime.weights import DTYPES
-        self.model = AutoModelForCausalLM.from_pretrained(config.model, dtype=DTYPES[config.dtype]).eval()
+        self.device = resolve_device(config.device)
+        self.model = AutoModelForCausalLM.from_pretrained(config.model, dtype=DTYPES[config.dtype]).to(self.device).eval()
         self.threads = threads
 
     def run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int, ep: int,
@@ -271,15 +280,18 @@ class HFArm:
         for start in range(0, n, concurrency):
             batch = [prompts[i % len(prompts)] for i in range(start, min(n, start + concurrency))]
             width = max(len(p) for p in batch)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=self.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=self.device)
             with torch.inference_mode():
                 out = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
                                           min_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
                                           pad_token_id=0)
             tokens += (out.shape[1] - width) * len(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         cell = _cell("hf", concurrency, 1, tokens, time.perf_counter() - t0, [], [], requests=n)
-        cell.update(threads=torch.get_num_threads(), layout={"ep": 1, "launcher": None, "ranks": []})
+        cell.update(threads=torch.get_num_threads(), layout={"ep": 1, "launcher": None, "ranks": []},
+                    device=str(self.device))
         return cell
 
 

@@ -36,6 +36,7 @@ TEMPLATE_TOKENS = 16     # room per message for the chat template's own tokens
 class ChatBenchConfig:
     model: str
     dtype: str = "float32"
+    device: str = "auto"   # every server's --device
     conversations: int = 16
     turns: int = 4
     system_tokens: int = 1000
@@ -135,7 +136,7 @@ def server_counters(base: str) -> dict:
 def start_server(config: ChatBenchConfig, arm: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "launch", "serve", "--model", config.model, "--dtype", config.dtype,
-           "--port", str(port), "--served-model-name", "bench", "--max-num-seqs", str(config.conversations),
+           "--device", config.device, "--port", str(port), "--served-model-name", "bench", "--max-num-seqs", str(config.conversations),
            "--kv-cache-tokens", str(max(65536, 2 * config.conversations * config.num_context_tokens())),
            "--spec", config.spec, *ARMS[arm]]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ.copy())

@@ -79,7 +79,7 @@ class Engine:
         self.num_steps = 0
         # Structured outputs need the tokenizer's token table; without a tokenizer they are refused.
         self.grammars = None if tokenizer is None else GrammarCompiler(
-            tokenizer.to_json(), self.model_config.vocab_size, self.model_config.eos_token_ids)
+            tokenizer.to_json(), self.model_config.vocab_size, self.model_config.eos_token_ids, runner.cache.device)
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:

@@ -23,8 +23,9 @@ from ep.protocol import (BATCH_INVARIANT_BIT, DTYPE_CODES, DTYPE_MASK, EP_CMD_HA
                          bulk_len, encode, float_bits, parse_stop)
 from ep.topology import EPTopology
 from runtime.config import load_config
+from runtime.device import kv_tokens_for_memory
 from runtime.model import CausalLM
-from runtime.model_runner import ModelRunner
+from runtime.model_runner import ModelRunner, kv_bytes_per_token
 from runtime.weights import checkpoint_files, load_model
 
 MAX_BULK_WORDS = 1 << 24
@@ -62,19 +63,27 @@ def model_fingerprint(model_dir: str | Path) -> int:
 
 
 def load_shard_model(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: str) -> CausalLM:
-    """This rank's model shard, reading only its tensors. It runs no collective, so a warm standby
-    loads it before joining a group; its parallel layers use `comm` once it has joined."""
+    """This rank's model shard on the communicator's device, reading only its tensors. It runs no
+    collective, so a warm standby loads it before joining a group; its parallel layers use `comm`
+    once it has joined."""
     cfg = load_config(model_dir)
     topo = EPTopology.of(cfg, comm.rank, comm.world_size)
     return load_model(model_dir, dtype, expert_range=topo.expert_range(),
-                      transform=lambda m: parallelize(m, topo, comm, moe_mode))
+                      transform=lambda m: parallelize(m, topo, comm, moe_mode), device=comm.device)
 
 
 def load_shard(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: str,
-               kv_cache_tokens: int, batch_invariant: bool, model: CausalLM | None = None) -> ModelRunner:
-    """This rank's model shard (`model` when loaded already) and a fresh KV cache."""
+               kv_cache_tokens: int, batch_invariant: bool, model: CausalLM | None = None,
+               gpu_memory_utilization: float | None = None) -> ModelRunner:
+    """This rank's model shard (`model` when loaded already) and a fresh KV cache, on the
+    communicator's device."""
     if model is None:
         model = load_shard_model(model_dir, dtype, comm, moe_mode)
+    if gpu_memory_utilization is not None:
+        # Every rank replays rank 0's allocator, so all ranks take the smallest cache any GPU holds.
+        mine = kv_tokens_for_memory(comm.device, gpu_memory_utilization, kv_bytes_per_token(model))
+        kv_cache_tokens = -int(comm.all_reduce(torch.tensor([-mine], dtype=torch.int64, device=comm.device),
+                                               "max")[0])
     return ModelRunner(model, kv_cache_tokens=kv_cache_tokens, batch_invariant=batch_invariant)
 
 
@@ -84,14 +93,14 @@ def weight_bytes(runner: ModelRunner) -> int:
 
 # --- the command channel -------------------------------------------------------------------
 def report_status(comm: Communicator, code: int) -> int:
-    return int(comm.all_reduce(torch.tensor([code], dtype=torch.int64), "max")[0])
+    return int(comm.all_reduce(torch.tensor([code], dtype=torch.int64, device=comm.device), "max")[0])
 
 
 def send_command(comm: Communicator, cmd: Command) -> None:
     header, bulk = encode(cmd)
-    comm.broadcast(u32_to_words(header))
+    comm.broadcast(u32_to_words(header, comm.device))
     if bulk:
-        comm.broadcast(u32_to_words(bulk))
+        comm.broadcast(u32_to_words(bulk, comm.device))
     status = report_status(comm, 0)
     if status:
         rank, reason = check_status(comm, status, cmd.name)
@@ -110,12 +119,12 @@ def check_status(comm: Communicator, status: int, what: str, reasons: Iterable[i
 
 
 def recv_command(comm: Communicator) -> tuple[list[int], list[int]]:
-    header_t = comm.broadcast(torch.empty(HEADER_WORDS, dtype=torch.int32))
+    header_t = comm.broadcast(torch.empty(HEADER_WORDS, dtype=torch.int32, device=comm.device))
     header = words_to_u32(header_t)
     n = bulk_len(header)
     if n > MAX_BULK_WORDS:
         raise ProtocolError(f"bulk of {n} words exceeds {MAX_BULK_WORDS}")
-    bulk = words_to_u32(comm.broadcast(torch.empty(n, dtype=torch.int32))) if n else []
+    bulk = words_to_u32(comm.broadcast(torch.empty(n, dtype=torch.int32, device=comm.device))) if n else []
     return header, bulk
 
 
@@ -146,7 +155,7 @@ def driver_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
     mode = dtype_word | (BATCH_INVARIANT_BIT if batch_invariant else 0)
     words = (*words, mode, float_bits(confidence_stop))
     header, _ = encode(Command(EP_CMD_HANDSHAKE, generation, words))
-    comm.broadcast(u32_to_words(header))
+    comm.broadcast(u32_to_words(header, comm.device))
     status = report_status(comm, 0)
     if status:
         raise _handshake_failed(comm, status)
@@ -184,7 +193,7 @@ def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
 def gather_rank_info(comm: Communicator) -> list[dict]:
     """Every rank's pid and host name (for /health), gathered once at start-up."""
     name = socket.gethostname().encode()[:64].ljust(64, b"\0")
-    row = torch.tensor([os.getpid(), *name], dtype=torch.int64)
+    row = torch.tensor([os.getpid(), *name], dtype=torch.int64, device=comm.device)
     rows = comm.all_gather(row[None])
     bad = next((r for r in range(comm.world_size)
                 if not 0 < int(rows[r, 0]) < 1 << 31 or not all(0 <= b < 256 for b in rows[r, 1:].tolist())), None)
@@ -199,7 +208,7 @@ def gather_rank_info(comm: Communicator) -> list[dict]:
 
 
 def gather_weight_bytes(comm: Communicator, runner: ModelRunner) -> list[int]:
-    out = comm.all_gather(torch.tensor([weight_bytes(runner)], dtype=torch.int64)).tolist()
+    out = comm.all_gather(torch.tensor([weight_bytes(runner)], dtype=torch.int64, device=comm.device)).tolist()
     bad = next((r for r, n in enumerate(out) if n <= 0), None)
     if bad is not None:
         raise PeerGarbage(f"rank {comm.rank}: rank {bad} reports {out[bad]} weight bytes; a peer sent garbage")

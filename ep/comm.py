@@ -21,29 +21,43 @@ class CommError(RuntimeError):
     """A collective failed: a peer died, the link broke, or it timed out."""
 
 
-def u32_to_words(values: list[int] | np.ndarray) -> torch.Tensor:
+def u32_to_words(values: list[int] | np.ndarray, device: torch.device | str = "cpu") -> torch.Tensor:
+    """u32 values -> int32 words on `device` (the communicator's: NCCL sends device tensors only)."""
     arr = np.asarray(values, dtype=np.uint64)
     if arr.size and int(arr.max()) > 0xFFFFFFFF:
         raise ValueError(f"value {int(arr.max())} does not fit in u32")
-    return torch.from_numpy(arr.astype(np.uint32).view(np.int32).copy())
+    return torch.from_numpy(arr.astype(np.uint32).view(np.int32).copy()).to(device)
 
 
 def words_to_u32(words: torch.Tensor) -> list[int]:
-    return words.numpy().astype(np.int32).view(np.uint32).astype(np.int64).tolist()
+    """int32 words (on any device; read back on the host) -> u32 values."""
+    return words.cpu().numpy().astype(np.int32).view(np.uint32).astype(np.int64).tolist()
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for a rank on a GPU, gloo on the CPU: chosen by where the tensors live, never by
+    whether the host has CUDA."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 class Communicator:
     def __init__(self, *, rank: int, world_size: int, init_method: str | None, timeout_s: float = 60.0,
-                 backend: str | None = None) -> None:
-        """Joins the group at `init_method` now; None builds it unjoined (a warm standby loads its
-        shard first), and `join` joins later. The layers made parallel keep this object, so a rank
-        that `join`s a fresh group after `close` keeps its shard."""
+                 device: torch.device | str = "cpu", join_group: bool | None = None) -> None:
+        """A rank of the group at `init_method`, joined now; None builds it unjoined (a warm standby
+        loads its shard first), and `join` joins later. The layers made parallel keep this object,
+        so a rank that `join`s a fresh group after `close` keeps its shard. This rank's tensors
+        (weights, cache, every collective's buffers) live on `device`, which picks the backend
+        (`backend_for`). `join_group`: run every collective through a process group; None joins
+        only when world_size > 1 (a single rank's collectives are then no-ops), True also at world
+        size 1 (a check of the backend through the EP code path)."""
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
-            else torch.device("cpu")
+        self.device = torch.device(device)
+        self.backend = backend_for(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.joined = world_size > 1 if join_group is None else join_group
         if world_size > 1 and self.backend == "gloo":
             # Ranks share the host's cores: more threads than cores per rank only adds contention.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -56,7 +70,7 @@ class Communicator:
         `tcp://host:port` the rendezvous waits up to JOIN_TIMEOUT_S (or the collective timeout when
         longer) for every rank to arrive, since a rank may still be importing and loading; the
         collectives then run with `timeout_s`. Other methods (torchrun's env://) go to torch as they are."""
-        if self.world_size == 1:
+        if not self.joined:
             return
         timeout = dt.timedelta(seconds=self.timeout_s)
         host, _, port = init_method.removeprefix("tcp://").rpartition(":")
@@ -70,7 +84,7 @@ class Communicator:
                                 timeout=timeout)
 
     def _run(self, what: str, fn, *args, **kwargs):
-        if self.world_size == 1:
+        if not self.joined:
             return None
         import time
         t0 = time.perf_counter()
@@ -93,7 +107,7 @@ class Communicator:
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """[n, ...] on every rank -> [world * n, ...], rank-major."""
-        if self.world_size == 1:
+        if not self.joined:
             return tensor
         out = tensor.new_empty((self.world_size * tensor.shape[0], *tensor.shape[1:]))
         gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -104,18 +118,18 @@ class Communicator:
         """Uneven all-to-all along dim 0. The caller must have exchanged and checked the splits:
         gloo does not detect mismatched sizes (it returns stale data)."""
         out = tensor.new_empty((sum(recv_splits), *tensor.shape[1:]))
-        if self.world_size == 1:
+        if not self.joined:
             out.copy_(tensor)
             return out
         self._run("all_to_all", dist.all_to_all_single, out, tensor.contiguous(), recv_splits, send_splits)
         return out
 
     def barrier(self) -> None:
-        if self.world_size > 1:
-            self.all_reduce(torch.zeros(1))
+        if self.joined:
+            self.all_reduce(torch.zeros(1, device=self.device))
 
     def close(self) -> None:
-        if self.world_size > 1 and dist.is_initialized():
+        if self.joined and dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # a broken group cannot always be torn down; the process exits anyway

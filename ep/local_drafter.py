@@ -23,7 +23,7 @@ def load_local_drafter(model_dir: str | Path, dtype: str, rank: int, world_size:
                        confidence_stop: float | None = None, knobs: DrafterKnobs | None = None) -> MTPProposer:
     """An `MTPProposer` on rank `rank`'s experts only, drafting without the other ranks."""
     topo = EPTopology.of(load_config(model_dir), rank, world_size)
-    model = load_model(model_dir, dtype, expert_range=topo.expert_range(), mtp_only=True)
+    model = load_model(model_dir, dtype, expert_range=topo.expert_range(), mtp_only=True, device=cache.device)
     attn = model.mtp.block.self_attn
     attn.layer_idx = 0  # the plane's only layer
     layout = model.cache_layout()

@@ -95,9 +95,8 @@ class EPMoE(nn.Module):
         inter = moe.experts.down_proj.shape[2]
         self.experts = RoutedExperts(len(mine), hidden, inter, expert_offset=mine.start)
         self.topo, self.comm, self.mode = topo, comm, mode
-        self.owner = torch.empty(topo.num_experts, dtype=torch.long)      # expert id -> rank
-        for r in range(topo.ep_size):
-            self.owner[topo.expert_range(r).start:topo.expert_range(r).stop] = r
+        owner = [r for r in range(topo.ep_size) for _ in topo.expert_range(r)]
+        self.owner = torch.tensor(owner, dtype=torch.long, device=comm.device)      # expert id -> rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "allreduce":

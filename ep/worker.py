@@ -205,15 +205,18 @@ def worker_loop(runner: ModelRunner, comm: Communicator, confidence_stop: float 
 
 
 def serve_rank(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_cache_tokens: int, *,
-               model: CausalLM | None = None, generation: int = 0) -> tuple[int, str]:
-    """Agree on the handshake, load this rank's shard (`model`: loaded already, by a warm
-    standby), then execute rank 0's commands until it shuts the group down. `generation`: the
-    group the launcher started this rank for (checked at the handshake). Returns (exit code,
-    message): (0, "") on a clean shutdown, 3 when the group broke, 2 for any other failure (a
-    refused handshake, garbage the word stream cannot stay in step after); the group is always left."""
+               model: CausalLM | None = None, generation: int = 0,
+               gpu_memory_utilization: float | None = None) -> tuple[int, str]:
+    """Agree on the handshake, load this rank's shard on the communicator's device (`model`:
+    loaded already, by a warm standby), then execute rank 0's commands until it shuts the group
+    down. `generation`: the group the launcher started this rank for (checked at the handshake).
+    Returns (exit code, message): (0, "") on a clean shutdown, 3 when the group broke, 2 for any
+    other failure (a refused handshake, garbage the word stream cannot stay in step after); the
+    group is always left."""
     try:
         confidence_stop, batch_invariant = worker_handshake(comm, model_dir, dtype, generation)
-        runner = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens, batch_invariant, model)
+        runner = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens, batch_invariant, model,
+                            gpu_memory_utilization)
         gather_weight_bytes(comm, runner)
         gather_rank_info(comm)
         worker_loop(runner, comm, confidence_stop)

@@ -6,12 +6,14 @@ from pathlib import Path
 
 
 def add_bench_parser(sub) -> None:
+    from launch.cli import add_device_args
     b = sub.add_parser("bench", help="concurrency sweep over held-out prompts (or multi-turn chats), arms side by side")
     b.add_argument("--model", required=True)
     b.add_argument("--workload", default="sweep", choices=["sweep", "chat"],
                    help="sweep: closed-loop concurrency sweep; chat: conversations over a shared system prompt "
                         "through the server's chat endpoint, prefix cache on and off (arms cache, no-cache)")
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    add_device_args(b)
     b.add_argument("--quick", action="store_true", help="small sweep that finishes in a few minutes")
     b.add_argument("--concurrency", default=None, help="comma list, e.g. 1,2,4,8,16,32")
     b.add_argument("--arms", default=None, help="comma list of arms: none (the default), hf, k1, k2, k3, ..., tree; an engine "
@@ -57,7 +59,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          concurrency=tuple(levels), ep=args.ep, launcher=args.launcher,
                          max_tokens=args.max_tokens or (48 if args.quick else 128),
                          requests=args.requests, repeats=args.repeats, quick=args.quick,
-                         tree_shape=args.tree_shape, enforce_eager=args.enforce_eager,
+                         tree_shape=args.tree_shape, enforce_eager=args.enforce_eager, device=args.device,
                          request_kinds=tuple(k.strip() for k in args.request_kinds.split(",")),
                          vllm_python=args.vllm_python)
     from launch import launcher_for
@@ -73,7 +75,7 @@ def arm_list(text: str) -> tuple[str, ...]:
 def cmd_chat_bench(args: argparse.Namespace) -> int:
     from bench.chat import ChatBenchConfig, run_chat_bench
 
-    config = ChatBenchConfig(model=args.model, dtype=args.dtype, conversations=args.conversations, turns=args.turns,
+    config = ChatBenchConfig(model=args.model, dtype=args.dtype, device=args.device, conversations=args.conversations, turns=args.turns,
                              system_tokens=args.system_tokens, user_tokens=args.user_tokens,
                              max_tokens=args.max_tokens or 64, spec=args.spec,
                              arms=arm_list(args.arms or "no-cache,cache"))

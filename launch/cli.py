@@ -49,10 +49,30 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1]")
+    return value
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", metavar="auto|cpu|cuda[:N]",
+                   help="where weights, KV cache and every step tensor live (auto: CUDA when present); "
+                        "each EP rank takes its own local GPU")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint folder (config.json, *.safetensors, tokenizer.json)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    add_device_args(p)
     p.add_argument("--kv-cache-tokens", type=_positive_int, default=32768, help="KV cache budget in tokens")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="FRACTION",
+                   help="CUDA only: size the KV cache to what is left of this share of the GPU's memory after "
+                        "the weights (replaces --kv-cache-tokens; refused on the CPU)")
     p.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most sequences in one step")
     p.add_argument("--spec", default="none", choices=["none", "mtp", "ngram"],
                    help="speculative decoding: the checkpoint's MTP layer, prompt lookup, or none")
@@ -84,7 +104,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-a2a", default="alltoall", choices=["alltoall", "allreduce"], help="MoE dispatch mode")
     p.add_argument("--ep-timeout", type=float, default=60.0, help="seconds before a collective is declared dead")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="run the target step eagerly, without torch.compile (float64 and EP always do)")
+                   help="run the target step eagerly: no torch.compile and no CUDA graph capture "
+                        "(float64 and EP always run eager)")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant kernels: a request's tokens do not depend on what shares its steps "
                         "(width, speculation, other requests); the step runs eager. Default: on for float64 only")
@@ -224,11 +245,16 @@ def make_llm(args: argparse.Namespace):
     torchrun worker ranks, which serve rank 0's commands until it shuts them down."""
     from launch import launcher_for
     from launch.torchrun import join, run_worker, torchrun_rank
+    from runtime.device import resolve_device
     from serving import LLM
 
+    device = resolve_device(args.device)
+    if args.gpu_memory_utilization is not None and device.type != "cuda":
+        raise UsageError(f"--gpu-memory-utilization sizes the KV cache from free GPU memory; on {device} use "
+                         "--kv-cache-tokens")
     spec = resolve_speculation(args)
     common = dict(dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
-                  spec_settings=spec, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout,
+                  gpu_memory_utilization=args.gpu_memory_utilization, spec_settings=spec, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout,
                   enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
                   prefix_cache=args.prefix_cache)
     tr = torchrun_rank()
@@ -238,9 +264,10 @@ def make_llm(args: argparse.Namespace):
             raise UsageError(f"--ep {args.ep} conflicts with torchrun's world size {world}")
         if not Path(args.model).is_dir():
             raise UsageError(f"model folder {args.model!r} does not exist")
-        comm = join(rank, world, args.ep_timeout)
+        comm = join(rank, world, args.ep_timeout, device)
         if rank > 0:
-            code = run_worker(comm, args.model, args.dtype, args.moe_a2a, args.kv_cache_tokens)
+            code = run_worker(comm, args.model, args.dtype, args.moe_a2a, args.kv_cache_tokens,
+                              args.gpu_memory_utilization)
             if code:
                 raise SystemExit(code)
             return None
@@ -254,7 +281,10 @@ def make_llm(args: argparse.Namespace):
         ray_options = RayOptions(address=args.ray_address, placement_strategy=args.placement_strategy,
                                  temp_dir=args.ray_temp_dir, usage_stats=args.ray_usage_stats)
         launcher = launcher_for(args.launcher, ray_options=ray_options)
-    return LLM(model=args.model, ep=ep, launcher=launcher, max_restarts=args.max_restarts,
+    if ep > 1 and args.launcher == "mp":
+        from runtime.device import check_local_gpus
+        check_local_gpus(device, ep)
+    return LLM(model=args.model, ep=ep, launcher=launcher, max_restarts=args.max_restarts, device=str(device),
                warm_standby=args.warm_standby, **common)
 
 
@@ -286,6 +316,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if verifies:
             line += f", accept_len {1 + sum(o.accepted_tokens for o in outputs) / verifies:.2f}"
         print(line + "]", file=sys.stderr)
+    graphs = getattr(llm.deployment.runner, "graphs", None)
+    if graphs is not None and graphs.capture:
+        s = graphs.summary()
+        print(f"[cuda graphs: {s['captured']} captured, pool {s['pool_mib']} MiB, {s['replays']} replays]",
+              file=sys.stderr)
     if len(llm.rank_weight_bytes) > 1:
         print("[weights per rank: " + ", ".join(f"rank {r}: {b / 2**20:.1f} MiB"
                                                 for r, b in enumerate(llm.rank_weight_bytes)) + "]", file=sys.stderr)

@@ -25,9 +25,12 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+import torch
+
 from ep.channel import load_shard_model
 from ep.comm import JOIN_TIMEOUT_S, Communicator, free_port
 from ep.worker import serve_rank
+from runtime.device import check_local_gpus, rank_device
 from serving.deployment import GroupConfig, GroupStartError
 
 __all__ = ["GroupConfig", "MPGroup"]
@@ -44,7 +47,8 @@ def worker_main(rank: int, cfg: GroupConfig, overrides: dict, conn: Connection) 
     The pipe closing first (the launcher went away, or retired this standby) ends it quietly."""
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
     model_dir, dtype = _rank_settings(cfg, overrides)
-    comm = Communicator(rank=rank, world_size=cfg.ep, init_method=None, timeout_s=cfg.timeout_s)
+    comm = Communicator(rank=rank, world_size=cfg.ep, init_method=None, timeout_s=cfg.timeout_s,
+                        device=rank_device(torch.device(cfg.device), rank))
     model = failure = None
     if not conn.poll():
         try:
@@ -61,7 +65,7 @@ def worker_main(rank: int, cfg: GroupConfig, overrides: dict, conn: Connection) 
     conn.send("joining")
     comm.join(init_method)
     code, message = serve_rank(comm, model_dir, dtype, cfg.moe_a2a, cfg.kv_cache_tokens,
-                               model=model, generation=generation)
+                               model=model, generation=generation, gpu_memory_utilization=cfg.gpu_memory_utilization)
     if message:
         print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
@@ -86,12 +90,14 @@ class MPGroup:
     def __init__(self, cfg: GroupConfig, worker_overrides: dict[int, dict] | None = None) -> None:
         if cfg.ep < 2:
             raise ValueError(f"an mp group needs ep >= 2, got {cfg.ep}")
+        check_local_gpus(torch.device(cfg.device), cfg.ep)   # one GPU per rank, all on this host
         self.cfg = cfg
         self.overrides = worker_overrides or {}
         self.generation = 0
         self.workers: list[_Proc] = []
         self.standby: dict[int, _Proc] = {}
-        self._comm = Communicator(rank=0, world_size=cfg.ep, init_method=None, timeout_s=cfg.timeout_s)
+        self._comm = Communicator(rank=0, world_size=cfg.ep, init_method=None, timeout_s=cfg.timeout_s,
+                                  device=cfg.device)
         self.comm: Communicator | None = None
         self.start()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,6 +36,12 @@ class RayOptions:
             raise ValueError(f"placement strategy {self.placement_strategy!r}: expected one of {', '.join(STRATEGIES)}")
 
 
+def actor_device(cfg: GroupConfig) -> torch.device:
+    """A worker actor's device: on CUDA it sees only its bundle's GPU (Ray sets
+    CUDA_VISIBLE_DEVICES), so cuda:0; else the CPU."""
+    return torch.device("cuda", 0) if torch.device(cfg.device).type == "cuda" else torch.device("cpu")
+
+
 class RankActor:
     """A worker rank inside a Ray actor. A warm standby is asked to `preload` its rank's shard
     (unjoined) right away; its later `serve` (Ray runs an actor's calls in order) then only joins."""
@@ -44,7 +50,8 @@ class RankActor:
         self.preloaded: tuple[int, Communicator, object] | None = None
 
     def preload(self, rank: int, cfg: GroupConfig) -> None:
-        comm = Communicator(rank=rank, world_size=cfg.ep, init_method=None, timeout_s=cfg.timeout_s)
+        comm = Communicator(rank=rank, world_size=cfg.ep, init_method=None, timeout_s=cfg.timeout_s,
+                            device=actor_device(cfg))
         self.preloaded = rank, comm, load_shard_model(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a)
 
     def info(self) -> dict:
@@ -58,9 +65,9 @@ class RankActor:
             comm.join(init_method)
         else:
             comm, model = Communicator(rank=rank, world_size=cfg.ep, init_method=init_method,
-                                       timeout_s=cfg.timeout_s), None
+                                       timeout_s=cfg.timeout_s, device=actor_device(cfg)), None
         return serve_rank(comm, cfg.model_dir, cfg.dtype, cfg.moe_a2a, cfg.kv_cache_tokens,
-                          model=model, generation=generation)
+                          model=model, generation=generation, gpu_memory_utilization=cfg.gpu_memory_utilization)
 
 
 def connect(opts: RayOptions, min_cpus: int) -> bool:
@@ -117,7 +124,7 @@ class RayGroup:
         self._dead: str | None = None
         self._stopping = False
         self.driver_node, self.driver_ip, pin = _driver_node()
-        self.gpu = torch.cuda.is_available()
+        self.gpu = torch.device(cfg.device).type == "cuda"   # one GPU per bundle, chosen by --device
         # A standby shares its rank's bundle without a CPU of its own; on GPU it would need a second
         # device for its shard, so GPU groups start cold.
         self.warm_standby = cfg.warm_standby and not self.gpu
@@ -156,7 +163,7 @@ class RayGroup:
                          daemon=True).start()
         if self._rank0_comm is None:
             self._rank0_comm = Communicator(rank=0, world_size=self.cfg.ep, init_method=None,
-                                            timeout_s=self.cfg.timeout_s)
+                                            timeout_s=self.cfg.timeout_s, device=self.cfg.device)
         self._rank0_comm.join(init_method)
         self.comm = self._rank0_comm
 
@@ -178,9 +185,8 @@ class RayGroup:
 
     def _rank_cfg(self, rank: int) -> GroupConfig:
         extra = self.overrides.get(rank, {})
-        return GroupConfig(model_dir=extra.get("model_dir", self.cfg.model_dir),
-                           dtype=extra.get("dtype", self.cfg.dtype), ep=self.cfg.ep, moe_a2a=self.cfg.moe_a2a, kv_cache_tokens=self.cfg.kv_cache_tokens,
-                           timeout_s=self.cfg.timeout_s, warm_standby=False)
+        return replace(self.cfg, model_dir=extra.get("model_dir", self.cfg.model_dir),
+                       dtype=extra.get("dtype", self.cfg.dtype), warm_standby=False)
 
     def _watch(self, calls: list) -> None:
         """Wait for the first worker call to end; unless the group is being stopped, that rank died."""

@@ -36,17 +36,17 @@ def row_depths(parents: Sequence[int]) -> list[int]:
     return depths
 
 
-def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
-    """[n, n] bool: row i may see row j when j is i or one of its ancestors."""
+def ancestor_mask(parents: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[n, n] bool on `device`: row i may see row j when j is i or one of its ancestors."""
     row_depths(parents)  # checks the list
     n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
+    rows = [[False] * n for _ in range(n)]
     for i in range(n):
         j = i
         while j != NO_PARENT:
-            mask[i, j] = True
+            rows[i][j] = True
             j = parents[j]
-    return mask
+    return torch.tensor(rows, dtype=torch.bool, device=device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +71,11 @@ class SeqChunk:
     def end(self) -> int:
         return self.start + self.num_tokens
 
-    def positions(self) -> torch.Tensor:
-        """[num_tokens] the rotary position of each row."""
+    def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[num_tokens] the rotary position of each row, on `device`."""
         if self.parents is None:
-            return torch.arange(self.start, self.end)
-        return torch.tensor([self.start + d for d in row_depths(self.parents)], dtype=torch.long)
+            return torch.arange(self.start, self.end, device=device)
+        return torch.tensor([self.start + d for d in row_depths(self.parents)], dtype=torch.long, device=device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +89,9 @@ class StepPlan:
     last_rows: torch.Tensor      # [B] index of each sequence's last row in the step
     # One sequence with a plain causal mask: SDPA runs unmasked (one row) or with is_causal
     # (a chunk from position 0), the faster kernels, and the ones transformers itself picks.
-    mask_mode: str = "explicit"  # "explicit" | "none" | "causal"
+    # "padded" (runtime.static_step): every sequence has Q rows, row b*Q + q is (b, q), the mask
+    # is explicit and nothing about the layout is read back on the host.
+    mask_mode: str = "explicit"  # "explicit" | "none" | "causal" | "padded"
     # Batch-invariant attention (runtime.batch_invariant): the step's rows in fixed tiles, each
     # with its own key list; None runs SDPA over the padded batch.
     tiles: bi.AttentionTiles | None = None
@@ -111,36 +113,39 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: 
     k_max = max(c.end for c in chunks)
     if any(c.num_tokens < 1 for c in chunks):
         raise ValueError(f"sequence {next(c.seq_id for c in chunks if c.num_tokens < 1)} has an empty chunk")
-    spans = [c.positions() for c in chunks]
+    device = cache.device
+    spans = [c.positions(device) for c in chunks]
     positions = torch.cat(spans) if b > 1 else spans[0]
     ctxs = [cache.cells(c.seq_id, 0, c.end) for c in chunks]
     cell_mapping = torch.cat([ctx[c.start:] for ctx, c in zip(ctxs, chunks)]) if b > 1 else ctxs[0][chunks[0].start:]
-    counts = torch.tensor([c.num_tokens for c in chunks])
-    ends = torch.tensor([c.end for c in chunks])
+    counts = torch.tensor([c.num_tokens for c in chunks], device=device)
+    ends = torch.tensor([c.end for c in chunks], device=device)
     last_rows = torch.cumsum(counts, 0) - 1
     if b == 1:
         gather = ctxs[0][None]
-        q_index = torch.arange(q_max)[None]
-        valid = torch.ones(1, q_max, dtype=torch.bool)
+        q_index = torch.arange(q_max, device=device)[None]
+        valid = torch.ones(1, q_max, dtype=torch.bool, device=device)
     else:
         gather = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)          # [B, K], padding 0
-        offs = torch.arange(q_max)[None, :]
+        offs = torch.arange(q_max, device=device)[None, :]
         valid = offs < counts[:, None]                                              # [B, Q]
         q_index = torch.where(valid, (last_rows - counts + 1)[:, None] + offs, 0)
     # Row r of a chunk sits at position start + r and sees keys at positions <= it (causal);
     # padding rows see key 0 only, so softmax never meets an all-masked row.
     starts = ends - counts
-    row_pos = torch.where(valid, starts[:, None] + torch.arange(q_max)[None, :], 0)  # [B, Q]
-    mask = (torch.arange(k_max)[None, None, :] <= row_pos[:, :, None])[:, None]      # [B, 1, Q, K]
+    row_pos = torch.where(valid, starts[:, None] + torch.arange(q_max, device=device)[None, :], 0)  # [B, Q]
+    mask = (torch.arange(k_max, device=device)[None, None, :] <= row_pos[:, :, None])[:, None]      # [B, 1, Q, K]
     for i, c in enumerate(chunks):
         if c.parents is not None:  # the committed context stays visible; the rows see their ancestors only
-            mask[i, 0, :c.num_tokens, c.start:c.end] = ancestor_mask(c.parents)
+            mask[i, 0, :c.num_tokens, c.start:c.end] = ancestor_mask(c.parents, device)
     mode = "explicit"
     if b == 1 and chunks[0].parents is None:
         mode = "none" if chunks[0].num_tokens == 1 else ("causal" if chunks[0].start == 0 else "explicit")
     tiles = None
     if batch_invariant:
-        firsts = (last_rows - counts + 1).tolist()
+        firsts = [0]
+        for c in chunks[:-1]:
+            firsts.append(firsts[-1] + c.num_tokens)   # from the host lists: no device sync
         tiles = bi.attention_tiles(ctxs, [c.start for c in chunks], [c.num_tokens for c in chunks],
                                    [c.parents for c in chunks], firsts)
     return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=gather, q_index=q_index, valid=valid,
@@ -162,6 +167,11 @@ class PagedAttention:
             return bi.attention(q, self.cache.k[layer_idx], self.cache.v[layer_idx], p.tiles, scale)
         keys = self.cache.k[layer_idx][p.gather].transpose(1, 2)    # [B, nkv, K, D]
         values = self.cache.v[layer_idx][p.gather].transpose(1, 2)
+        if p.mask_mode == "padded":
+            queries = q[p.q_index].transpose(1, 2)                  # [B, nh, Q, D]
+            out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=p.mask,
+                                                 scale=scale, enable_gqa=keys.shape[1] != queries.shape[1])
+            return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], out.shape[-1])   # [T, nh, Dv]
         single = p.gather.shape[0] == 1
         queries = (q.transpose(0, 1)[None] if single else q[p.q_index].transpose(1, 2))  # [B, nh, Q, D]
         out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),

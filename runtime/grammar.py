@@ -28,7 +28,6 @@ import torch
 KINDS = ("json_schema", "json_object", "regex", "choice")
 # Python's json.dumps spacing and no other whitespace: a model cannot pad the output forever.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +80,10 @@ class GrammarCompiler:
     """One per engine: the tokenizer's token table for llguidance (built on first use) and the
     time its matchers spend."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int],
+                 device: torch.device | str = "cpu") -> None:
+        """Masks are built on `device` (the logits' device)."""
+        self.device = torch.device(device)
         self.tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
@@ -111,17 +113,23 @@ class GrammarCompiler:
         m = LLMatcher(self.tokenizer, structured.grammar(), log_level=0)
         if m.is_error():
             raise ValueError(f"invalid {structured.kind}: {m.get_error().strip().splitlines()[0]}")
-        return GrammarMatcher(m, self.vocab_size, self.stats)
+        return GrammarMatcher(m, self.vocab_size, self.stats, self.device)
 
 
 class GrammarMatcher:
     """One sequence's grammar state: its committed output consumed."""
 
-    def __init__(self, matcher, vocab_size: int, stats: GrammarStats) -> None:
+    def __init__(self, matcher, vocab_size: int, stats: GrammarStats, device: torch.device | str = "cpu") -> None:
         self._m = matcher
         self.vocab_size = vocab_size
         self.stats = stats
-        self._words = torch.empty((vocab_size + 31) // 32, dtype=torch.int32)      # [W]
+        device = torch.device(device)
+        # llguidance writes the bitmask through a host pointer: a CPU buffer (pinned when the
+        # mask goes on to a GPU), copied to `device` and unpacked there.
+        self._words = torch.empty((vocab_size + 31) // 32, dtype=torch.int32, device="cpu",
+                                  pin_memory=device.type == "cuda")                     # [W]
+        self._bits = torch.arange(32, dtype=torch.int32, device=device)
+        self.device = device
 
     def allowed_after(self, path: Sequence[int] = ()) -> torch.Tensor | None:
         """bool [V]: the tokens allowed after the committed output and `path`; None when the
@@ -132,7 +140,8 @@ class GrammarMatcher:
         allowed = None
         if n == len(path):
             m.unsafe_compute_mask_ptr(self._words.data_ptr(), self._words.numel() * 4)
-            allowed = ((self._words.unsqueeze(-1) >> _BITS) & 1).flatten()[:self.vocab_size].bool()
+            words = self._words.to(self.device, copy=True, non_blocking=True)  # the next mask reuses the buffer
+            allowed = ((words.unsqueeze(-1) >> self._bits) & 1).flatten()[:self.vocab_size].bool()
         if n:
             m.rollback(n)
         self.stats.num_masks += 1

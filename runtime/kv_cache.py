@@ -66,7 +66,8 @@ class BlockBook:
 
 class PagedKVCache:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int = 16, dtype: torch.dtype = torch.float32, latent_dim: int | None = None) -> None:
+                 block_size: int = 16, dtype: torch.dtype = torch.float32, latent_dim: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be at least 1")
         if latent_dim is not None and not (num_kv_heads == 1 and 0 < latent_dim <= head_dim):
@@ -74,6 +75,7 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.latent_dim = latent_dim
+        self.device = torch.device(device)
         self.k, self.v = self._planes(num_layers, num_blocks * block_size, num_kv_heads, head_dim, dtype)
         self.book = BlockBook.of(num_blocks)
         # When a list, every reserve/attach/rewind/move/free is also recorded here as (op, seq_id, word)
@@ -88,7 +90,8 @@ class PagedKVCache:
         (the same `BlockBook`): every reserve, rewind and free here applies there and back. Rank
         0's drafter of its own (full attention heads) keeps its rows in one."""
         other = PagedKVCache(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                             num_blocks=1, block_size=self.block_size, dtype=dtype, latent_dim=self.latent_dim)
+                             num_blocks=1, block_size=self.block_size, dtype=dtype, latent_dim=self.latent_dim,
+                             device=self.device)
         other.num_blocks = self.num_blocks
         other.k, other.v = other._planes(num_layers, self.num_blocks * self.block_size, num_kv_heads, head_dim, dtype)
         other.book = self.book
@@ -96,10 +99,17 @@ class PagedKVCache:
 
     def _planes(self, num_layers: int, num_cells: int, num_kv_heads: int, head_dim: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        k = torch.zeros(num_layers, num_cells, num_kv_heads, head_dim, dtype=dtype)  # [L, S, nkv, D]
+        # One cell past the blocks: the scratch cell padded rows of a static step write to (`scratch_cell`).
+        k = torch.zeros(num_layers, num_cells + 1, num_kv_heads, head_dim, dtype=dtype,
+                        device=self.device)                                        # [L, S+1, nkv, D]
         if self.latent_dim is not None:
             return k, k[..., :self.latent_dim]                                     # values: a view of keys
         return k, torch.zeros_like(k)
+
+    @property
+    def scratch_cell(self) -> int:
+        """A cell outside every block: padded rows write there and nobody reads it as context."""
+        return self.num_blocks * self.block_size
 
     @property
     def bytes_per_token(self) -> int:
@@ -220,8 +230,8 @@ class PagedKVCache:
             raise ValueError(f"cannot move position {src} of sequence {seq_id}: length {length}")
         if self.journal is not None:
             self.journal.append(("move", seq_id, word))
-        cells = self.cells(seq_id, 0, src + 1)
-        s, d = int(cells[src]), int(cells[dst])
+        table, bs = self.book.tables[seq_id], self.block_size   # cell ids from the host table: no device sync
+        s, d = table[src // bs] * bs + src % bs, table[dst // bs] * bs + dst % bs
         self.k[:, d] = self.k[:, s]
         if self.latent_dim is None:
             self.v[:, d] = self.v[:, s]
@@ -264,8 +274,9 @@ class PagedKVCache:
         table = book.tables[seq_id]
         cached = book.cell_cache.get(seq_id)
         if cached is None or cached.shape[0] != len(table) * self.block_size:
-            blocks = torch.tensor(table, dtype=torch.long)
-            cached = (blocks[:, None] * self.block_size + torch.arange(self.block_size)[None, :]).reshape(-1)
+            blocks = torch.tensor(table, dtype=torch.long, device=self.device)
+            offsets = torch.arange(self.block_size, device=self.device)
+            cached = (blocks[:, None] * self.block_size + offsets[None, :]).reshape(-1)
             book.cell_cache[seq_id] = cached
         return cached[start:end]
 

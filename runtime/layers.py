@@ -237,7 +237,13 @@ class RoutedExperts(nn.Module):
         is_local = (local >= 0) & (local < e_local)
         key = torch.where(is_local, local, e_local)                            # non-local: a last group
         order = torch.argsort(key, stable=True)                                # [T*k]
-        offs = torch.cumsum(torch.bincount(key, minlength=e_local + 1)[:e_local], 0).to(torch.int32)  # [E]
+        if key.is_cuda:
+            # CUDA's bincount reads the largest id back on the host, which a CUDA graph capture
+            # refuses: the group ends come from the sorted keys instead.
+            groups = torch.arange(e_local, device=key.device)
+            offs = torch.searchsorted(key[order], groups, right=True).to(torch.int32)     # [E]
+        else:   # the CPU's bincount is the fastest here (measured on the compiled step)
+            offs = torch.cumsum(torch.bincount(key, minlength=e_local + 1)[:e_local], 0).to(torch.int32)  # [E]
         xs = x[order // k]                                                     # [T*k, H], expert-major
         gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [T*k, H]

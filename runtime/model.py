@@ -76,6 +76,11 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live; the runner puts the cache and every step tensor there too."""
+        return self.embed_tokens.weight.device
+
     def cache_layout(self) -> dict[str, int | None]:
         """`PagedKVCache` keywords for this model's (this rank's) attention: key/value heads and
         head dim, and for multi-head latent attention the latent width (runtime.mla)."""

@@ -8,16 +8,43 @@ import torch
 
 from runtime.attention import ContextAttention, PagedAttention, SeqChunk, StepPlan, build_plan, forward_context
 from runtime.batch_invariant import set_batch_invariant
+from runtime.device import kv_tokens_for_memory
 from runtime.kv_cache import PagedKVCache
 from runtime.model import CausalLM
+from runtime.static_step import StepGraphs
 
 CONTEXT_ATTENTION = ContextAttention()
 
 
+def cache_layers(model: CausalLM) -> int:
+    """Cache layers the model needs: its target layers, plus one for the MTP layer."""
+    cfg = model.config
+    return cfg.num_cache_layers if model.mtp is not None else cfg.num_hidden_layers
+
+
+def kv_bytes_per_token(model: CausalLM) -> int:
+    """KV cache bytes one token takes over every cache layer of this model (this rank's heads)."""
+    layout = model.cache_layout()
+    planes = 1 if layout["latent_dim"] is not None else 2
+    return cache_layers(model) * layout["num_kv_heads"] * layout["head_dim"] * planes * model.dtype.itemsize
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, *, kv_cache_tokens: int, block_size: int = 16,
-                 compiled: bool = False, batch_invariant: bool | None = None) -> None:
-        """`compiled`: the target forward runs through `torch.compile` (inductor, dynamic shapes),
+                 compiled: bool = False, batch_invariant: bool | None = None,
+                 gpu_memory_utilization: float | None = None, static_steps: bool = False,
+                 cuda_graphs: bool = False) -> None:
+        """The cache and every step tensor live on the model's device.
+
+        `gpu_memory_utilization` (CUDA only): size the cache from the GPU's free memory after the
+        weights (`runtime.device.kv_tokens_for_memory`) instead of `kv_cache_tokens`.
+
+        `static_steps`: decode and verify steps run padded to buckets (runtime.static_step);
+        `cuda_graphs` (CUDA, float32/bfloat16, implies static steps): each bucket's forward is
+        captured once and replayed. Neither applies to batch-invariant steps, whose tiles change
+        with the step.
+
+        `compiled`: the target forward runs through `torch.compile` (inductor, dynamic shapes),
         with paged attention and the routed experts as opaque ops; float64 always runs eager.
         `batch_invariant`: every row's result is independent of the other rows of its step
         (runtime.batch_invariant); None: on for float64 only."""
@@ -33,10 +60,17 @@ class ModelRunner:
         self._compiled_forward = (torch.compile(model.forward, dynamic=True, options={"size_asserts": False})
                                   if self.compiled else None)
         self.config = cfg
+        self.device = model.device
+        if gpu_memory_utilization is not None:
+            kv_cache_tokens = kv_tokens_for_memory(self.device, gpu_memory_utilization, kv_bytes_per_token(model))
         num_blocks = max(1, kv_cache_tokens // block_size)
-        self.cache = PagedKVCache(num_layers=cfg.num_cache_layers if model.mtp is not None else cfg.num_hidden_layers,
-                                  num_blocks=num_blocks, block_size=block_size, dtype=model.dtype,
-                                  **model.cache_layout())
+        self.cache = PagedKVCache(num_layers=cache_layers(model), num_blocks=num_blocks, block_size=block_size,
+                                  dtype=model.dtype, device=self.device, **model.cache_layout())
+        self.graphs: StepGraphs | None = None
+        if (static_steps or cuda_graphs) and not self.batch_invariant:
+            max_keys = min(cfg.max_position_embeddings, self.cache.capacity_tokens)
+            capture = cuda_graphs and model.dtype != torch.float64   # float64 experts sync with the host
+            self.graphs = StepGraphs(model.forward, self.cache, max_keys, capture)
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], chunks: list[SeqChunk]) -> tuple[torch.Tensor, StepPlan]:
@@ -44,8 +78,11 @@ class ModelRunner:
 
         Returns the pre-norm hidden states [T, H] and the step plan.
         """
+        shape = self.graphs.shape_of(chunks) if self.graphs is not None else None
+        if shape is not None:
+            return self.graphs.run(tokens, chunks, shape)
         plan = build_plan(self.cache, chunks, batch_invariant=self.batch_invariant)
-        token_tensor = torch.tensor(tokens, dtype=torch.long)
+        token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.device)
         paged = PagedAttention(self.cache, plan)
         if self._compiled_forward is None:
             return self.model(token_tensor, plan.positions, paged), plan

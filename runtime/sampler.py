@@ -262,15 +262,18 @@ def choice_seed(seed: int, index: int) -> int:
     return seed if index == 0 else splitmix64(splitmix64(seed) ^ splitmix64(index)) & ((1 << 63) - 1)
 
 
-def position_generator(seed: int, position: int) -> torch.Generator:
-    """The generator for the token at absolute `position` of a request seeded `seed`."""
+def position_generator(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator on `device` for the token at absolute `position` of a request seeded `seed`
+    (each device type has its own stream: a seed gives the same tokens on every run on one
+    device type, not across CPU and CUDA)."""
     key = splitmix64(splitmix64(seed) ^ position) & ((1 << 63) - 1)
-    return torch.Generator().manual_seed(key)
+    return torch.Generator(device=device).manual_seed(key)
 
 
 def draw(probs: torch.Tensor, seed: int, position: int) -> int:
     """Sample one token from `probs` [V] with the (seed, position) generator (exponential race)."""
-    u = torch.rand(probs.shape[-1], generator=position_generator(seed, position), dtype=torch.float64)
+    u = torch.rand(probs.shape[-1], generator=position_generator(seed, position, probs.device), dtype=torch.float64,
+                   device=probs.device)
     race = probs / -torch.log1p(-u)  # argmax of p_i / E_i, E_i ~ Exp(1): a draw from probs
     return int(torch.argmax(race))
 

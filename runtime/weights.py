@@ -108,8 +108,8 @@ ShardSpecs = dict[str, tuple[int, int, int]]  # param -> (dim, start, stop) of t
 def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
                expert_range: range | None = None,
                transform: Callable[[CausalLM], ShardSpecs] | None = None,
-               mtp_only: bool = False) -> CausalLM:
-    """Build the model and fill it from the checkpoint.
+               mtp_only: bool = False, device: torch.device | str = "cpu") -> CausalLM:
+    """Build the model on `device` and fill it from the checkpoint.
 
     `mtp_only`: no target layers (a drafter on its own): embeddings, final norm, head and the MTP
     layer; the target layers' tensors are never read.
@@ -145,9 +145,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
             raise CheckpointError(f"checkpoint {model_dir} has no MTP layer to load on its own")
         model.layers = torch.nn.ModuleList()
     _shrink_experts(model, len(experts), experts.start)
-    specs = transform(model) if transform is not None else {}
-    model.to_empty(device="cpu")
-    model.rotary.__init__(cfg)  # non-persistent buffer: recompute after leaving the meta device
+    with torch.device("meta"):  # parallel layers are swapped in without allocating
+        specs = transform(model) if transform is not None else {}
+    device = torch.device(device)
+    model.to_empty(device=device)
+    with torch.device(device):
+        model.rotary.__init__(cfg)  # non-persistent buffer: recompute after leaving the meta device
     params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
 
     filled: set[str] = set()

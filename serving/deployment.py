@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from engine.engine import Engine
 from ep.channel import (CommandRefused, driver_handshake, gather_rank_info, gather_weight_bytes, load_shard,
                         load_shard_model)
@@ -29,6 +31,7 @@ from ep.local_drafter import load_local_drafter
 from runtime.model import CausalLM
 from runtime.model_runner import ModelRunner
 from runtime.sequence import Sequence
+from runtime.static_step import MIN_KEYS, ROW_BUCKETS, StaticShape, bucket
 from runtime.weights import load_model
 from speculative.mtp import MTPProposer
 from speculative.ngram import NgramProposer
@@ -58,6 +61,8 @@ class GroupConfig:
     kv_cache_tokens: int = 32768
     timeout_s: float = 60.0
     warm_standby: bool = True   # keep a spare per worker rank, its shard loaded, for the next restart
+    device: str = "cpu"    # rank 0's device; on CUDA each further rank takes its own local GPU
+    gpu_memory_utilization: float | None = None
 
 
 class WorkerGroup(Protocol):
@@ -88,8 +93,18 @@ class DeploymentConfig:
     enforce_eager: bool = False   # no torch.compile of the target step (single process; EP ranks run eager)
     batch_invariant: bool | None = None   # batch-invariant kernels (runtime.batch_invariant); None: float64 only
     warm_standby: bool = True    # spare worker ranks with their shards loaded (only when restarts are allowed)
+    device: str = "cpu"                   # a resolved device (runtime.device.resolve_device): cpu, cuda:N
+    gpu_memory_utilization: float | None = None   # CUDA only: KV cache from free GPU memory
+    # Decode/verify steps padded to buckets (runtime.static_step), captured as CUDA graphs on CUDA
+    # unless enforce_eager. None: on for CUDA, off on the CPU (there it only adds padding).
+    static_steps: bool | None = None
 
     def __post_init__(self) -> None:
+        if torch.device(self.device).type != "cuda" and self.gpu_memory_utilization is not None:
+            raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization} sizes the KV cache from free "
+                             f"GPU memory; on {self.device} size it with --kv-cache-tokens")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization} must be in (0, 1]")
         if self.ep < 1:
             raise ValueError(f"ep={self.ep} must be at least 1")
         if self.max_restarts < 0:
@@ -136,7 +151,8 @@ class Deployment:
         if config.ep > 1 and comm is None:
             self.group = launcher(GroupConfig(model_dir=str(config.model_dir), dtype=config.dtype, ep=config.ep,
                                               moe_a2a=config.moe_a2a, kv_cache_tokens=config.kv_cache_tokens,
-                                              timeout_s=config.ep_timeout_s,
+                                              timeout_s=config.ep_timeout_s, device=config.device,
+                                              gpu_memory_utilization=config.gpu_memory_utilization,
                                               warm_standby=config.warm_standby and config.max_restarts > 0))
             self.comm = self.group.comm
         try:
@@ -155,8 +171,13 @@ class Deployment:
     def _build(self) -> tuple[ModelRunner | DriverRunner, DraftProposer | None]:
         cfg = self.config
         if self.comm is None:
-            runner = ModelRunner(load_model(cfg.model_dir, cfg.dtype), kv_cache_tokens=cfg.kv_cache_tokens,
-                                 compiled=not cfg.enforce_eager, batch_invariant=cfg.batch_invariant)
+            on_cuda = torch.device(cfg.device).type == "cuda"
+            static = cfg.static_steps if cfg.static_steps is not None else on_cuda and not cfg.enforce_eager
+            runner = ModelRunner(load_model(cfg.model_dir, cfg.dtype, device=cfg.device),
+                                 kv_cache_tokens=cfg.kv_cache_tokens, compiled=not cfg.enforce_eager,
+                                 batch_invariant=cfg.batch_invariant,
+                                 gpu_memory_utilization=cfg.gpu_memory_utilization, static_steps=static,
+                                 cuda_graphs=static and on_cuda and not cfg.enforce_eager)
         else:
             runner = self._join_group(self.comm)
         try:
@@ -165,10 +186,27 @@ class Deployment:
             if isinstance(runner, DriverRunner):
                 runner.shutdown()
             raise
+        self._capture_at_start(runner, proposer)
         drafter = getattr(proposer, "model", None)
         if drafter is not None and drafter is not runner.model and self.rank_weight_bytes:  # rank 0's own drafter
             self.rank_weight_bytes[0] += sum(p.numel() * p.element_size() for p in drafter.parameters())
         return runner, proposer
+
+    def _capture_at_start(self, runner: ModelRunner | DriverRunner, proposer: DraftProposer | None) -> None:
+        """With CUDA graphs, capture the buckets of one sequence's decode, verify and draft steps
+        now and report the graph pool; other buckets are captured when first met."""
+        graphs = getattr(runner, "graphs", None)
+        if graphs is None or not graphs.capture:
+            return
+        rows = [1] + ([bucket(self.spec.num_drafts + 1, ROW_BUCKETS)] if self.spec.is_speculating else [])
+        keys = min(MIN_KEYS, graphs.max_keys)
+        graphs.prepare([StaticShape(1, q, keys) for q in rows if q is not None])
+        drafter = getattr(proposer, "graphs", None)
+        if drafter is not None and drafter.capture:
+            drafter.prepare([StaticShape(1, 1, keys)])
+        pool = graphs.pool_bytes + (drafter.pool_bytes if drafter is not None else 0)
+        log.warning("CUDA graphs at start: %d captured, pool %.1f MiB (more buckets are captured when first met)",
+                    len(graphs.entries) + (len(drafter.entries) if drafter is not None else 0), pool / 2**20)
 
     def _join_group(self, comm: Communicator) -> DriverRunner:
         """Rank 0's part of starting a group: handshake, its shard, every rank's pid and node."""
@@ -177,10 +215,12 @@ class Deployment:
             batch_invariant = cfg.dtype == "float64" if cfg.batch_invariant is None else cfg.batch_invariant
             driver_handshake(comm, cfg.model_dir, cfg.dtype, self.spec.confidence_stop, batch_invariant,
                              getattr(self.group, "generation", 0))
+            if comm.device != torch.device(cfg.device):
+                raise ValueError(f"rank 0's communicator is on {comm.device}, the deployment on {cfg.device}")
             if self._shard is None or self._shard[0] is not comm:
                 self._shard = comm, load_shard_model(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a)
             local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a, cfg.kv_cache_tokens, batch_invariant,
-                               self._shard[1])
+                               self._shard[1], cfg.gpu_memory_utilization)
             self.rank_weight_bytes = gather_weight_bytes(comm, local)
             info = gather_rank_info(comm)
         except BaseException as exc:
@@ -204,7 +244,9 @@ class Deployment:
             raise ValueError(f"--spec mtp: this {runner.model.config.architecture} checkpoint has no MTP layer "
                              "(no model.layers.{num_hidden_layers}.* tensors); use --spec ngram")
         if isinstance(runner, ModelRunner):
-            return MTPProposer(runner.model, runner.cache, spec.confidence_stop, spec.knobs)
+            graphs = runner.graphs   # the drafter's steps go static (and captured) with the target's
+            return MTPProposer(runner.model, runner.cache, spec.confidence_stop, spec.knobs,
+                               static_steps=graphs is not None, cuda_graphs=graphs is not None and graphs.capture)
         if not spec.ep_propose:
             return load_local_drafter(cfg.model_dir, cfg.dtype, runner.comm.rank, runner.comm.world_size,
                                       runner.cache, spec.confidence_stop, spec.knobs)

@@ -8,6 +8,7 @@ import torch
 
 from engine.engine import Engine, EngineConfig
 from ep.comm import Communicator
+from runtime.device import resolve_device
 from runtime.sampler import SamplingParams
 from runtime.sequence import RequestOutput, Sequence
 from runtime.tokenizer import Tokenizer
@@ -29,7 +30,8 @@ class LLM:
                  ep_timeout_s: float = 60.0, launcher: Launcher | None = None,
                  max_restarts: int = DEFAULT_MAX_RESTARTS, comm: Communicator | None = None,
                  enforce_eager: bool = False, batch_invariant: bool | None = None,
-                 prefix_cache: bool = True, warm_standby: bool = True) -> None:
+                 prefix_cache: bool = True, warm_standby: bool = True, device: str = "auto",
+                 gpu_memory_utilization: float | None = None, static_steps: bool | None = None) -> None:
         """Speculation: `spec` (none, mtp, ngram) with at most `num_drafts` drafts per step, a
         depth policy (`draft_policy` fixed/ladder/auto, or `mtp_k_ladder` text or "auto"), a
         width cap `mtp_max_seqs`, a confidence stop, a draft-tree shape ("1,2,2"); resolved once
@@ -51,8 +53,16 @@ class LLM:
         default) turns it on for float64 only.
 
         `prefix_cache` (on by default): a prompt that starts with full KV blocks an earlier request
-        computed attaches them instead of computing them again (runtime.prefix_cache)."""
+        computed attaches them instead of computing them again (runtime.prefix_cache).
+
+        `device`: auto (CUDA when present), cpu, cuda or cuda:N; weights, cache, step tensors
+        and the drafter live there, and each EP rank takes its own local GPU.
+        `gpu_memory_utilization` (CUDA only, as vLLM's): the KV cache takes what is left of this
+        share of the GPU's memory after the weights, instead of `kv_cache_tokens`.
+        `static_steps`: decode and verify steps padded to row buckets (runtime.static_step) and,
+        on CUDA unless `enforce_eager`, captured as CUDA graphs; None: on for CUDA only."""
         model_dir = Path(model)
+        resolved = resolve_device(device) if comm is None else comm.device
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model folder {str(model_dir)!r} does not exist")
         self.spec = spec_settings or resolve_spec_settings(
@@ -66,7 +76,9 @@ class LLM:
             DeploymentConfig(model_dir=model_dir, dtype=dtype, ep=ep if comm is None else comm.world_size,
                              moe_a2a=moe_a2a, kv_cache_tokens=kv_cache_tokens, ep_timeout_s=ep_timeout_s,
                              max_restarts=max_restarts, enforce_eager=enforce_eager,
-                             batch_invariant=batch_invariant, warm_standby=warm_standby), self.spec, launcher, comm)
+                             batch_invariant=batch_invariant, warm_standby=warm_standby, device=str(resolved),
+                             gpu_memory_utilization=gpu_memory_utilization, static_steps=static_steps),
+            self.spec, launcher, comm)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.engine: Engine | None = Engine(self.deployment.runner, self.tokenizer, config, self.spec,
                                             self.deployment.proposer)

@@ -17,6 +17,7 @@ committed state never moves here.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import struct
@@ -27,6 +28,7 @@ from runtime.attention import PagedAttention, SeqChunk, build_plan
 from runtime.grammar import GrammarMatcher
 from runtime.kv_cache import PagedKVCache
 from runtime.model import CausalLM
+from runtime.static_step import StepGraphs
 from speculative.draft_stop import chain_depth
 from speculative.fingerprint import hidden_fingerprint
 from speculative.knobs import DrafterKnobs
@@ -54,10 +56,10 @@ def grammar_masked(logits: torch.Tensor, grammars: list[GrammarMatcher | None],
             rows.append((b, allowed))
     if not rows:
         return logits
-    refused = torch.zeros(logits.shape, dtype=torch.bool)                          # [B, V]
+    refused = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)    # [B, V]
     for b, allowed in rows:
         refused[b] = ~allowed
-    return logits.masked_fill(refused.to(logits.device), float("-inf"))
+    return logits.masked_fill(refused, float("-inf"))
 
 
 class MTPProposer(DraftProposer):
@@ -67,15 +69,23 @@ class MTPProposer(DraftProposer):
     masks_spine = True
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, confidence_stop: float | None = None,
-                 knobs: DrafterKnobs | None = None) -> None:
+                 knobs: DrafterKnobs | None = None, static_steps: bool = False, cuda_graphs: bool = False) -> None:
         """`confidence_stop`: TAU of the confidence stop (None: chains are never stopped early);
-        `knobs`: the debugging knobs of docs/design.md §5.7, resolved once."""
+        `knobs`: the debugging knobs of docs/design.md §5.7, resolved once. `static_steps` /
+        `cuda_graphs`: the drafter's short steps padded to buckets and, on CUDA, captured
+        (runtime.static_step), as the target's are."""
         if model.mtp is None:
             raise ValueError("this checkpoint has no MTP layer (no model.layers.{num_hidden_layers}.* tensors): "
                              "MTP speculation needs one")
         self.model = model
         self.cache = cache
         self.knobs = knobs or DrafterKnobs()
+        self.graphs: StepGraphs | None = None
+        if static_steps or cuda_graphs:
+            max_keys = min(model.config.max_position_embeddings, cache.capacity_tokens)
+            self.graphs = StepGraphs(model.mtp_forward, cache, max_keys,
+                                     capture=cuda_graphs and model.dtype != torch.float64,
+                                     hidden=(model.config.hidden_size, model.dtype))
         tau = confidence_stop
         # Rounded to float32: the value EP workers receive on the wire, so every rank decides alike.
         self.confidence_stop = None if tau is None else struct.unpack("<f", struct.pack("<f", tau))[0]
@@ -184,9 +194,14 @@ class MTPProposer(DraftProposer):
         return out
 
     def _forward(self, tokens: list[int], prev_hidden: torch.Tensor, chunks: list[SeqChunk]):
+        shape = self.graphs.shape_of(chunks) if self.graphs is not None else None
+        if shape is not None:
+            h, _ = self.graphs.run(tokens, chunks, shape, prev_hidden)
+            ends = list(itertools.accumulate(c.num_tokens for c in chunks))
+            return h, torch.tensor([e - 1 for e in ends], dtype=torch.long, device=self.cache.device)
         plan = build_plan(self.cache, chunks)
-        h = self.model.mtp_forward(torch.tensor(tokens, dtype=torch.long), prev_hidden, plan.positions,
-                                   PagedAttention(self.cache, plan))
+        token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
+        h = self.model.mtp_forward(token_tensor, prev_hidden, plan.positions, PagedAttention(self.cache, plan))
         return h, plan.last_rows
 
     def num_final(self, state: ProposerState, num_computed: int) -> int:

@@ -85,7 +85,8 @@ def rejection_tokens(drafts: list[int], draft_dists: list[torch.Tensor] | None, 
             q[d] = 1.0
         else:
             q = draft_dists[i].to(p.dtype)
-        u = float(torch.rand(1, generator=position_generator(seed ^ REJECTION_STREAM, pos), dtype=torch.float64))
+        u = float(torch.rand(1, generator=position_generator(seed ^ REJECTION_STREAM, pos, p.device),
+                             dtype=torch.float64, device=p.device))
         qd = float(q[d])
         if qd > 0 and u < min(1.0, float(p[d]) / qd):
             out.append(d)

@@ -79,6 +79,16 @@ def ckpt_grouped(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("grouped"), "grouped", seed=1)
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `cuda` are skipped on a host without a CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (make gpu-check runs these)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 def metrale_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "launch", *args]
 

@@ -74,10 +74,11 @@ def add_mtp_layer(path: Path, seed: int = 5, noise: float = 0.0) -> Path:
 
 
 def write_checkpoint(out: Path, family: str, config: dict[str, Any], *, seed: int = 0, mtp: bool = False,
-                     weight_std: float | None = None) -> Path:
+                     weight_std: float | None = None, dtype: torch.dtype | None = None) -> Path:
     """Save a random transformers model of `family` with `config` to `out` (an MTP layer when
     `mtp`). `weight_std`: every matrix redrawn with this deviation (larger logits than the
-    default init) and the routers' correction biases made non-zero, so routing matters."""
+    default init) and the routers' correction biases made non-zero, so routing matters.
+    `dtype`: the stored dtype (default float32; bfloat16 halves a large checkpoint)."""
     import transformers
     if family not in FAMILIES:
         raise ValueError(f"family {family!r}: expected one of {', '.join(FAMILIES)}")
@@ -94,6 +95,8 @@ def write_checkpoint(out: Path, family: str, config: dict[str, Any], *, seed: in
             for n, p in model.named_parameters():
                 if p.dim() >= 2:
                     p.normal_(0.0, weight_std)
+    if dtype is not None:
+        model = model.to(dtype)
     model.save_pretrained(out)
     return add_mtp_layer(out) if mtp else out
 

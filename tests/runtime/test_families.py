@@ -84,7 +84,8 @@ def test_mla_cache_holds_the_latent_and_the_rotary_key_per_token(family_ckpt, ca
     cache = llm.engine.runner.cache
     layers = cfg.num_hidden_layers + 1          # the MTP layer has its own plane
     assert cache.bytes_per_token == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * layers * 8
-    assert cache.k.numel() * 8 == cache.bytes_per_token * cache.capacity_tokens   # no value tensor beside it
+    # no value tensor beside it (one more cell: the scratch cell padded static steps write to)
+    assert cache.k.numel() * 8 == cache.bytes_per_token * (cache.capacity_tokens + 1)
     assert cache.bytes_per_token == cfg.kv_values_per_token() * layers * 8
     uncompressed = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
     assert cfg.kv_values_per_token(compressed=False) == uncompressed > cfg.kv_values_per_token()
