@@ -207,6 +207,8 @@ class RoutedExperts(nn.Module):
         Each expert's matmuls see the rows `_grouped_mm` gives that group, so the two paths agree
         bit for bit."""
         t, k = ids.shape
+        if t == 0:                                  # an EP rank that received no rows this layer
+            return x.new_zeros(0, x.shape[1])
         e_local = self.num_local_experts
         local = (ids - self.expert_offset).reshape(-1)                          # [T*k]
         key = torch.where((local >= 0) & (local < e_local), local, e_local)    # non-local: a last group
