@@ -63,6 +63,7 @@ class VocabParallelHead(nn.Module):
     """This rank's rows of the output projection; `forward` gathers full logits on every rank."""
 
     batch_invariant = False
+    column_major_weights = True   # runtime.layers.pack_for_inference
 
     def __init__(self, hidden: int, topo: EPTopology, comm: Communicator) -> None:
         super().__init__()

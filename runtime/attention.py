@@ -165,8 +165,8 @@ class PagedAttention:
         self.cache.write(layer_idx, p.cell_mapping, k, v)
         if p.tiles is not None:
             return bi.attention(q, self.cache.k[layer_idx], self.cache.v[layer_idx], p.tiles, scale)
-        keys = self.cache.k[layer_idx][p.gather].transpose(1, 2)    # [B, nkv, K, D]
-        values = self.cache.v[layer_idx][p.gather].transpose(1, 2)
+        keys = self.cache.gather(self.cache.k[layer_idx], p.gather).transpose(1, 2)    # [B, nkv, K, D]
+        values = self.cache.gather(self.cache.v[layer_idx], p.gather).transpose(1, 2)
         if p.mask_mode == "padded":
             queries = q[p.q_index].transpose(1, 2)                  # [B, nh, Q, D]
             out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=p.mask,

@@ -152,8 +152,9 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, til
     m = QUERY_TILE * g
     # [N, nkv, 1, M, D]: tile rows x the g query heads of each kv head (row-major: row, then head)
     qt = q[tiles.rows].to(acc).view(n, QUERY_TILE, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(n, nkv, 1, m, d)
-    keys = k_cache[tiles.cells].to(acc).view(n, nc, KEY_CHUNK, nkv, d).permute(0, 3, 1, 4, 2)   # [N, nkv, nc, D, C]
-    values = v_cache[tiles.cells].to(acc).view(n, nc, KEY_CHUNK, nkv, dv).permute(0, 3, 1, 2, 4)  # [N, nkv, nc, C, Dv]
+    cells = tiles.cells.reshape(-1)   # index_select: whole rows, far cheaper than advanced indexing
+    keys = k_cache.index_select(0, cells).to(acc).view(n, nc, KEY_CHUNK, nkv, d).permute(0, 3, 1, 4, 2)    # [N, nkv, nc, D, C]
+    values = v_cache.index_select(0, cells).to(acc).view(n, nc, KEY_CHUNK, nkv, dv).permute(0, 3, 1, 2, 4)  # [N, nkv, nc, C, Dv]
     s = torch.matmul(qt.expand(n, nkv, nc, m, d), keys) * scale                               # [N, nkv, nc, M, C]
     lengths = tiles.lengths.repeat_interleave(g, dim=1).view(n, 1, 1, m, 1)                     # [N, 1, 1, M, 1]
     pos = torch.arange(kp, device=q.device).view(1, 1, nc, 1, KEY_CHUNK)

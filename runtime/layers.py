@@ -52,6 +52,65 @@ class Linear(nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
+class FusedProjection(nn.Module):
+    """Linears that read the same input (an attention's q/k/v, an MLP's gate/up) as one GEMM: the
+    weights concatenated along the outputs, each linear's weight left as a view of its rows (so
+    loading, saving and the batch-invariant path, which keep the separate linears, share the
+    memory). One GEMM instead of several saves the per-call cost that dominates small steps:
+    about 4 us per fused call in float32, 30-50 in bfloat16 (one CPU thread, design §3.2)."""
+
+    def __init__(self, linears: list[Linear]) -> None:
+        super().__init__()
+        weights = [lin.weight for lin in linears]
+        if len({w.shape[1] for w in weights}) != 1 or len({w.device for w in weights}) != 1:
+            raise ValueError("fused linears must share their input features and device")
+        self.sizes = [w.shape[0] for w in weights]
+        cpu = weights[0].device.type == "cpu"
+        with torch.no_grad():
+            fused = (torch.cat([w.t() for w in weights], dim=1).contiguous().t() if cpu   # GEMM-friendly layout
+                     else torch.cat(weights, dim=0))
+        self.register_buffer("weight", fused, persistent=False)
+        biases = [lin.bias for lin in linears]
+        self.register_buffer("bias", None if biases[0] is None else torch.cat(biases), persistent=False)
+        start = 0
+        for lin, n in zip(linears, self.sizes):
+            lin.weight.data = fused[start:start + n]
+            if lin.bias is not None:
+                lin.bias.data = self.bias[start:start + n]
+            start += n
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+def pack_for_inference(model: nn.Module) -> None:
+    """Once a model's weights are loaded: fuse the projections that share an input, and on the CPU
+    store every linear and expert weight column-major (its transpose contiguous), which MKL's
+    GEMM runs up to 1.7x faster for the few rows of a decode or verify step (float32: 8.0 -> 4.9 us
+    for one row of 256 x 512, 34.8 -> 20.2 us for 16; design §3.2). Values are unchanged;
+    shapes and names too."""
+    for mod in model.modules():
+        if isinstance(mod, Attention) and type(mod.q_proj) is Linear and mod.qkv is None:
+            mod.qkv = FusedProjection([mod.q_proj, mod.k_proj, mod.v_proj])
+        elif isinstance(mod, MLP) and mod.gate_up is None:
+            mod.gate_up = FusedProjection([mod.gate_proj, mod.up_proj])
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    fused = {id(lin) for m in model.modules() if isinstance(m, Attention) and m.qkv is not None
+             for lin in (m.q_proj, m.k_proj, m.v_proj)}
+    fused |= {id(lin) for m in model.modules() if isinstance(m, MLP) and m.gate_up is not None
+              for lin in (m.gate_proj, m.up_proj)}
+    for mod in model.modules():
+        if isinstance(mod, FusedProjection) or id(mod) in fused:   # views of a fused weight: laid out there
+            continue
+        for name, p in mod.named_parameters(recurse=False):
+            if p.device.type != "cpu" or id(p) in tied or p.dim() < 2 or p.shape[-2] == 1:
+                continue
+            if isinstance(mod, (Linear, Router)) or (isinstance(mod, nn.Linear) and name == "weight") \
+                    or getattr(mod, "column_major_weights", False):
+                if not p.data.transpose(-1, -2).is_contiguous():
+                    p.data = p.data.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -82,13 +141,18 @@ class Attention(nn.Module):
         self.o_proj.in_parts = bi.halves(self.num_heads)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.use_qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.use_qk_norm else None
+        self.qkv: FusedProjection | None = None   # set by `pack_for_inference`
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, -1, self.head_dim)  # [T, nh, D]
-        k = self.k_proj(x).view(t, -1, self.head_dim)  # [T, nkv, D]
-        v = self.v_proj(x).view(t, -1, self.head_dim)
+        if self.qkv is not None and not self.q_proj.batch_invariant:
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, -1, self.head_dim)  # [T, nh, D]
+        k = k.view(t, -1, self.head_dim)  # [T, nkv, D]
+        v = v.view(t, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
@@ -103,9 +167,14 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, bias=False)
         self.up_proj = Linear(hidden, intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.gate_up: FusedProjection | None = None   # set by `pack_for_inference`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None and not self.gate_proj.batch_invariant:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Router(nn.Module):
@@ -171,6 +240,7 @@ class RoutedExperts(nn.Module):
     """
 
     batch_invariant = False   # the per-expert loop on fixed GEMM tiles (runtime.batch_invariant)
+    column_major_weights = True   # `pack_for_inference` lays each expert's matrices out for the CPU GEMM
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, expert_offset: int = 0) -> None:
         super().__init__()

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from runtime.config import ModelConfig, load_config
+from runtime.layers import pack_for_inference
 from runtime.model import CausalLM
 
 _EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -210,6 +211,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
             lost = sorted(set(experts) - rows)
             raise CheckpointError(f"checkpoint lacks expert(s) {lost[:5]} for {param}")
     _cast(model, dtype)
+    pack_for_inference(model)
     model.eval()
     return model
 
@@ -249,10 +251,10 @@ def iter_hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
         if m:
             for e in range(tensor.shape[0]):
                 if m.group(2) == "down_proj":
-                    yield f"{m.group(1)}.{e}.down_proj.weight", tensor[e]
+                    yield f"{m.group(1)}.{e}.down_proj.weight", tensor[e].contiguous()
                 else:
                     gate, up = tensor[e].chunk(2, dim=0)
-                    yield f"{m.group(1)}.{e}.gate_proj.weight", gate
-                    yield f"{m.group(1)}.{e}.up_proj.weight", up
+                    yield f"{m.group(1)}.{e}.gate_proj.weight", gate.contiguous()
+                    yield f"{m.group(1)}.{e}.up_proj.weight", up.contiguous()
         else:
-            yield hf, tensor
+            yield hf, tensor.contiguous()
