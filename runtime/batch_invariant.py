@@ -3,11 +3,13 @@
 Why a row can change with its neighbours (measured on this CPU build, torch 2.13, MKL and
 oneDNN; `tests/runtime/test_batch_invariant.py` checks every claim below on the machine it
 runs on):
-- A GEMM picks its kernel by its row count, and each kernel rounds differently: float32 has
-  three classes (1 row, 2-9 rows, 15 rows and more); bfloat16 changes at 33 rows for the dense
-  MLP's down projection (visible only on real activations: random data rarely crosses a
-  bfloat16 rounding step). `linear` therefore calls the GEMM on fixed tiles of exactly
-  `MIN_ROWS` rows, the last one padded, so every call has one shape.
+- A GEMM picks its kernel by its row count, and each kernel rounds differently: with row-major
+  weights float32 has three classes (1 row, 2-9 rows, 15 rows and more) and bfloat16 changes at
+  33 rows for the dense MLP's down projection (visible only on real activations: random data
+  rarely crosses a bfloat16 rounding step). `linear` calls the GEMM on row counts that
+  `gemm_plan` measured to give every row one result (with column-major weights: 2..64 rows in
+  float32, 1..64 in bfloat16 for most shapes), or else on fixed tiles of exactly `MIN_ROWS`
+  rows, the last one padded, so every call has one shape.
 - Attention over a padded batch: the number of keys a softmax and its weighted sum run over
   is the longest context in the step, and a row's query count picks the kernel. `attention`
   fixes both: scores come from matmuls of one fixed shape ([QUERY_TILE x g, D] x [D, KEY_CHUNK]
@@ -39,24 +41,90 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-MIN_ROWS = 16      # every GEMM call has exactly this many rows
+MIN_ROWS = 16      # the fixed GEMM tile: every call has exactly this many rows (the uncalibrated plan)
+MAX_TILE = 64      # the most rows a calibrated GEMM call takes
 KEY_CHUNK = 64     # attention reduces over keys in chunks of this many, combined in order
 QUERY_TILE = 8     # query rows of one sequence attended in one fixed-shape matmul
 LANES = 32         # elements of the widest CPU vector (AVX-512, 16-bit types)
 
+# (rows at least, rows at most) per GEMM call, by weight shape, strides, dtype, bias and threads.
+_gemm_plans: dict[tuple, tuple[int, int]] = {}
+
+
+def _probe(weight: torch.Tensor, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probe rows and a probe weight of `weight`'s shape and strides whose products depend on the
+    order of summation far more than real data's: channel pairs (j, j + K/2) carry +L and -L
+    against equal weights, so the exact sum of each pair is 0 but the rounding a summation order
+    leaves behind (|L w| x 2^-24) is far above a bfloat16 output's resolution. Real activations
+    cross a bfloat16 rounding step on another kernel only rarely (one element in thousands), too
+    rarely for a probe of plain rows to see."""
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    n, k = weight.shape
+    w = torch.randn(n, k, generator=gen, device=weight.device) * 0.05
+    x = torch.randn(rows, k, generator=gen, device=weight.device) * 0.3
+    half = k // 2
+    for j in range(1, half, max(1, half // 8)):
+        w[:, j + half] = w[:, j]
+        big = 2.0 ** 20 * torch.where(torch.rand(rows, generator=gen, device=weight.device) < 0.5, 1.0, -1.0)
+        x[:, j], x[:, j + half] = big, -big
+    probe_w = torch.empty_strided(weight.shape, weight.stride(), dtype=dtype, device=weight.device)
+    probe_w.copy_(w)
+    return x.to(dtype), probe_w
+
+
+def gemm_plan(weight: torch.Tensor, dtype: torch.dtype, bias: bool) -> tuple[int, int]:
+    """How many rows one GEMM call of `weight` may take while every row's result stays what a
+    call of MAX_TILE rows gives it, wherever the row sits: (lo, hi), calls take lo..hi rows (fewer
+    are padded to lo). Measured once per weight shape, layout, dtype, bias and thread count.
+
+    Why: a GEMM library picks its kernel, blocking and thread split by the call's shape, and each
+    choice may round differently. On this CPU build, with column-major weights (runtime.layers.
+    pack_for_inference), float32 and float64 give every row count from 2 up one result and 1 row
+    another; bfloat16 changes between 33 and 100 rows for some shapes, by thread count. Rather
+    than trusting such facts, the plan is probed here: every row count 1..hi at the front and the
+    back of a tile must equal the MAX_TILE call bit for bit, else hi halves (to 16), else the
+    fixed tiles of exactly MIN_ROWS rows (one shape, invariant by construction). Kernel choice
+    depends on shapes, not values, so equal results on probe rows mean the same reduction order
+    on any rows (`_probe` makes the results sensitive to that order). Accelerators keep the fixed
+    tiles."""
+    key = (weight.shape, weight.stride(), dtype, weight.device.type, bias, torch.get_num_threads())
+    plan = _gemm_plans.get(key)
+    if plan is not None:
+        return plan
+    plan = (MIN_ROWS, MIN_ROWS)
+    if weight.device.type == "cpu":
+        x, w = _probe(weight, MAX_TILE, dtype)
+        b = torch.full((w.shape[0],), 0.5, dtype=dtype, device=w.device) if bias else None
+        for hi in (MAX_TILE, MIN_ROWS):
+            ref = F.linear(x[:hi], w, b)
+            lo = 1 if torch.equal(F.linear(x[:1], w, b), ref[:1]) else 2
+            ok = all(torch.equal(F.linear(x[at:at + r], w, b), ref[at:at + r])
+                     for r in range(max(lo, 2), hi) for at in {0, hi - r})
+            if lo == 2:   # a single row is padded to two: the padding row sits after it
+                ok = ok and torch.equal(F.linear(torch.cat((x[hi - 1:hi], x[:1])), w, b)[0], ref[hi - 1])
+            if ok:
+                plan = (lo, hi)
+                break
+    _gemm_plans[key] = plan
+    return plan
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` whose every output row is independent of the other rows of `x` [..., in]: the
-    GEMM runs on tiles of exactly MIN_ROWS rows."""
-    flat = x.reshape(-1, x.shape[-1])
+    GEMM runs on calls of `gemm_plan` rows (the last call padded up to its least row count)."""
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     n = flat.shape[0]
-    pad = -n % MIN_ROWS
-    if pad:
-        flat = F.pad(flat, (0, 0, 0, pad))
-    if flat.shape[0] == MIN_ROWS:
+    lo, hi = gemm_plan(weight, flat.dtype, bias is not None)
+    if lo <= n <= hi:
         out = F.linear(flat, weight, bias)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
+    if n < lo:
+        out = F.linear(F.pad(flat, (0, 0, 0, lo - n)), weight, bias)
     else:
-        out = torch.cat([F.linear(tile, weight, bias) for tile in flat.split(MIN_ROWS)])
+        tiles = list(flat.split(hi))
+        if tiles[-1].shape[0] < lo:
+            tiles[-1] = F.pad(tiles[-1], (0, 0, 0, lo - tiles[-1].shape[0]))
+        out = torch.cat([F.linear(tile, weight, bias) for tile in tiles])
     return out[:n].reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -54,12 +54,37 @@ def assert_row_invariant(fn, row: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(256, 768), (768, 256), (256, 4096)])
-def test_linear_rows_do_not_depend_on_the_row_count(dtype, shape):
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_linear_rows_do_not_depend_on_the_row_count(dtype, shape, layout):
     gen = torch.Generator().manual_seed(0)
     k, n = shape
     w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype)
+    if layout == "column-major":   # as runtime.layers.pack_for_inference lays weights out
+        w = w.t().contiguous().t()
     for row in activations(8, k, gen).to(dtype):
         assert_row_invariant(lambda x: bi.linear(x, w), row)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_plan_holds_at_every_row_count(threads):
+    """The calibrated plan's promise, checked beyond its own probe: rows 1..130 (several calls),
+    each row against the same row alone, with a bias and without, at either thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        for dtype in DTYPES:
+            for n, k, bias in ((512, 256, False), (256, 768, False), (256, 256, True)):
+                w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype).t().contiguous().t()
+                b = (torch.randn(n, generator=gen) * 0.1).to(dtype) if bias else None
+                x = activations(130, k, gen).to(dtype)
+                alone = torch.cat([bi.linear(x[i:i + 1], w, b) for i in range(130)])
+                for rows in (2, 3, 16, 33, 64, 65, 100, 130):
+                    assert torch.equal(bi.linear(x[:rows], w, b), alone[:rows]), (dtype, n, k, rows)
+                lo, hi = bi.gemm_plan(w, dtype, bias)
+                assert 1 <= lo <= hi <= bi.MAX_TILE
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_plain_float32_linear_is_not_row_invariant_here():
