@@ -218,20 +218,31 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, til
     nc = kp // KEY_CHUNK
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     m = QUERY_TILE * g
-    # [N, nkv, 1, M, D]: tile rows x the g query heads of each kv head (row-major: row, then head)
-    qt = q[tiles.rows].to(acc).view(n, QUERY_TILE, nkv, g, d).permute(0, 2, 1, 3, 4).reshape(n, nkv, 1, m, d)
-    cells = tiles.cells.reshape(-1)   # index_select: whole rows, far cheaper than advanced indexing
-    keys = k_cache.index_select(0, cells).to(acc).view(n, nc, KEY_CHUNK, nkv, d).permute(0, 3, 1, 4, 2)    # [N, nkv, nc, D, C]
-    values = v_cache.index_select(0, cells).to(acc).view(n, nc, KEY_CHUNK, nkv, dv).permute(0, 3, 1, 2, 4)  # [N, nkv, nc, C, Dv]
-    s = torch.matmul(qt.expand(n, nkv, nc, m, d), keys) * scale                               # [N, nkv, nc, M, C]
-    lengths = tiles.lengths.repeat_interleave(g, dim=1).view(n, 1, 1, m, 1)                     # [N, 1, 1, M, 1]
+    # Per kv head, batches of (tile, key chunk): each matmul reads the gathered keys and values in
+    # place, a strided [C, D] slice per batch (no copy of them).
+    cells = tiles.cells.reshape(-1)
+    keys = k_cache.index_select(0, cells).to(acc).view(n * nc, KEY_CHUNK, nkv, d)
+    values = v_cache.index_select(0, cells).to(acc).view(n * nc, KEY_CHUNK, nkv, dv)
+    # [nkv, N, 1, M, D]: tile rows x the g query heads of each kv head (row-major: row, then head)
+    qt = q[tiles.rows].to(acc).view(n, QUERY_TILE, nkv, g, d).permute(2, 0, 1, 3, 4).reshape(nkv, n, 1, m, d)
+    qt = qt.expand(nkv, n, nc, m, d).reshape(nkv, n * nc, m, d)
+    s = torch.stack([torch.bmm(qt[h], keys[:, :, h].transpose(1, 2)) for h in range(nkv)])
+    s = s.view(nkv, n, nc, m, KEY_CHUNK) * scale                                                # [nkv, N, nc, M, C]
+    lengths = tiles.lengths.repeat_interleave(g, dim=1).view(1, n, 1, m, 1)                     # [1, N, 1, M, 1]
     pos = torch.arange(kp, device=q.device).view(1, 1, nc, 1, KEY_CHUNK)
-    s = s.masked_fill(pos >= lengths, float("-inf"))
+    seen = pos < lengths                                                                        # [1, N, nc, M, C]
+    s = s.masked_fill(~seen, float("-inf"))
     top = s.amax(dim=(2, 4), keepdim=True)                                                     # exact, any order
-    p = torch.exp(s - top)                                                                     # masked keys: exactly 0
-    total = p.sum(dim=-1).cumsum(dim=2)[:, :, -1]                                              # [N, nkv, M]
-    out = torch.matmul(p, values).cumsum(dim=2)[:, :, -1] / total[..., None]                   # [N, nkv, M, Dv]
-    out = out.view(n, nkv, QUERY_TILE, g, dv).permute(0, 2, 1, 3, 4).reshape(n, QUERY_TILE, nh, dv)
+    # exp of a score far below its row's top: clamped at e^-80 (a weight below 2e-35 of the top's),
+    # because exp's results below float32's normal range (and of -inf) take a slow path, 10-80x
+    # slower per element; masked keys are then exactly 0. A key's weight still depends on its own
+    # score and the row's top only.
+    p = torch.exp((s - top).clamp_min(-80.0)) * seen                                            # [nkv, N, nc, M, C]
+    total = p.sum(dim=-1).cumsum(dim=2)[:, :, -1]                                              # [nkv, N, M]
+    p = p.view(nkv, n * nc, m, KEY_CHUNK)
+    pv = torch.stack([torch.bmm(p[h], values[:, :, h]) for h in range(nkv)]).view(nkv, n, nc, m, dv)
+    out = pv.cumsum(dim=2)[:, :, -1] / total[..., None]                                         # [nkv, N, M, Dv]
+    out = out.view(nkv, n, QUERY_TILE, g, dv).permute(1, 2, 0, 3, 4).reshape(n, QUERY_TILE, nh, dv)
     result = q.new_empty((*q.shape[:-1], dv))
     result[tiles.rows[tiles.real]] = out[tiles.real].to(q.dtype)
     return result
