@@ -44,7 +44,7 @@ import torch.nn.functional as F
 MIN_ROWS = 16      # the fixed GEMM tile: every call has exactly this many rows (the uncalibrated plan)
 MAX_TILE = 64      # the most rows a calibrated GEMM call takes
 KEY_CHUNK = 64     # attention reduces over keys in chunks of this many, combined in order
-QUERY_TILE = 8     # query rows of one sequence attended in one fixed-shape matmul
+QUERY_TILE = 1     # query rows of one sequence attended in one fixed-shape matmul (8 wasted 7/8 of a decode row)
 LANES = 32         # elements of the widest CPU vector (AVX-512, 16-bit types)
 
 # (rows at least, rows at most) per GEMM call, by weight shape, strides, dtype, bias and threads.
