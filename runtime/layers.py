@@ -55,8 +55,9 @@ class Linear(nn.Linear):
 class FusedProjection(nn.Module):
     """Linears that read the same input (an attention's q/k/v, an MLP's gate/up) as one GEMM: the
     weights concatenated along the outputs, each linear's weight left as a view of its rows (so
-    loading and saving, which keep the separate linears, share the memory). One GEMM instead of several saves the per-call cost that dominates small steps:
-    about 4 us per fused call in float32, 30-50 in bfloat16 (one CPU thread, design §3.2)."""
+    loading and saving, which keep the separate linears, share the memory). One GEMM instead of
+    several saves the per-call cost that dominates small steps: about 4 us per fused call in
+    float32, 30-50 in bfloat16 (one CPU thread, design §3.2)."""
 
     batch_invariant = False
 
@@ -107,10 +108,9 @@ def pack_for_inference(model: nn.Module) -> None:
         for name, p in mod.named_parameters(recurse=False):
             if p.device.type != "cpu" or id(p) in tied or p.dim() < 2 or p.shape[-2] == 1:
                 continue
-            if isinstance(mod, (Linear, Router)) or (isinstance(mod, nn.Linear) and name == "weight") \
-                    or getattr(mod, "column_major_weights", False):
-                if not p.data.transpose(-1, -2).is_contiguous():
-                    p.data = p.data.transpose(-1, -2).contiguous().transpose(-1, -2)
+            if (isinstance(mod, nn.Linear) or getattr(mod, "column_major_weights", False)) \
+                    and not p.data.transpose(-1, -2).is_contiguous():
+                p.data = p.data.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 class RMSNorm(nn.Module):
@@ -189,6 +189,7 @@ class Router(nn.Module):
     """
 
     batch_invariant = False
+    column_major_weights = True   # `pack_for_inference` lays the router matrix out for the CPU GEMM
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
