@@ -11,20 +11,23 @@ runs on):
   float32, 1..64 in bfloat16 for most shapes), or else on fixed tiles of exactly `MIN_ROWS`
   rows, the last one padded, so every call has one shape.
 - Attention over a padded batch: the number of keys a softmax and its weighted sum run over
-  is the longest context in the step, and a row's query count picks the kernel. `attention`
-  fixes both: scores come from matmuls of one fixed shape ([QUERY_TILE x g, D] x [D, KEY_CHUNK]
-  per kv head, g query heads per kv head), the key dimension is split into fixed chunks of
-  `KEY_CHUNK` whose partial sums are combined strictly in order (`cumsum`: chunks past a row's
-  keys add exact zeros), and every row's keys sit at the same places, in position order, whether
-  the row is a decode row, a chain verify row or a tree verify row (tree rows get a key list of
-  their own: the committed context, then their ancestors by depth).
+  is the longest context in the step, and a row's query count picks the kernel (SDPA's CPU
+  kernel rounds a row of a 4-row chunk otherwise than the same row alone, and a key placed
+  after a masked hole otherwise than the same key without the hole). `attention` gives every
+  query row a batch entry of its own over its own key list, in position order from index 0 (a
+  tree row: the committed context, then its ancestors by depth), padded to a multiple of
+  `KEY_CHUNK` and masked. On this CPU one SDPA call over such entries gives every row one result
+  whatever the padding and the other entries (`sdpa_is_invariant` probes it per head shape,
+  dtype and thread count); elsewhere `tiled_attention` computes the same from matmuls of one
+  fixed shape ([QUERY_TILE x g, D] x [D, KEY_CHUNK] per kv head, g query heads per kv head),
+  the key dimension split into chunks of `KEY_CHUNK` whose partial sums are combined strictly
+  in order (`cumsum`: chunks past a row's keys add exact zeros).
 - Element-wise transcendental functions (exp, sigmoid) run vectorised over the flattened tensor
   and finish its last partial vector with scalar code that rounds differently. A row narrower
   than a vector (the router's 8 expert scores) therefore changes with the rows before it.
   `rowwise` pads such rows to whole vectors (`LANES`) first.
 - RMSNorm, softmax, log-softmax and the top-k reduce within a row; they already are invariant.
-- The routed experts loop over the touched experts with `linear` on each (`RoutedExperts._looped`,
-  one host sync per layer).
+- The routed experts run each touched expert's rows through `linear` (`RoutedExperts._per_expert`).
 - Expert parallelism: an attention output projection is row-parallel (each rank sums over its
   heads, then the ranks' sums are all-reduced), which adds in another order than one rank's
   GEMM. One rank sums the projection in two halves of its heads (`split_linear`), each rank of
@@ -36,7 +39,7 @@ The float64 reference mode runs these kernels too (it is batch-invariant by defa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -155,28 +158,70 @@ def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
     return fn(F.pad(x, (0, pad)))[..., :x.shape[-1]] if pad else fn(x)
 
 
+SHARED_ROWS = 8    # a causal chunk of more rows than this shares one key list among its rows
+
+
+@dataclass(frozen=True, slots=True)
+class SharedKeys:
+    """A causal chunk of more than SHARED_ROWS rows (a prefill): rows first..first+n-1, at positions
+    start..start+n-1, read one key list, row r its first start+r+1 keys. `cells` [Kp]: the
+    context's cells in position order, padded with cell 0 to a multiple of KEY_CHUNK; `lengths`
+    [n]: the keys each row sees."""
+    first: int
+    start: int
+    context: torch.Tensor   # [start + n] the context's cells
+    cells: torch.Tensor     # [Kp]
+    lengths: torch.Tensor   # [n]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def tiles(self) -> AttentionTiles:
+        """The same rows as tiles of their own (for `tiled_attention`)."""
+        return attention_tiles([self.context], [self.start], [self.num_rows], [None], [self.first], share=False)
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionTiles:
-    """A step's query rows in tiles of QUERY_TILE, each tile with one key list.
+    """A step's query rows: tiles of QUERY_TILE rows, each tile with one key list, and the long
+    causal chunks whose rows share one (`shared`).
 
     cells [N, K] cache cells of the tile's keys in position order (padding 0), rows [N, QUERY_TILE]
     step row of each tile row, lengths [N, QUERY_TILE] keys each row sees (a prefix of the tile's
     list), real [N, QUERY_TILE] bool: a real row (padding rows repeat row 0 and see one key).
+    N may be 0 when every row is in a shared chunk.
     """
     cells: torch.Tensor
     rows: torch.Tensor
     lengths: torch.Tensor
     real: torch.Tensor
+    shared: tuple[SharedKeys, ...] = ()
+
+
+def _padded(n: int) -> int:
+    return -(-n // KEY_CHUNK) * KEY_CHUNK
 
 
 def attention_tiles(contexts: Sequence[torch.Tensor], starts: Sequence[int], counts: Sequence[int],
-                    parents: Sequence[Sequence[int] | None], first_rows: Sequence[int]) -> AttentionTiles:
+                    parents: Sequence[Sequence[int] | None], first_rows: Sequence[int],
+                    share: bool = True) -> AttentionTiles:
     """Tiles of one step: per sequence its context cells [end] (positions 0..end-1), the first
-    position of its chunk, its row count, its tree parents (None: causal) and its first step row."""
+    position of its chunk, its row count, its tree parents (None: causal) and its first step row.
+    `share`: causal chunks of more than SHARED_ROWS rows become `SharedKeys` (a prefill's rows
+    would otherwise each gather their own copy of the context)."""
     lists: list[torch.Tensor] = []
     rows: list[list[int]] = []
     lengths: list[list[int]] = []
+    shared: list[SharedKeys] = []
+    device = contexts[0].device
     for ctx, start, n, tree, first in zip(contexts, starts, counts, parents, first_rows):
+        if tree is None and share and n > SHARED_ROWS:
+            end = start + n
+            shared.append(SharedKeys(first=first, start=start, context=ctx[:end],
+                                     cells=F.pad(ctx[:end], (0, _padded(end) - end)),
+                                     lengths=torch.arange(start + 1, end + 1, device=device)))
+            continue
         if tree is None:
             for r0 in range(0, n, QUERY_TILE):
                 r1 = min(n, r0 + QUERY_TILE)
@@ -193,8 +238,11 @@ def attention_tiles(contexts: Sequence[torch.Tensor], starts: Sequence[int], cou
             lists.append(torch.cat((ctx[:start], ctx[start:][torch.tensor(path[::-1], device=ctx.device)])))
             rows.append([first + i])
             lengths.append([start + len(path)])
-    device = lists[0].device
-    k_max = -(-max(int(c.shape[0]) for c in lists) // KEY_CHUNK) * KEY_CHUNK
+    if not lists:
+        empty = torch.zeros(0, QUERY_TILE, dtype=torch.long, device=device)
+        return AttentionTiles(cells=torch.zeros(0, KEY_CHUNK, dtype=torch.long, device=device), rows=empty,
+                              lengths=empty, real=empty.bool(), shared=tuple(shared))
+    k_max = _padded(max(int(c.shape[0]) for c in lists))
     cells = torch.nn.utils.rnn.pad_sequence(lists, batch_first=True)            # padding: cell 0
     cells = F.pad(cells, (0, k_max - cells.shape[1]))
     pad = [QUERY_TILE - len(r) for r in rows]
@@ -202,15 +250,124 @@ def attention_tiles(contexts: Sequence[torch.Tensor], starts: Sequence[int], cou
     row_t = torch.tensor([r + [0] * p for r, p in zip(rows, pad)], device=device)
     len_t = torch.tensor([ln + [1] * p for ln, p in zip(lengths, pad)], device=device)
     real = torch.tensor([[True] * len(r) + [False] * p for r, p in zip(rows, pad)], device=device)
-    return AttentionTiles(cells=cells, rows=row_t, lengths=len_t, real=real)
+    return AttentionTiles(cells=cells, rows=row_t, lengths=len_t, real=real, shared=tuple(shared))
+
+
+_sdpa_plans: dict[tuple, bool] = {}
+PROBE_LENGTHS = (1, 2, 17, 63, 64, 65, 100, 300, 511, 512, 513, 1000)
+
+
+def _sdpa_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    """SDPA of one query row per entry: q [N, nh, D], keys [N, K, nkv, D], values [N, K, nkv, Dv],
+    lengths [N] keys each row sees (a prefix) -> [N, nh, Dv]."""
+    mask = (torch.arange(keys.shape[1], device=q.device)[None, :] < lengths[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=mask, scale=scale, enable_gqa=keys.shape[2] != q.shape[1])
+    return out[:, :, 0]
+
+
+def sdpa_is_invariant(nh: int, nkv: int, d: int, dv: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether SDPA gives a query row, alone in its batch entry and seeing a prefix of its keys
+    (the rest masked), one result whatever the padded key count (a multiple of KEY_CHUNK),
+    whatever the other entries of the call and whether the entries' keys are copies or one
+    list expanded: then `attention` runs on SDPA.
+    Measured once per head shape, dtype and thread count, on random rows and on rows whose
+    scores (channel pairs +L/-L of equal keys) or weighted sums (equal scores over values of
+    alternating sign +L/-L) depend on the order of summation far more than real data's. Only on
+    the CPU (an accelerator's attention kernels split the keys by the batch's size) and for equal
+    key and value widths (others, as latent attention's, take SDPA's unfused math path: a
+    batched matmul of its own choosing, and slower than the tiles)."""
+    key = (nh, nkv, d, dv, dtype, device.type, torch.get_num_threads())
+    plan = _sdpa_plans.get(key)
+    if plan is not None:
+        return plan
+    plan = device.type == "cpu" and d == dv
+    if plan:
+        gen = torch.Generator(device=device).manual_seed(0)
+        lengths = torch.tensor(PROBE_LENGTHS, device=device)
+        n, k_max = len(PROBE_LENGTHS), 1024 + 2 * KEY_CHUNK
+        for mode in ("random", "scores", "sums"):
+            q = torch.randn(n, nh, d, generator=gen, device=device)
+            keys = torch.randn(k_max, nkv, d, generator=gen, device=device) * 0.3
+            values = torch.randn(k_max, nkv, dv, generator=gen, device=device)
+            if mode == "scores":
+                h = d // 2
+                q[..., :h] = 2.0 ** 10 * torch.sign(torch.randn(n, nh, h, generator=gen, device=device))
+                q[..., h:2 * h] = -q[..., :h]
+                keys[..., h:2 * h] = keys[..., :h]
+            elif mode == "sums":
+                keys[:] = keys[:1].clone()
+                sign = (torch.arange(k_max, device=device) % 2 * 2 - 1).to(values.dtype)[:, None, None]
+                values = values * 0.01 + 2.0 ** 12 * sign
+            q, keys, values = q.to(dtype), keys.to(dtype), values.to(dtype)
+            want: dict[int, torch.Tensor] = {}
+            for kp in range(KEY_CHUNK, k_max + 1, KEY_CHUNK):
+                fits = (lengths <= kp).nonzero().flatten()
+                cells = torch.arange(kp, device=device).repeat(len(fits))
+                batch = _sdpa_rows(q[fits], keys[cells].view(len(fits), kp, nkv, d),
+                                   values[cells].view(len(fits), kp, nkv, dv), lengths[fits], 1 / d ** 0.5)
+                alone = _sdpa_rows(q[fits[-1:]], keys[:kp][None], values[:kp][None], lengths[fits[-1:]], 1 / d ** 0.5)
+                shared = _sdpa_rows(q[fits], keys[:kp][None].expand(len(fits), kp, nkv, d),
+                                    values[:kp][None].expand(len(fits), kp, nkv, dv), lengths[fits], 1 / d ** 0.5)
+                plan = plan and torch.equal(alone[0], batch[-1]) and torch.equal(shared, batch)
+                for row, i in enumerate(fits.tolist()):
+                    got = want.setdefault(i, batch[row])
+                    plan = plan and torch.equal(got, batch[row])
+                if not plan:
+                    break
+            if not plan:
+                break
+    _sdpa_plans[key] = plan
+    return plan
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: AttentionTiles,
               scale: float) -> torch.Tensor:
     """q [T, nh, D]; k_cache [S, nkv, D], v_cache [S, nkv, Dv] one layer's cells -> [T, nh, Dv].
 
+    Where `sdpa_is_invariant` (the CPU): one SDPA call with every tiled row its own batch entry
+    over its own key list, padded to a multiple of KEY_CHUNK and masked, and one per shared chunk
+    whose entries all read one gathered key list (expanded, not copied); else `tiled_attention`.
+    """
+    n, kp = tiles.cells.shape
+    nkv, d, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]
+    if QUERY_TILE != 1 or not sdpa_is_invariant(q.shape[1], nkv, d, dv, q.dtype, q.device):
+        return tiled_attention(q, k_cache, v_cache, tiles, scale)
+    out = None
+    if n:
+        cells = tiles.cells.reshape(-1)
+        keys = k_cache.index_select(0, cells).view(n, kp, nkv, d).to(q.dtype)
+        values = v_cache.index_select(0, cells).view(n, kp, nkv, dv).to(q.dtype)
+        out = _sdpa_rows(q.index_select(0, tiles.rows[:, 0]), keys, values, tiles.lengths[:, 0], scale)
+        if n == q.shape[0]:   # every row once, in step order (one-row tiles are built so)
+            return out
+    result = q.new_empty((*q.shape[:-1], dv))
+    if out is not None:
+        result.index_copy_(0, tiles.rows[:, 0], out)
+    for chunk in tiles.shared:
+        m, kp = chunk.num_rows, chunk.cells.shape[0]
+        keys = k_cache.index_select(0, chunk.cells).to(q.dtype)[None].expand(m, kp, nkv, d)
+        values = v_cache.index_select(0, chunk.cells).to(q.dtype)[None].expand(m, kp, nkv, dv)
+        result[chunk.first:chunk.first + m] = _sdpa_rows(q[chunk.first:chunk.first + m], keys, values,
+                                                         chunk.lengths, scale)
+    return result
+
+
+def tiled_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: AttentionTiles,
+                    scale: float) -> torch.Tensor:
+    """`attention` from fixed-shape matmuls, for where SDPA is not invariant: q [T, nh, D];
+    k_cache [S, nkv, D], v_cache [S, nkv, Dv] one layer's cells -> [T, nh, Dv].
+
     Scores and the softmax run in float32 (float64 for a float64 model), like SDPA's CPU kernel.
     """
+    if tiles.shared:
+        result = (tiled_attention(q, k_cache, v_cache, replace(tiles, shared=()), scale) if tiles.cells.shape[0]
+                  else q.new_empty((*q.shape[:-1], v_cache.shape[2])))
+        for chunk in tiles.shared:
+            rows = slice(chunk.first, chunk.first + chunk.num_rows)
+            result[rows] = tiled_attention(q, k_cache, v_cache, chunk.tiles(), scale)[rows]
+        return result
     n, kp = tiles.cells.shape
     nkv, d, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]
     nh = q.shape[1]

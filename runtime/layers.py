@@ -242,7 +242,7 @@ class RoutedExperts(nn.Module):
     experts computes only those and leaves other tokens' rows at zero.
     """
 
-    batch_invariant = False   # the per-expert loop on fixed GEMM tiles (runtime.batch_invariant)
+    batch_invariant = False   # each touched expert's GEMMs through runtime.batch_invariant.linear
     column_major_weights = True   # `pack_for_inference` lays each expert's matrices out for the CPU GEMM
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, expert_offset: int = 0) -> None:
@@ -260,18 +260,21 @@ class RoutedExperts(nn.Module):
 
         Rows routed to experts outside this shard contribute zero. float32 and bfloat16 take the
         grouped path on an accelerator (no host synchronisation) and the per-expert path on the
-        CPU (`_per_expert`); float64, the reference mode, and the batch-invariant mode loop over
-        the touched experts (on fixed GEMM tiles when batch-invariant). Every expert densely on
-        fixed grouped-matmul tiles, tried for the batch-invariant mode, was slower
-        (bench/records/batch_invariant_*.json, design §3.2).
+        CPU (`_per_expert`), batch-invariant there with `bi.linear` as each expert's GEMM (a row's
+        result depends on its own choices only; 5.4 against 6.0 ms of routed experts per 16-row
+        float32 step for the looped path, design §3.2); float64, the reference mode, loops over
+        the touched experts. Every expert densely on fixed grouped-matmul tiles, tried for the
+        batch-invariant mode, was slower (bench/records/batch_invariant_*_dense_experts.json).
         """
-        if x.dtype == torch.float64 or self.batch_invariant:
+        if x.dtype == torch.float64:
             return self._looped(x, weights, ids)
+        if self.batch_invariant:
+            return self._per_expert(x, weights, ids, bi.linear)
         if torch.compiler.is_compiling():   # opaque to inductor: grouped_mm has no float32 meta kernel
             return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
         return routed_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
 
-    def _per_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _per_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, mm=F.linear) -> torch.Tensor:
         """The CPU's path: choices sorted by local expert as in `_grouped`, then one pair of
         matmuls per touched expert. Reading the counts costs the CPU nothing (there is no device
         to wait for), and the loop skips the empty groups CPU `_grouped_mm` walks, each with its
@@ -291,8 +294,8 @@ class RoutedExperts(nn.Module):
         outs, start = [], 0
         for e, n in enumerate(counts[:e_local]):
             if n:
-                gate, up = F.linear(xs[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
-                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+                gate, up = mm(xs[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
+                outs.append(mm(F.silu(gate) * up, self.down_proj[e]))
                 start += n
         if counts[e_local]:
             outs.append(x.new_zeros(counts[e_local], x.shape[1]))              # held by other ranks

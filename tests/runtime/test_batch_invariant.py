@@ -7,6 +7,7 @@ without.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,16 @@ def rows_of(n: int, row: torch.Tensor, gen: torch.Generator) -> list[tuple[torch
     return out
 
 
+@contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def assert_row_invariant(fn, row: torch.Tensor) -> None:
     gen = torch.Generator().manual_seed(1)
     want = fn(row[None])[0]
@@ -69,9 +80,7 @@ def test_linear_rows_do_not_depend_on_the_row_count(dtype, shape, layout):
 def test_gemm_plan_holds_at_every_row_count(threads):
     """The calibrated plan's promise, checked beyond its own probe: rows 1..130 (several calls),
     each row against the same row alone, with a bias and without, at either thread count."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         gen = torch.Generator().manual_seed(3)
         for dtype in DTYPES:
             for n, k, bias in ((512, 256, False), (256, 768, False), (256, 256, True)):
@@ -83,8 +92,6 @@ def test_gemm_plan_holds_at_every_row_count(threads):
                     assert torch.equal(bi.linear(x[:rows], w, b), alone[:rows]), (dtype, n, k, rows)
                 lo, hi = bi.gemm_plan(w, dtype, bias)
                 assert 1 <= lo <= hi <= bi.MAX_TILE
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_plain_float32_linear_is_not_row_invariant_here():
@@ -138,14 +145,69 @@ def test_router_and_experts_rows_do_not_depend_on_the_row_count(dtype):
     assert_row_invariant(lambda x: shard(x, *router(x)[1:]), row)
 
 
-def attention_rows(dtype: torch.dtype, chunks: list[SeqChunk], cache: PagedKVCache,
-                   q: torch.Tensor) -> torch.Tensor:
+KERNELS = {"sdpa": bi.attention, "tiled": bi.tiled_attention}
+
+
+def attention_rows(kernel: str, chunks: list[SeqChunk], cache: PagedKVCache, q: torch.Tensor) -> torch.Tensor:
     plan = build_plan(cache, chunks, batch_invariant=True)
-    return bi.attention(q, cache.k[0], cache.v[0], plan.tiles, 0.125)
+    return KERNELS[kernel](q, cache.k[0], cache.v[0], plan.tiles, 0.125)
 
 
+@pytest.mark.parametrize("dtype", (*DTYPES, torch.float64))
+def test_sdpa_is_invariant_for_the_embedded_models_heads_on_this_cpu(dtype):
+    """The probe passes here for equal key and value widths (so `attention` is one SDPA call),
+    and refuses latent attention's unequal widths without trying."""
+    cfg = load_config(MODEL)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            assert bi.sdpa_is_invariant(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                        cfg.head_dim, dtype, torch.device("cpu"))
+    assert not bi.sdpa_is_invariant(16, 1, 96, 64, dtype, torch.device("cpu"))
+
+
+def test_sdpa_and_tiled_attention_agree_with_plain_attention():
+    """Both kernels compute attention: float64 rows within 1e-12 of an unpadded softmax."""
+    gen = torch.Generator().manual_seed(0)
+    nkv, nh, d = 2, 4, 64
+    cache = PagedKVCache(num_layers=1, num_kv_heads=nkv, head_dim=d, num_blocks=64, block_size=16,
+                         dtype=torch.float64)
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    chunks = [SeqChunk(0, 70, 3), SeqChunk(1, 0, 5), SeqChunk(2, 90, 4, parents=(-1, 0, 0, 1)),
+              SeqChunk(3, 60, bi.SHARED_ROWS + 4)]
+    for c in chunks:
+        cache.reserve(c.seq_id, c.end)
+    q = torch.randn(sum(c.num_tokens for c in chunks), nh, d, generator=gen, dtype=torch.float64)
+    want = []
+    row = 0
+    for c in chunks:
+        ctx = cache.cells(c.seq_id, 0, c.end)
+        for i in range(c.num_tokens):
+            seen = list(range(c.start)) + ([c.start + j for j in range(i + 1)] if c.parents is None else
+                                           [c.start + j for j in range(i + 1) if j == i or j in path(c.parents, i)])
+            keys = cache.k[0, ctx[seen]].repeat_interleave(nh // nkv, dim=1)        # [L, nh, D]
+            values = cache.v[0, ctx[seen]].repeat_interleave(nh // nkv, dim=1)
+            weights = torch.softmax(torch.einsum("hd,lhd->hl", q[row], keys) * 0.125, dim=-1)
+            want.append(torch.einsum("hl,lhd->hd", weights, values))
+            row += 1
+    assert len(build_plan(cache, chunks, batch_invariant=True).tiles.shared) == 1
+    for kernel in KERNELS:
+        got = attention_rows(kernel, chunks, cache, q)
+        assert torch.allclose(got, torch.stack(want), atol=1e-12, rtol=0), kernel
+
+
+def path(parents: tuple[int, ...], i: int) -> set[int]:
+    """Ancestors of tree row i."""
+    out = set()
+    while parents[i] >= 0:
+        i = parents[i]
+        out.add(i)
+    return out
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_row_is_the_same_in_decode_chain_tree_and_any_batch(dtype):
+def test_attention_row_is_the_same_in_decode_chain_tree_and_any_batch(dtype, kernel):
     """Position 40 of sequence 0 (token x): decoded alone, as row 2 of a chain verify, as a tree
     row whose ancestors are its chain's rows at other row indices, and beside 2 or 60 others."""
     gen = torch.Generator().manual_seed(0)
@@ -163,7 +225,7 @@ def test_attention_row_is_the_same_in_decode_chain_tree_and_any_batch(dtype):
     def run(chunks: list[SeqChunk], row: int, others: int) -> torch.Tensor:
         q = torch.randn(others, nh, d, generator=gen).to(dtype)
         q[row] = q_row
-        return attention_rows(dtype, chunks, cache, q)[row]
+        return attention_rows(kernel, chunks, cache, q)[row]
 
     # One set of keys for positions 38, 39, 40 of the chain, placed where each layout reads them.
     c = [torch.randn(nkv, d, generator=gen).to(dtype) for _ in range(3)]
@@ -173,6 +235,9 @@ def test_attention_row_is_the_same_in_decode_chain_tree_and_any_batch(dtype):
     want = run([SeqChunk(0, 40, 1)], 0, 1)                                       # decode at 40
     assert torch.equal(run([SeqChunk(0, 38, 3)], 2, 3), want)                    # chain verify row 2
     assert torch.equal(run([SeqChunk(0, 38, 5)], 2, 5), want)                    # ... with rows after it
+    # A prefill's rows share one key list (more than SHARED_ROWS rows), alone and beside a decode row.
+    assert torch.equal(run([SeqChunk(0, 0, 43)], 40, 43), want)
+    assert torch.equal(run([SeqChunk(1, lengths[1] - 1, 1), SeqChunk(0, 30, 13)], 11, 14), want)
     # A tree at 38..42, row 4's path 0 -> 2 -> 4 (rows 1 and 3 are another branch): its keys are
     # the chain's, at cells 38, 40, 42.
     for i, pos in enumerate((38, 40, 42)):
