@@ -172,6 +172,7 @@ class SharedKeys:
     context: torch.Tensor   # [start + n] the context's cells
     cells: torch.Tensor     # [Kp]
     lengths: torch.Tensor   # [n]
+    mask: torch.Tensor      # [n, 1, 1, Kp] `prefix_mask` of the lengths
 
     @property
     def num_rows(self) -> int:
@@ -189,13 +190,15 @@ class AttentionTiles:
 
     cells [N, K] cache cells of the tile's keys in position order (padding 0), rows [N, QUERY_TILE]
     step row of each tile row, lengths [N, QUERY_TILE] keys each row sees (a prefix of the tile's
-    list), real [N, QUERY_TILE] bool: a real row (padding rows repeat row 0 and see one key).
+    list), real [N, QUERY_TILE] bool: a real row (padding rows repeat row 0 and see one key), mask
+    [N, 1, 1, K] the keys of each tile's first row (`prefix_mask`: one-row tiles' SDPA mask).
     N may be 0 when every row is in a shared chunk.
     """
     cells: torch.Tensor
     rows: torch.Tensor
     lengths: torch.Tensor
     real: torch.Tensor
+    mask: torch.Tensor
     shared: tuple[SharedKeys, ...] = ()
 
 
@@ -218,9 +221,10 @@ def attention_tiles(contexts: Sequence[torch.Tensor], starts: Sequence[int], cou
     for ctx, start, n, tree, first in zip(contexts, starts, counts, parents, first_rows):
         if tree is None and share and n > SHARED_ROWS:
             end = start + n
+            seen = torch.arange(start + 1, end + 1, device=device)
             shared.append(SharedKeys(first=first, start=start, context=ctx[:end],
-                                     cells=F.pad(ctx[:end], (0, _padded(end) - end)),
-                                     lengths=torch.arange(start + 1, end + 1, device=device)))
+                                     cells=F.pad(ctx[:end], (0, _padded(end) - end)), lengths=seen,
+                                     mask=prefix_mask(seen, _padded(end))))
             continue
         if tree is None:
             for r0 in range(0, n, QUERY_TILE):
@@ -241,7 +245,8 @@ def attention_tiles(contexts: Sequence[torch.Tensor], starts: Sequence[int], cou
     if not lists:
         empty = torch.zeros(0, QUERY_TILE, dtype=torch.long, device=device)
         return AttentionTiles(cells=torch.zeros(0, KEY_CHUNK, dtype=torch.long, device=device), rows=empty,
-                              lengths=empty, real=empty.bool(), shared=tuple(shared))
+                              lengths=empty, real=empty.bool(), mask=prefix_mask(empty[:, 0], KEY_CHUNK),
+                              shared=tuple(shared))
     k_max = _padded(max(int(c.shape[0]) for c in lists))
     cells = torch.nn.utils.rnn.pad_sequence(lists, batch_first=True)            # padding: cell 0
     cells = F.pad(cells, (0, k_max - cells.shape[1]))
@@ -250,18 +255,23 @@ def attention_tiles(contexts: Sequence[torch.Tensor], starts: Sequence[int], cou
     row_t = torch.tensor([r + [0] * p for r, p in zip(rows, pad)], device=device)
     len_t = torch.tensor([ln + [1] * p for ln, p in zip(lengths, pad)], device=device)
     real = torch.tensor([[True] * len(r) + [False] * p for r, p in zip(rows, pad)], device=device)
-    return AttentionTiles(cells=cells, rows=row_t, lengths=len_t, real=real, shared=tuple(shared))
+    return AttentionTiles(cells=cells, rows=row_t, lengths=len_t, real=real, mask=prefix_mask(len_t[:, 0], k_max),
+                          shared=tuple(shared))
 
 
 _sdpa_plans: dict[tuple, bool] = {}
 PROBE_LENGTHS = (1, 2, 17, 63, 64, 65, 100, 300, 511, 512, 513, 1000)
 
 
-def _sdpa_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+def prefix_mask(lengths: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[N, 1, 1, num_keys] bool: entry i sees its first lengths[i] keys."""
+    return (torch.arange(num_keys, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
+
+
+def _sdpa_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                scale: float) -> torch.Tensor:
     """SDPA of one query row per entry: q [N, nh, D], keys [N, K, nkv, D], values [N, K, nkv, Dv],
-    lengths [N] keys each row sees (a prefix) -> [N, nh, Dv]."""
-    mask = (torch.arange(keys.shape[1], device=q.device)[None, :] < lengths[:, None])[:, None, None, :]
+    mask [N, 1, 1, K] the keys each row sees (`prefix_mask`) -> [N, nh, Dv]."""
     out = F.scaled_dot_product_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
                                          attn_mask=mask, scale=scale, enable_gqa=keys.shape[2] != q.shape[1])
     return out[:, :, 0]
@@ -305,11 +315,12 @@ def sdpa_is_invariant(nh: int, nkv: int, d: int, dv: int, dtype: torch.dtype, de
             for kp in range(KEY_CHUNK, k_max + 1, KEY_CHUNK):
                 fits = (lengths <= kp).nonzero().flatten()
                 cells = torch.arange(kp, device=device).repeat(len(fits))
+                mask = prefix_mask(lengths[fits], kp)
                 batch = _sdpa_rows(q[fits], keys[cells].view(len(fits), kp, nkv, d),
-                                   values[cells].view(len(fits), kp, nkv, dv), lengths[fits], 1 / d ** 0.5)
-                alone = _sdpa_rows(q[fits[-1:]], keys[:kp][None], values[:kp][None], lengths[fits[-1:]], 1 / d ** 0.5)
+                                   values[cells].view(len(fits), kp, nkv, dv), mask, 1 / d ** 0.5)
+                alone = _sdpa_rows(q[fits[-1:]], keys[:kp][None], values[:kp][None], mask[-1:], 1 / d ** 0.5)
                 shared = _sdpa_rows(q[fits], keys[:kp][None].expand(len(fits), kp, nkv, d),
-                                    values[:kp][None].expand(len(fits), kp, nkv, dv), lengths[fits], 1 / d ** 0.5)
+                                    values[:kp][None].expand(len(fits), kp, nkv, dv), mask, 1 / d ** 0.5)
                 plan = plan and torch.equal(alone[0], batch[-1]) and torch.equal(shared, batch)
                 for row, i in enumerate(fits.tolist()):
                     got = want.setdefault(i, batch[row])
@@ -339,7 +350,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, til
         cells = tiles.cells.reshape(-1)
         keys = k_cache.index_select(0, cells).view(n, kp, nkv, d).to(q.dtype)
         values = v_cache.index_select(0, cells).view(n, kp, nkv, dv).to(q.dtype)
-        out = _sdpa_rows(q.index_select(0, tiles.rows[:, 0]), keys, values, tiles.lengths[:, 0], scale)
+        out = _sdpa_rows(q.index_select(0, tiles.rows[:, 0]), keys, values, tiles.mask, scale)
         if n == q.shape[0]:   # every row once, in step order (one-row tiles are built so)
             return out
     result = q.new_empty((*q.shape[:-1], dv))
@@ -350,7 +361,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, til
         keys = k_cache.index_select(0, chunk.cells).to(q.dtype)[None].expand(m, kp, nkv, d)
         values = v_cache.index_select(0, chunk.cells).to(q.dtype)[None].expand(m, kp, nkv, dv)
         result[chunk.first:chunk.first + m] = _sdpa_rows(q[chunk.first:chunk.first + m], keys, values,
-                                                         chunk.lengths, scale)
+                                                         chunk.mask, scale)
     return result
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime import batch_invariant as bi
 from runtime.config import ModelConfig
 from runtime.layers import MLP, Attention, AttentionContext, Linear, MoE, RMSNorm
 from runtime.mla import MLAttention
@@ -58,7 +59,24 @@ class MTPLayer(nn.Module):
         self.shared_head = SharedHead(cfg, own_head)
 
 
+class RowTwice:
+    """The `AttentionContext` of a one-row step run as two copies of its row: the first row
+    attends (and writes its keys and values) through `ctx`, the copy reuses its output."""
+
+    def __init__(self, ctx: AttentionContext) -> None:
+        self.ctx = ctx
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        out = self.ctx.attend(layer_idx, q[:1], k[:1], v[:1], scale)
+        return out.expand(2, *out.shape[1:])
+
+
 class CausalLM(nn.Module):
+    # Switched by runtime.batch_invariant.set_batch_invariant: one-row steps run as two copies of
+    # the row where one-row GEMMs round otherwise than the rest (`_twice`).
+    batch_invariant = False
+
     def __init__(self, cfg: ModelConfig, *, mtp_own_embed: bool = False, mtp_own_head: bool = False) -> None:
         super().__init__()
         self.config = cfg
@@ -91,11 +109,24 @@ class CausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """tokens, positions [T] -> hidden states before the final norm [T, H]."""
+        if self._twice(tokens):
+            return self.forward(tokens.expand(2), positions.expand(2), RowTwice(ctx))[:1]
         x = self.embed_tokens(tokens)
         rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, rope, ctx)
         return x
+
+    def _twice(self, tokens: torch.Tensor) -> bool:
+        """Whether this batch-invariant step of one row runs as two copies of it: where a GEMM
+        gives one row alone another result than rows in company (float32 on this CPU, by
+        `bi.gemm_plan`), `bi.linear` would pad every call (~60 a step, a pad and a slice each);
+        two copies make every call, the routed experts' included, two rows long without them. The
+        copy's keys and values are never written (`RowTwice`)."""
+        if not self.batch_invariant or tokens.shape[0] != 1:
+            return False
+        w = self.lm_head.weight
+        return bi.gemm_plan(w, w.dtype, False)[0] > 1
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [N, H] -> logits [N, V]."""
@@ -107,6 +138,9 @@ class CausalLM(nn.Module):
         the MTP layer's pre-norm output [T, H] (the input hidden of the next draft step)."""
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers is 0)")
+        if self._twice(tokens):
+            return self.mtp_forward(tokens.expand(2), prev_hidden.expand(2, -1), positions.expand(2),
+                                    RowTwice(ctx))[:1]
         mtp = self.mtp
         embed = mtp.embed_tokens if mtp.embed_tokens is not None else self.embed_tokens
         x = mtp.eh_proj(torch.cat((mtp.enorm(embed(tokens)), mtp.hnorm(prev_hidden)), dim=-1))

@@ -15,7 +15,7 @@ import torch
 
 from bench.corpus import heldout_prompts
 from runtime import batch_invariant as bi
-from runtime.attention import SeqChunk, build_plan
+from runtime.attention import PagedAttention, SeqChunk, build_plan
 from runtime.config import load_config
 from runtime.kv_cache import PagedKVCache
 from runtime.layers import Router, RoutedExperts
@@ -252,6 +252,44 @@ def test_attention_row_is_the_same_in_decode_chain_tree_and_any_batch(dtype, ker
             mixed = chunks[:at] + [tree] + chunks[at:]
             first = sum(c.num_tokens for c in mixed[:at])
             assert torch.equal(run(mixed, first + 4, sum(c.num_tokens for c in mixed)), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_row_step_equals_the_row_among_others(dtype):
+    """A one-row target and MTP step (run as two copies of the row where the plan pads one-row
+    GEMMs, `CausalLM._twice`) gives the row's hidden bit for bit as a step of several rows does,
+    and writes the copy's keys nowhere."""
+    llm = LLM(MODEL, dtype, kv_cache_tokens=2048, batch_invariant=True)
+    runner = llm.engine.runner
+    model, cache = runner.model, runner.cache
+    w = model.lm_head.weight
+    assert model._twice(torch.tensor([1])) == (bi.gemm_plan(w, w.dtype, False)[0] > 1)
+    tokens = [5, 17, 99, 3, 42]
+    cache.reserve(0, 5)
+    cache.reserve(1, 5)
+    runner.forward(tokens[:4], [SeqChunk(0, 0, 4)])
+    runner.forward(tokens[:4], [SeqChunk(1, 0, 4)])
+    before = cache.k.clone()
+    alone, _ = runner.forward(tokens[4:], [SeqChunk(0, 4, 1)])
+    written = (cache.k != before).any(dim=(0, 2, 3)).nonzero().flatten().tolist()
+    assert written == cache.cells(0, 4, 5).tolist()                   # the row's own cell only
+    together, _ = runner.forward(tokens[2:], [SeqChunk(1, 2, 3)])
+    assert torch.equal(alone[0], together[2])
+    # The MTP layer over the same five rows, split 4 + 1 in sequence 0 and 2 + 3 in sequence 1.
+    hidden = torch.cat((together, together))[:5]
+    draft, pos = torch.tensor([7, 8, 9, 10, 11]), torch.arange(5)
+
+    def mtp(seq: int, a: int, b: int) -> torch.Tensor:
+        ctx = PagedAttention(cache, build_plan(cache, [SeqChunk(seq, a, b - a)], batch_invariant=True))
+        with torch.inference_mode():
+            return model.mtp_forward(draft[a:b], hidden[a:b], pos[a:b], ctx)
+
+    mtp(0, 0, 4)
+    one = mtp(0, 4, 5)
+    mtp(1, 0, 2)
+    three = mtp(1, 2, 5)
+    assert torch.equal(one[0], three[2])
+    llm.shutdown()
 
 
 # --- the engine ----------------------------------------------------------------------------
