@@ -114,7 +114,15 @@ def gemm_plan(weight: torch.Tensor, dtype: torch.dtype, bias: bool) -> tuple[int
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` whose every output row is independent of the other rows of `x` [..., in]: the
-    GEMM runs on calls of `gemm_plan` rows (the last call padded up to its least row count)."""
+    GEMM runs on calls of `gemm_plan` rows (the last call padded up to its least row count).
+    In a compiled graph it is one opaque op (`metrale::bi_linear`): the row count never becomes a
+    guard, so every row count shares one graph and its generated kernels."""
+    if torch.compiler.is_compiling():
+        return torch.ops.metrale.bi_linear(x, weight, bias)
+    return _linear(x, weight, bias)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     n = flat.shape[0]
     lo, hi = gemm_plan(weight, flat.dtype, bias is not None)
@@ -129,6 +137,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             tiles[-1] = F.pad(tiles[-1], (0, 0, 0, lo - tiles[-1].shape[0]))
         out = torch.cat([F.linear(tile, weight, bias) for tile in tiles])
     return out[:n].reshape(*x.shape[:-1], weight.shape[0])
+
+
+# The low-level registration, as runtime.attention's paged_attention (fewer wrappers per call).
+torch.library.define("metrale::bi_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+torch.library.impl("metrale::bi_linear", "CompositeExplicitAutograd")(_linear)
+
+
+@torch.library.register_fake("metrale::bi_linear")
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def halves(num_heads: int) -> int:

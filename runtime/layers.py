@@ -269,6 +269,8 @@ class RoutedExperts(nn.Module):
         if x.dtype == torch.float64:
             return self._looped(x, weights, ids)
         if self.batch_invariant:
+            if torch.compiler.is_compiling():
+                return invariant_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
             return self._per_expert(x, weights, ids, bi.linear)
         if torch.compiler.is_compiling():   # opaque to inductor: grouped_mm has no float32 meta kernel
             return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
@@ -371,19 +373,24 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     return path(experts, x, weights, ids)
 
 
-# The low-level registration, as `runtime.attention.paged_attention` (fewer Python wrappers per call).
-torch.library.define("metrale::grouped_experts", "(Tensor x, Tensor weights, Tensor ids, Tensor gate_up_proj, "
-                     "Tensor down_proj, int expert_offset) -> Tensor")
-torch.library.impl("metrale::grouped_experts", "CompositeExplicitAutograd")(routed_experts)
+def _invariant_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                       down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
+    """The batch-invariant routed experts: per expert, each expert's GEMMs through `bi.linear`."""
+    return RoutedExperts._per_expert(_Experts(gate_up_proj, down_proj, expert_offset), x, weights, ids, bi.linear)
 
 
-@torch.library.register_fake("metrale::grouped_experts")
-def _(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
-      down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
-    return x.new_empty(x.shape)
+def _experts_op(name: str, impl):
+    """`impl` as an opaque op of a compiled graph, with the low-level registration, as
+    `runtime.attention.paged_attention` (fewer Python wrappers per call)."""
+    torch.library.define(f"metrale::{name}", "(Tensor x, Tensor weights, Tensor ids, Tensor gate_up_proj, "
+                         "Tensor down_proj, int expert_offset) -> Tensor")
+    torch.library.impl(f"metrale::{name}", "CompositeExplicitAutograd")(impl)
+    torch.library.register_fake(f"metrale::{name}")(lambda x, *_: x.new_empty(x.shape))
+    return getattr(torch.ops.metrale, name)
 
 
-grouped_experts = torch.ops.metrale.grouped_experts   # `routed_experts` as an opaque op of a compiled graph
+grouped_experts = _experts_op("grouped_experts", routed_experts)          # the default experts
+invariant_experts = _experts_op("invariant_experts", _invariant_experts)  # the batch-invariant experts
 
 
 class MoE(nn.Module):

@@ -10,7 +10,7 @@ from runtime.attention import ContextAttention, PagedAttention, SeqChunk, StepPl
 from runtime.batch_invariant import set_batch_invariant
 from runtime.device import kv_tokens_for_memory
 from runtime.kv_cache import PagedKVCache
-from runtime.model import CausalLM
+from runtime.model import CausalLM, RowTwice
 from runtime.static_step import StepGraphs
 
 CONTEXT_ATTENTION = ContextAttention()
@@ -45,17 +45,19 @@ class ModelRunner:
         with the step.
 
         `compiled`: the target forward runs through `torch.compile` (inductor, dynamic shapes),
-        with paged attention and the routed experts as opaque ops; float64 always runs eager.
+        with paged attention and the routed experts (and in batch-invariant mode every GEMM) as
+        opaque ops; float64 always runs eager.
         `batch_invariant`: every row's result is independent of the other rows of its step
         (runtime.batch_invariant); None: on for float64 only."""
         cfg = model.config
         self.model = model
         self.batch_invariant = model.dtype == torch.float64 if batch_invariant is None else batch_invariant
         set_batch_invariant(model, self.batch_invariant)
-        # A batch-invariant step runs eager: inductor's CPU kernels are not row-invariant (in
-        # bfloat16 a prefill row changed with the step's row count from about 350 rows up, even
-        # with whole tiles and one graph for every count), and compiling gains only 2-3% here.
-        self.compiled = compiled and model.dtype != torch.float64 and not self.batch_invariant
+        # A batch-invariant step compiles too: its GEMMs, experts and attention are opaque ops whose
+        # row count never becomes a guard, so one graph (and one set of generated kernels) serves
+        # every row count; a one-row step runs as two copies of its row (`forward`), so no graph
+        # is specialised to one row either.
+        self.compiled = compiled and model.dtype != torch.float64
         # No size and stride asserts around every extern kernel: 111 of them per step, 4% of its CPU time.
         self._compiled_forward = (torch.compile(model.forward, dynamic=True, options={"size_asserts": False})
                                   if self.compiled else None)
@@ -86,6 +88,12 @@ class ModelRunner:
         paged = PagedAttention(self.cache, plan)
         if self._compiled_forward is None:
             return self.model(token_tensor, plan.positions, paged), plan
+        if self.batch_invariant and len(tokens) == 1:
+            # Dynamo specialises a graph to one row (its kernels might round otherwise): the row
+            # runs twice, the copy reusing its attention (runtime.model.RowTwice).
+            with forward_context(RowTwice(paged)):
+                hidden = self._compiled_forward(token_tensor.repeat(2), plan.positions.repeat(2), CONTEXT_ATTENTION)
+            return hidden[:1], plan
         with forward_context(paged):
             return self._compiled_forward(token_tensor, plan.positions, CONTEXT_ATTENTION), plan
 
