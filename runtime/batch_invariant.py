@@ -18,7 +18,9 @@ runs on):
   tree row: the committed context, then its ancestors by depth), padded to a multiple of
   `KEY_CHUNK` and masked. On this CPU one SDPA call over such entries gives every row one result
   whatever the padding and the other entries (`sdpa_is_invariant` probes it per head shape,
-  dtype and thread count); elsewhere `tiled_attention` computes the same from matmuls of one
+  dtype and thread count). A sequence's key list is still gathered once: a short chain's rows
+  are query heads of one entry (`chain_attention`), a prefill's entries share one expanded list.
+  Elsewhere `tiled_attention` computes the same from matmuls of one
   fixed shape ([QUERY_TILE x g, D] x [D, KEY_CHUNK] per kv head, g query heads per kv head),
   the key dimension split into chunks of `KEY_CHUNK` whose partial sums are combined strictly
   in order (`cumsum`: chunks past a row's keys add exact zeros).
@@ -39,7 +41,7 @@ The float64 reference mode runs these kernels too (it is batch-invariant by defa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -202,9 +204,48 @@ class SharedKeys:
 
 
 @dataclass(frozen=True, slots=True)
+class ChainRows:
+    """Decode rows and short causal chunks (at most SHARED_ROWS rows, a chain verify): one key
+    list per sequence, gathered once, its rows attended as extra query heads of one SDPA entry
+    (`chain_attention`). B sequences, Qm the most rows of one, Kp keys (a multiple of KEY_CHUNK).
+
+    cells [B, Kp] context cells in position order (padding 0); rows [B, Qm] step row of each row
+    (padding: the chunk's first row); lengths [B, Qm] keys each row sees (padding 1); flat [R]
+    the real rows' places in B x Qm and step_rows [R] their step rows; in_order: the real rows
+    are every row of the step in step order with no padding (the output needs no reordering)."""
+    cells: torch.Tensor
+    rows: torch.Tensor
+    lengths: torch.Tensor
+    flat: torch.Tensor
+    step_rows: torch.Tensor
+    in_order: bool
+    contexts: tuple[torch.Tensor, ...]     # for `tiles`
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+    firsts: tuple[int, ...]
+    masks: dict = field(default_factory=dict)   # (kv heads, group) -> [B, Hq, 1, Kp]
+
+    def head_mask(self, nkv: int, g: int) -> torch.Tensor:
+        """[B, nkv * Qm * g, 1, Kp]: query head (kv head, row, group member) sees its row's keys."""
+        mask = self.masks.get((nkv, g))
+        if mask is None:
+            b, qm = self.rows.shape
+            kp = self.cells.shape[1]
+            seen = torch.arange(kp, device=self.cells.device)[None, None, :] < self.lengths[..., None]   # [B, Qm, Kp]
+            mask = self.masks[(nkv, g)] = seen[:, None, :, None].expand(b, nkv, qm, g, kp).reshape(b, -1, 1, kp)
+        return mask
+
+    def tiles(self) -> AttentionTiles:
+        """The same rows as tiles of their own (for `tiled_attention`)."""
+        return attention_tiles(self.contexts, self.starts, self.counts, [None] * len(self.counts), self.firsts,
+                               share=False)
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionTiles:
-    """A step's query rows: tiles of QUERY_TILE rows, each tile with one key list, and the long
-    causal chunks whose rows share one (`shared`).
+    """A step's query rows: tiles of QUERY_TILE rows, each tile with one key list (tree rows, or
+    every row when not `share`d), the long causal chunks whose rows share one (`shared`), and the
+    short causal chunks whose rows share one per sequence (`chains`).
 
     cells [N, K] cache cells of the tile's keys in position order (padding 0), rows [N, QUERY_TILE]
     step row of each tile row, lengths [N, QUERY_TILE] keys each row sees (a prefix of the tile's
@@ -218,6 +259,7 @@ class AttentionTiles:
     real: torch.Tensor
     mask: torch.Tensor
     shared: tuple[SharedKeys, ...] = ()
+    chains: ChainRows | None = None
 
 
 def _padded(n: int) -> int:
@@ -229,15 +271,19 @@ def attention_tiles(contexts: Sequence[torch.Tensor], starts: Sequence[int], cou
                     share: bool = True) -> AttentionTiles:
     """Tiles of one step: per sequence its context cells [end] (positions 0..end-1), the first
     position of its chunk, its row count, its tree parents (None: causal) and its first step row.
-    `share`: causal chunks of more than SHARED_ROWS rows become `SharedKeys` (a prefill's rows
-    would otherwise each gather their own copy of the context)."""
+    `share`: causal chunks of more than SHARED_ROWS rows become `SharedKeys` and shorter ones
+    `ChainRows` (their rows would otherwise each gather their own copy of the context)."""
     lists: list[torch.Tensor] = []
     rows: list[list[int]] = []
     lengths: list[list[int]] = []
     shared: list[SharedKeys] = []
+    chain: list[tuple[torch.Tensor, int, int, int]] = []     # (context, start, rows, first row)
     device = contexts[0].device
     for ctx, start, n, tree, first in zip(contexts, starts, counts, parents, first_rows):
-        if tree is None and share and n > SHARED_ROWS:
+        if tree is None and share and n <= SHARED_ROWS:
+            chain.append((ctx[:start + n], start, n, first))
+            continue
+        if tree is None and share:
             end = start + n
             seen = torch.arange(start + 1, end + 1, device=device)
             shared.append(SharedKeys(first=first, start=start, context=ctx[:end],
@@ -260,11 +306,12 @@ def attention_tiles(contexts: Sequence[torch.Tensor], starts: Sequence[int], cou
             lists.append(torch.cat((ctx[:start], ctx[start:][torch.tensor(path[::-1], device=ctx.device)])))
             rows.append([first + i])
             lengths.append([start + len(path)])
+    chains = _chain_rows(chain, in_order=not lists and not shared) if chain else None
     if not lists:
         empty = torch.zeros(0, QUERY_TILE, dtype=torch.long, device=device)
         return AttentionTiles(cells=torch.zeros(0, KEY_CHUNK, dtype=torch.long, device=device), rows=empty,
                               lengths=empty, real=empty.bool(), mask=prefix_mask(empty[:, 0], KEY_CHUNK),
-                              shared=tuple(shared))
+                              shared=tuple(shared), chains=chains)
     k_max = _padded(max(int(c.shape[0]) for c in lists))
     cells = torch.nn.utils.rnn.pad_sequence(lists, batch_first=True)            # padding: cell 0
     cells = F.pad(cells, (0, k_max - cells.shape[1]))
@@ -274,7 +321,45 @@ def attention_tiles(contexts: Sequence[torch.Tensor], starts: Sequence[int], cou
     len_t = torch.tensor([ln + [1] * p for ln, p in zip(lengths, pad)], device=device)
     real = torch.tensor([[True] * len(r) + [False] * p for r, p in zip(rows, pad)], device=device)
     return AttentionTiles(cells=cells, rows=row_t, lengths=len_t, real=real, mask=prefix_mask(len_t[:, 0], k_max),
-                          shared=tuple(shared))
+                          shared=tuple(shared), chains=chains)
+
+
+def _chain_rows(chain: list[tuple[torch.Tensor, int, int, int]], in_order: bool) -> ChainRows:
+    """`ChainRows` of (context [end], start, rows, first step row) per sequence, in step order;
+    `in_order`: these are all of the step's rows."""
+    qm = max(n for _, _, n, _ in chain)
+    kp = _padded(max(int(ctx.shape[0]) for ctx, _, _, _ in chain))
+    device = chain[0][0].device
+    cells = torch.nn.utils.rnn.pad_sequence([ctx for ctx, _, _, _ in chain], batch_first=True)   # padding: cell 0
+    cells = F.pad(cells, (0, kp - cells.shape[1]))
+    rows = [[first + r if r < n else first for r in range(qm)] for _, _, n, first in chain]
+    lengths = [[start + r + 1 if r < n else 1 for r in range(qm)] for _, start, n, _ in chain]
+    flat = [b * qm + r for b, (_, _, n, _) in enumerate(chain) for r in range(n)]
+    step_rows = [first + r for _, _, n, first in chain for r in range(n)]
+    return ChainRows(cells=cells, rows=torch.tensor(rows, device=device), lengths=torch.tensor(lengths, device=device),
+                     flat=torch.tensor(flat, device=device), step_rows=torch.tensor(step_rows, device=device),
+                     in_order=in_order and len(flat) == len(chain) * qm,
+                     contexts=tuple(ctx for ctx, _, _, _ in chain), starts=tuple(st for _, st, _, _ in chain),
+                     counts=tuple(n for _, _, n, _ in chain), firsts=tuple(f for _, _, _, f in chain))
+
+
+def chain_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chains: ChainRows,
+                    scale: float) -> torch.Tensor:
+    """The chain rows' attention [B * Qm, nh, Dv] (padding rows included): one SDPA call, one
+    entry per sequence over its key list, each row's g query heads per kv head as query heads of
+    their own (ordered kv head, row, group member), each with one query row and its own mask;
+    `sdpa_is_invariant` checks this equals a batch entry per row."""
+    b, kp = chains.cells.shape
+    qm = chains.rows.shape[1]
+    nh, nkv, d, dv = q.shape[1], k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]
+    g = nh // nkv
+    cells = chains.cells.reshape(-1)
+    keys = k_cache.index_select(0, cells).view(b, kp, nkv, d).to(q.dtype).transpose(1, 2)
+    values = v_cache.index_select(0, cells).view(b, kp, nkv, dv).to(q.dtype).transpose(1, 2)
+    heads = q.index_select(0, chains.rows.reshape(-1)).view(b, qm, nkv, g, d).permute(0, 2, 1, 3, 4)
+    out = F.scaled_dot_product_attention(heads.reshape(b, nkv * qm * g, 1, d), keys, values,
+                                         attn_mask=chains.head_mask(nkv, g), scale=scale, enable_gqa=qm * g > 1)
+    return out.view(b, nkv, qm, g, dv).permute(0, 2, 1, 3, 4).reshape(b * qm, nh, dv)
 
 
 _sdpa_plans: dict[tuple, bool] = {}
@@ -298,8 +383,9 @@ def _sdpa_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
 def sdpa_is_invariant(nh: int, nkv: int, d: int, dv: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether SDPA gives a query row, alone in its batch entry and seeing a prefix of its keys
     (the rest masked), one result whatever the padded key count (a multiple of KEY_CHUNK),
-    whatever the other entries of the call and whether the entries' keys are copies or one
-    list expanded: then `attention` runs on SDPA.
+    whatever the other entries of the call, whether the entries' keys are copies or one list
+    expanded, and when rows sharing a key list are query heads of one entry (`chain_attention`):
+    then `attention` runs on SDPA.
     Measured once per head shape, dtype and thread count, on random rows and on rows whose
     scores (channel pairs +L/-L of equal keys) or weighted sums (equal scores over values of
     alternating sign +L/-L) depend on the order of summation far more than real data's. Only on
@@ -339,7 +425,12 @@ def sdpa_is_invariant(nh: int, nkv: int, d: int, dv: int, dtype: torch.dtype, de
                 alone = _sdpa_rows(q[fits[-1:]], keys[:kp][None], values[:kp][None], mask[-1:], 1 / d ** 0.5)
                 shared = _sdpa_rows(q[fits], keys[:kp][None].expand(len(fits), kp, nkv, d),
                                     values[:kp][None].expand(len(fits), kp, nkv, dv), mask, 1 / d ** 0.5)
-                plan = plan and torch.equal(alone[0], batch[-1]) and torch.equal(shared, batch)
+                chains = ChainRows(cells=torch.arange(kp, device=device)[None], rows=fits[None],
+                                   lengths=lengths[fits][None], flat=fits, step_rows=fits, in_order=False,
+                                   contexts=(), starts=(), counts=(), firsts=())
+                as_heads = chain_attention(q, keys, values, chains, 1 / d ** 0.5)
+                plan = (plan and torch.equal(alone[0], batch[-1]) and torch.equal(shared, batch)
+                        and torch.equal(as_heads, batch))
                 for row, i in enumerate(fits.tolist()):
                     got = want.setdefault(i, batch[row])
                     plan = plan and torch.equal(got, batch[row])
@@ -355,14 +446,18 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, til
               scale: float) -> torch.Tensor:
     """q [T, nh, D]; k_cache [S, nkv, D], v_cache [S, nkv, Dv] one layer's cells -> [T, nh, Dv].
 
-    Where `sdpa_is_invariant` (the CPU): one SDPA call with every tiled row its own batch entry
-    over its own key list, padded to a multiple of KEY_CHUNK and masked, and one per shared chunk
-    whose entries all read one gathered key list (expanded, not copied); else `tiled_attention`.
+    Where `sdpa_is_invariant` (the CPU), SDPA with one query row per (entry, head), keys padded
+    to a multiple of KEY_CHUNK and masked: the chain rows as query heads of their sequence's
+    entry (`chain_attention`), each tree row an entry over its own key list, each shared chunk's
+    rows entries over one gathered list (expanded, not copied); else `tiled_attention`.
     """
     n, kp = tiles.cells.shape
     nkv, d, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]
     if QUERY_TILE != 1 or not sdpa_is_invariant(q.shape[1], nkv, d, dv, q.dtype, q.device):
         return tiled_attention(q, k_cache, v_cache, tiles, scale)
+    chains = tiles.chains
+    if chains is not None and chains.in_order:
+        return chain_attention(q, k_cache, v_cache, chains, scale)
     out = None
     if n:
         cells = tiles.cells.reshape(-1)
@@ -374,6 +469,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, til
     result = q.new_empty((*q.shape[:-1], dv))
     if out is not None:
         result.index_copy_(0, tiles.rows[:, 0], out)
+    if chains is not None:
+        result.index_copy_(0, chains.step_rows, chain_attention(q, k_cache, v_cache, chains, scale)[chains.flat])
     for chunk in tiles.shared:
         m, kp = chunk.num_rows, chunk.cells.shape[0]
         keys = k_cache.index_select(0, chunk.cells).to(q.dtype)[None].expand(m, kp, nkv, d)
@@ -390,12 +487,15 @@ def tiled_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     Scores and the softmax run in float32 (float64 for a float64 model), like SDPA's CPU kernel.
     """
-    if tiles.shared:
-        result = (tiled_attention(q, k_cache, v_cache, replace(tiles, shared=()), scale) if tiles.cells.shape[0]
-                  else q.new_empty((*q.shape[:-1], v_cache.shape[2])))
+    if tiles.shared or tiles.chains is not None:
+        result = (tiled_attention(q, k_cache, v_cache, replace(tiles, shared=(), chains=None), scale)
+                  if tiles.cells.shape[0] else q.new_empty((*q.shape[:-1], v_cache.shape[2])))
         for chunk in tiles.shared:
             rows = slice(chunk.first, chunk.first + chunk.num_rows)
             result[rows] = tiled_attention(q, k_cache, v_cache, chunk.tiles(), scale)[rows]
+        if tiles.chains is not None:
+            rows = tiles.chains.step_rows
+            result[rows] = tiled_attention(q, k_cache, v_cache, tiles.chains.tiles(), scale)[rows]
         return result
     n, kp = tiles.cells.shape
     nkv, d, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[2]

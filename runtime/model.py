@@ -48,6 +48,8 @@ class MTPLayer(nn.Module):
     Embedding and head fall back to the target model's when the checkpoint does not carry them.
     """
 
+    batch_invariant = False   # its modules' kernels (runtime.batch_invariant.set_batch_invariant)
+
     def __init__(self, cfg: ModelConfig, own_embed: bool = False, own_head: bool = False) -> None:
         super().__init__()
         h = cfg.hidden_size
@@ -138,7 +140,7 @@ class CausalLM(nn.Module):
         the MTP layer's pre-norm output [T, H] (the input hidden of the next draft step)."""
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers is 0)")
-        if self._twice(tokens):
+        if self.mtp.batch_invariant and self._twice(tokens):
             return self.mtp_forward(tokens.expand(2), prev_hidden.expand(2, -1), positions.expand(2),
                                     RowTwice(ctx))[:1]
         mtp = self.mtp

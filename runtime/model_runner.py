@@ -53,6 +53,10 @@ class ModelRunner:
         self.model = model
         self.batch_invariant = model.dtype == torch.float64 if batch_invariant is None else batch_invariant
         set_batch_invariant(model, self.batch_invariant)
+        if model.mtp is not None:
+            # The MTP drafter keeps the default kernels: its drafts decide which tokens are
+            # checked, never which are committed (the target's rows, batch-invariant, decide).
+            set_batch_invariant(model.mtp, False)
         # A batch-invariant step compiles too: its GEMMs, experts and attention are opaque ops whose
         # row count never becomes a guard, so one graph (and one set of generated kernels) serves
         # every row count; a one-row step runs as two copies of its row (`forward`), so no graph
