@@ -82,10 +82,11 @@ class SeqChunk:
 class StepPlan:
     positions: torch.Tensor      # [T] absolute positions
     cell_mapping: torch.Tensor   # [T] cache cell each row's k/v is written to
-    gather: torch.Tensor         # [B, K] cache cells of each sequence's context (padding: 0)
-    q_index: torch.Tensor        # [B, Q] row of the step for each (sequence, query) (padding: 0)
-    valid: torch.Tensor          # [B, Q] bool, real query rows
-    mask: torch.Tensor           # [B, 1, Q, K] bool, True = may attend
+    # The padded batch's fields (None in a batch-invariant plan, whose `tiles` replace them):
+    gather: torch.Tensor | None     # [B, K] cache cells of each sequence's context (padding: 0)
+    q_index: torch.Tensor | None    # [B, Q] row of the step for each (sequence, query) (padding: 0)
+    valid: torch.Tensor | None      # [B, Q] bool, real query rows
+    mask: torch.Tensor | None       # [B, 1, Q, K] bool, True = may attend
     last_rows: torch.Tensor      # [B] index of each sequence's last row in the step
     # One sequence with a plain causal mask: SDPA runs unmasked (one row) or with is_causal
     # (a chunk from position 0), the faster kernels, and the ones transformers itself picks.
@@ -119,8 +120,16 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: 
     ctxs = [cache.cells(c.seq_id, 0, c.end) for c in chunks]
     cell_mapping = torch.cat([ctx[c.start:] for ctx, c in zip(ctxs, chunks)]) if b > 1 else ctxs[0][chunks[0].start:]
     counts = torch.tensor([c.num_tokens for c in chunks], device=device)
-    ends = torch.tensor([c.end for c in chunks], device=device)
     last_rows = torch.cumsum(counts, 0) - 1
+    if batch_invariant:   # the tiles replace the padded batch's fields
+        firsts = [0]
+        for c in chunks[:-1]:
+            firsts.append(firsts[-1] + c.num_tokens)   # from the host lists: no device sync
+        tiles = bi.attention_tiles(ctxs, [c.start for c in chunks], [c.num_tokens for c in chunks],
+                                   [c.parents for c in chunks], firsts)
+        return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=None, q_index=None, valid=None,
+                        mask=None, last_rows=last_rows, tiles=tiles)
+    ends = torch.tensor([c.end for c in chunks], device=device)
     if b == 1:
         gather = ctxs[0][None]
         q_index = torch.arange(q_max, device=device)[None]
@@ -141,15 +150,8 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: 
     mode = "explicit"
     if b == 1 and chunks[0].parents is None:
         mode = "none" if chunks[0].num_tokens == 1 else ("causal" if chunks[0].start == 0 else "explicit")
-    tiles = None
-    if batch_invariant:
-        firsts = [0]
-        for c in chunks[:-1]:
-            firsts.append(firsts[-1] + c.num_tokens)   # from the host lists: no device sync
-        tiles = bi.attention_tiles(ctxs, [c.start for c in chunks], [c.num_tokens for c in chunks],
-                                   [c.parents for c in chunks], firsts)
     return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=gather, q_index=q_index, valid=valid,
-                    mask=mask, last_rows=last_rows, mask_mode=mode, tiles=tiles)
+                    mask=mask, last_rows=last_rows, mask_mode=mode)
 
 
 class PagedAttention:

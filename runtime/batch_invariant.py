@@ -125,12 +125,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    # The plan, kept on the weight for the thread count it was looked up at (a dict lookup of
+    # its whole key costs as much again as this function's own work on a one-row GEMM).
+    threads = torch.get_num_threads()
+    kept = getattr(weight, "_bi_plan", None)
+    key = (x.dtype, bias is None, threads, weight.stride())
+    if kept is not None and kept[0] == key:
+        lo, hi = kept[1]
+    else:
+        lo, hi = gemm_plan(weight, x.dtype, bias is not None)
+        weight._bi_plan = (key, (lo, hi))
+    if x.dim() == 2:
+        if lo <= x.shape[0] <= hi:
+            return F.linear(x, weight, bias)
+        flat = x
+    else:
+        flat = x.reshape(-1, x.shape[-1])
     n = flat.shape[0]
-    lo, hi = gemm_plan(weight, flat.dtype, bias is not None)
     if lo <= n <= hi:
-        out = F.linear(flat, weight, bias)
-        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
+        return F.linear(flat, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     if n < lo:
         out = F.linear(F.pad(flat, (0, 0, 0, lo - n)), weight, bias)
     else:
@@ -223,16 +236,19 @@ class ChainRows:
     starts: tuple[int, ...]
     counts: tuple[int, ...]
     firsts: tuple[int, ...]
-    masks: dict = field(default_factory=dict)   # (kv heads, group) -> [B, Hq, 1, Kp]
+    masks: dict = field(default_factory=dict)   # (kv heads, group, dtype) -> [B, Hq, 1, Kp]
 
-    def head_mask(self, nkv: int, g: int) -> torch.Tensor:
-        """[B, nkv * Qm * g, 1, Kp]: query head (kv head, row, group member) sees its row's keys."""
-        mask = self.masks.get((nkv, g))
+    def head_mask(self, nkv: int, g: int, dtype: torch.dtype) -> torch.Tensor:
+        """[B, nkv * Qm * g, 1, Kp] additive mask in `dtype` (0 or -inf; SDPA would convert a
+        boolean one every layer): query head (kv head, row, group member) sees its row's keys."""
+        mask = self.masks.get((nkv, g, dtype))
         if mask is None:
             b, qm = self.rows.shape
             kp = self.cells.shape[1]
             seen = torch.arange(kp, device=self.cells.device)[None, None, :] < self.lengths[..., None]   # [B, Qm, Kp]
-            mask = self.masks[(nkv, g)] = seen[:, None, :, None].expand(b, nkv, qm, g, kp).reshape(b, -1, 1, kp)
+            seen = seen[:, None, :, None].expand(b, nkv, qm, g, kp).reshape(b, -1, 1, kp)
+            mask = self.masks[(nkv, g, dtype)] = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(
+                ~seen, float("-inf"))
         return mask
 
     def tiles(self) -> AttentionTiles:
@@ -358,7 +374,7 @@ def chain_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     values = v_cache.index_select(0, cells).view(b, kp, nkv, dv).to(q.dtype).transpose(1, 2)
     heads = q.index_select(0, chains.rows.reshape(-1)).view(b, qm, nkv, g, d).permute(0, 2, 1, 3, 4)
     out = F.scaled_dot_product_attention(heads.reshape(b, nkv * qm * g, 1, d), keys, values,
-                                         attn_mask=chains.head_mask(nkv, g), scale=scale, enable_gqa=qm * g > 1)
+                                         attn_mask=chains.head_mask(nkv, g, q.dtype), scale=scale, enable_gqa=qm * g > 1)
     return out.view(b, nkv, qm, g, dv).permute(0, 2, 1, 3, 4).reshape(b * qm, nh, dv)
 
 
