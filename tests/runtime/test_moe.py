@@ -27,6 +27,9 @@ def test_grouped_equals_the_loop(dtype, offset, num_local):
         assert torch.equal(experts._per_expert(x, weights, ids), want)
         off_shard = ((ids < offset) | (ids >= offset + num_local)).all(dim=1)
         assert not got[off_shard].any()                                   # rows with no local expert: zero
+        padded = experts._padded(x, weights, ids)             # batched matmuls round otherwise
+        assert torch.allclose(padded.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+        assert not padded[off_shard].any() if t else padded.shape == (0, 64)
 
 
 def test_float64_takes_the_reference_loop(monkeypatch):
@@ -39,3 +42,14 @@ def test_float64_takes_the_reference_loop(monkeypatch):
     experts(x, w, ids)
     experts.float()(x.float(), w, ids)
     assert calls == ["loop", "per expert"]      # float32 on the CPU: per expert (grouped on an accelerator)
+
+
+@pytest.mark.parametrize("dtype, rows", [(torch.float32, 64), (torch.bfloat16, 1), (torch.bfloat16, 2)])
+def test_the_cpu_picks_padded_matmuls_for_many_choices(monkeypatch, dtype, rows):
+    """bfloat16 from 4 choices (2 rows of 2, `PADDED_MIN_CHOICES`), float32 never, else per expert."""
+    experts = RoutedExperts(4, 16, 8).to(dtype)
+    calls = []
+    monkeypatch.setattr(RoutedExperts, "_padded", lambda self, *a: calls.append("padded") or a[0])
+    monkeypatch.setattr(RoutedExperts, "_per_expert", lambda self, *a: calls.append("per expert") or a[0])
+    experts(torch.zeros(rows, 16, dtype=dtype), torch.ones(rows, 2), torch.zeros(rows, 2, dtype=torch.long))
+    assert calls == ["padded" if dtype == torch.bfloat16 and rows * 2 >= 4 else "per expert"]
