@@ -108,7 +108,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(float64 and EP always run eager)")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant kernels: a request's tokens do not depend on what shares its steps "
-                        "(width, speculation, other requests). Default: on for float64 only")
+                        "(width, speculation, other requests); the step runs eager. Default: on for float64 only")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="compute every prompt whole (by default full KV blocks of earlier prompts are reused)")
 

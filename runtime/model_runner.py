@@ -31,7 +31,7 @@ def kv_bytes_per_token(model: CausalLM) -> int:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, *, kv_cache_tokens: int, block_size: int = 16,
-                 compiled: bool = False, batch_invariant: bool | None = None,
+                 compiled: bool = False, batch_invariant: bool | None = None, compile_batch_invariant: bool = False,
                  gpu_memory_utilization: float | None = None, static_steps: bool = False,
                  cuda_graphs: bool = False) -> None:
         """The cache and every step tensor live on the model's device.
@@ -57,11 +57,13 @@ class ModelRunner:
             # The MTP drafter keeps the default kernels: its drafts decide which tokens are
             # checked, never which are committed (the target's rows, batch-invariant, decide).
             set_batch_invariant(model.mtp, False)
-        # A batch-invariant step compiles too: its GEMMs, experts and attention are opaque ops whose
-        # row count never becomes a guard, so one graph (and one set of generated kernels) serves
-        # every row count; a one-row step runs as two copies of its row (`forward`), so no graph
-        # is specialised to one row either.
-        self.compiled = compiled and model.dtype != torch.float64
+        # A batch-invariant step runs eager unless `compile_batch_invariant`: EP ranks run eager
+        # and compiled kernels round otherwise than eager ones, so EP 2 equals EP 1 eager only.
+        # Compiled, its GEMMs, experts and attention are opaque ops whose row count never becomes
+        # a guard, so one graph (one set of generated kernels) serves every row count; a one-row
+        # step runs as two copies of its row (`forward`), so no graph is specialised to one row.
+        self.compiled = (compiled and model.dtype != torch.float64
+                         and (not self.batch_invariant or compile_batch_invariant))
         # No size and stride asserts around every extern kernel: 111 of them per step, 4% of its CPU time.
         self._compiled_forward = (torch.compile(model.forward, dynamic=True, options={"size_asserts": False})
                                   if self.compiled else None)

@@ -92,6 +92,7 @@ class DeploymentConfig:
     max_restarts: int = DEFAULT_MAX_RESTARTS
     enforce_eager: bool = False   # no torch.compile of the target step (single process; EP ranks run eager)
     batch_invariant: bool | None = None   # batch-invariant kernels (runtime.batch_invariant); None: float64 only
+    compile_batch_invariant: bool = False   # compile the batch-invariant step too (one process)
     warm_standby: bool = True    # spare worker ranks with their shards loaded (only when restarts are allowed)
     device: str = "cpu"                   # a resolved device (runtime.device.resolve_device): cpu, cuda:N
     gpu_memory_utilization: float | None = None   # CUDA only: KV cache from free GPU memory
@@ -176,6 +177,7 @@ class Deployment:
             runner = ModelRunner(load_model(cfg.model_dir, cfg.dtype, device=cfg.device),
                                  kv_cache_tokens=cfg.kv_cache_tokens, compiled=not cfg.enforce_eager,
                                  batch_invariant=cfg.batch_invariant,
+                                 compile_batch_invariant=cfg.compile_batch_invariant,
                                  gpu_memory_utilization=cfg.gpu_memory_utilization, static_steps=static,
                                  cuda_graphs=static and on_cuda and not cfg.enforce_eager)
         else:
