@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime import batch_invariant as bi
+from runtime import invariant_attention as ia
 from runtime.kv_cache import PagedKVCache
 
 
@@ -93,9 +93,9 @@ class StepPlan:
     # "padded" (runtime.static_step): every sequence has Q rows, row b*Q + q is (b, q), the mask
     # is explicit and nothing about the layout is read back on the host.
     mask_mode: str = "explicit"  # "explicit" | "none" | "causal" | "padded"
-    # Batch-invariant attention (runtime.batch_invariant): the step's rows in fixed tiles, each
+    # Batch-invariant attention (runtime.invariant_attention): the step's rows in fixed tiles, each
     # with its own key list; None runs SDPA over the padded batch.
-    tiles: bi.AttentionTiles | None = None
+    tiles: ia.AttentionTiles | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -106,7 +106,7 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: 
     """Plan one step; every chunk's positions must already be reserved in `cache`.
 
     `batch_invariant`: attention runs in fixed tiles whose per-row result does not depend on the
-    other rows of the step (`runtime.batch_invariant.attention`)."""
+    other rows of the step (`runtime.invariant_attention.attention`)."""
     if not chunks:
         raise ValueError("a step needs at least one sequence")
     b = len(chunks)
@@ -125,7 +125,7 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: 
         firsts = [0]
         for c in chunks[:-1]:
             firsts.append(firsts[-1] + c.num_tokens)   # from the host lists: no device sync
-        tiles = bi.attention_tiles(ctxs, [c.start for c in chunks], [c.num_tokens for c in chunks],
+        tiles = ia.attention_tiles(ctxs, [c.start for c in chunks], [c.num_tokens for c in chunks],
                                    [c.parents for c in chunks], firsts)
         return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=None, q_index=None, valid=None,
                         mask=None, last_rows=last_rows, tiles=tiles)
@@ -166,7 +166,7 @@ class PagedAttention:
         p = self.plan
         self.cache.write(layer_idx, p.cell_mapping, k, v)
         if p.tiles is not None:
-            return bi.attention(q, self.cache.k[layer_idx], self.cache.v[layer_idx], p.tiles, scale)
+            return ia.attention(q, self.cache.k[layer_idx], self.cache.v[layer_idx], p.tiles, scale)
         keys = self.cache.gather(self.cache.k[layer_idx], p.gather).transpose(1, 2)    # [B, nkv, K, D]
         values = self.cache.gather(self.cache.v[layer_idx], p.gather).transpose(1, 2)
         if p.mask_mode == "padded":

@@ -15,6 +15,7 @@ import torch
 
 from bench.corpus import heldout_prompts
 from runtime import batch_invariant as bi
+from runtime import invariant_attention as ia
 from runtime.attention import SeqChunk, build_plan
 from runtime.config import load_config
 from runtime.kv_cache import PagedKVCache
@@ -145,7 +146,7 @@ def test_router_and_experts_rows_do_not_depend_on_the_row_count(dtype):
     assert_row_invariant(lambda x: shard(x, *router(x)[1:]), row)
 
 
-KERNELS = {"sdpa": bi.attention, "tiled": bi.tiled_attention}
+KERNELS = {"sdpa": ia.attention, "tiled": ia.tiled_attention}
 
 
 def attention_rows(kernel: str, chunks: list[SeqChunk], cache: PagedKVCache, q: torch.Tensor) -> torch.Tensor:
@@ -160,9 +161,9 @@ def test_sdpa_is_invariant_for_the_embedded_models_heads_on_this_cpu(dtype):
     cfg = load_config(MODEL)
     for threads in (1, 2):
         with torch_threads(threads):
-            assert bi.sdpa_is_invariant(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            assert ia.sdpa_is_invariant(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                         cfg.head_dim, dtype, torch.device("cpu"))
-    assert not bi.sdpa_is_invariant(16, 1, 96, 64, dtype, torch.device("cpu"))
+    assert not ia.sdpa_is_invariant(16, 1, 96, 64, dtype, torch.device("cpu"))
 
 
 def test_sdpa_and_tiled_attention_agree_with_plain_attention():
@@ -174,7 +175,7 @@ def test_sdpa_and_tiled_attention_agree_with_plain_attention():
     cache.k.normal_(generator=gen)
     cache.v.normal_(generator=gen)
     chunks = [SeqChunk(0, 70, 3), SeqChunk(1, 0, 5), SeqChunk(2, 90, 4, parents=(-1, 0, 0, 1)),
-              SeqChunk(3, 60, bi.SHARED_ROWS + 4)]
+              SeqChunk(3, 60, ia.SHARED_ROWS + 4)]
     for c in chunks:
         cache.reserve(c.seq_id, c.end)
     q = torch.randn(sum(c.num_tokens for c in chunks), nh, d, generator=gen, dtype=torch.float64)
