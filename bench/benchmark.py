@@ -45,7 +45,7 @@ BUILT_ARMS = (*ENGINE_ARMS, "hf")
 MIN_REQUESTS = 16   # requests behind a cell by default (at least 2 x concurrency)
 TREE_ARM = re.compile(r"^tree([1-4]{1,7})$")   # tree122: the shape 1,2,2, beside other shapes in one run
 EAGER = "-eager"   # an engine arm named with this suffix runs without torch.compile (none-eager, k2-eager)
-BATCH_INVARIANT = "-bi"   # ... with the batch-invariant kernels (none-bi, k3-bi; their step runs eager)
+BATCH_INVARIANT = "-bi"   # ... with the batch-invariant kernels (none-bi, k3-bi)
 SUFFIXES = (EAGER, BATCH_INVARIANT)
 
 

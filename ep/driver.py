@@ -25,7 +25,7 @@ class DriverRunner:
 
     def __init__(self, local: ModelRunner, comm: Communicator) -> None:
         self.local = local
-        self.compiled = False   # EP ranks run the step eagerly (collectives inside the forward)
+        self.compiled = local.compiled   # every rank alike (the handshake's COMPILED_BIT)
         self.batch_invariant = local.batch_invariant
         self.comm = comm
         self.model = local.model

@@ -28,12 +28,44 @@ from torch import nn
 from ep.comm import Communicator
 from ep.topology import EPTopology
 from runtime import batch_invariant as bi
+from runtime.attention import step_model
 from runtime.config import ModelConfig
 from runtime.layers import Linear, MoE, RoutedExperts
 from runtime.mla import MLAttention
 from runtime.model import CausalLM
 
 ShardSpecs = dict[str, tuple[int, int, int]]  # param name -> (dim, start, stop) in the checkpoint tensor
+
+
+# --- collectives inside a compiled step ----------------------------------------------------
+# A compiled EP step calls its collectives through opaque ops (Dynamo cannot trace a process
+# group, and a graph broken at every collective would fuse otherwise than one rank's graph). An
+# op finds its layer by its index among the model's `ep_collectives`, through the forward
+# context of the model running (runtime.attention.step_model): an index, unlike an object, is
+# the same in every process and model instance, so one rank's graph hits inductor's disk cache
+# when it restarts. The graph around the ops is the one a single rank compiles, so EP N runs the
+# same generated kernels as EP 1 (batch-invariant mode relies on it: EP 2 equals EP 1).
+def _collective(handle: int) -> nn.Module:
+    return step_model().ep_collectives[handle]
+
+
+torch.library.define("metrale::ep_all_reduce", "(Tensor x, int layer) -> Tensor")
+torch.library.impl("metrale::ep_all_reduce", "CompositeExplicitAutograd")(
+    lambda x, layer: _collective(layer).comm.all_reduce(x.clone()))
+torch.library.register_fake("metrale::ep_all_reduce")(lambda x, layer: x.new_empty(x.shape))
+
+torch.library.define("metrale::ep_moe_exchange", "(Tensor x, Tensor weights, Tensor ids, int layer) -> Tensor")
+torch.library.impl("metrale::ep_moe_exchange", "CompositeExplicitAutograd")(
+    lambda x, weights, ids, layer: _collective(layer).exchange(x, weights, ids))
+torch.library.register_fake("metrale::ep_moe_exchange")(lambda x, *_: x.new_empty(x.shape))
+
+
+def all_reduce(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The sum of `x` over the ranks, by `layer`'s communicator (a new tensor in a compiled step,
+    `x` itself eager)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.metrale.ep_all_reduce(x, layer.handle)
+    return layer.comm.all_reduce(x)
 
 
 class RowParallelLinear(Linear):
@@ -47,6 +79,7 @@ class RowParallelLinear(Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.comm = comm
         self.in_parts = in_parts
+        self.handle = -1   # its index in the model's ep_collectives (`parallelize`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.batch_invariant:
@@ -55,7 +88,7 @@ class RowParallelLinear(Linear):
             partial = bi.split_linear(x, self.weight, self.in_parts)
         else:
             partial = bi.linear(x, self.weight)
-        out = self.comm.all_reduce(partial)
+        out = all_reduce(self, partial)
         return out if self.bias is None else out + self.bias
 
 
@@ -98,24 +131,38 @@ class EPMoE(nn.Module):
         self.topo, self.comm, self.mode = topo, comm, mode
         owner = [r for r in range(topo.ep_size) for _ in topo.expert_range(r)]
         self.owner = torch.tensor(owner, dtype=torch.long, device=comm.device)      # expert id -> rank
+        self.handle = -1   # its index in the model's ep_collectives (`parallelize`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "allreduce":
             _, weights, ids = self.gate(x)
-            out = self.comm.all_reduce(self.experts(x, weights, ids))
+            out = all_reduce(self, self.experts(x, weights, ids))
         else:
-            out = self._alltoall(x)
+            # The router runs on this rank's share of the rows (in the step's graph when
+            # compiled); the exchange, the experts and the combine run outside it.
+            start, stop = self._share(x.shape[0], self.topo.ep_rank)
+            _, weights, ids = self.gate(x[start:stop])                     # [Ts, k]
+            if torch.compiler.is_compiling():
+                out = torch.ops.metrale.ep_moe_exchange(x, weights, ids, self.handle)
+            else:
+                out = self.exchange(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
-    def _alltoall(self, x: torch.Tensor) -> torch.Tensor:
+    def _share(self, t: int, rank: int) -> tuple[int, int]:
+        """Rows [start, stop) of a T-row step whose routing rank `rank` runs."""
+        n = self.topo.ep_size
+        return rank * t // n, (rank + 1) * t // n
+
+    def exchange(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; weights, ids [Ts, k]: the routing of this rank's share of x -> the routed
+        experts' output for all T rows, on every rank."""
         topo, comm = self.topo, self.comm
         n, rank, t = topo.ep_size, topo.ep_rank, x.shape[0]
-        share = [len(range(t)[r * t // n:(r + 1) * t // n]) for r in range(n)]
+        share = [stop - start for start, stop in (self._share(t, r) for r in range(n))]
         start = sum(share[:rank])
         xs = x[start:start + share[rank]]                                  # [Ts, H] my share of tokens
-        _, weights, ids = self.gate(xs)                                    # [Ts, k]
         k = ids.shape[1]
         dest = self.owner[ids.reshape(-1)]                                 # [Ts*k] rank of each choice
         order = torch.argsort(dest, stable=True)
@@ -162,6 +209,10 @@ def parallelize(model: CausalLM, topo: EPTopology, comm: Communicator, moe_mode:
             specs |= _split_attention(block.self_attn, f"{name}.self_attn", cfg, topo, comm)
         if isinstance(block.mlp, MoE):
             block.mlp = EPMoE(block.mlp, topo, comm, moe_mode)
+    # The layers a compiled step's collective ops name by index (model order: the same on every rank).
+    model.ep_collectives = [m for m in model.modules() if isinstance(m, (RowParallelLinear, EPMoE))]
+    for i, m in enumerate(model.ep_collectives):
+        m.handle = i
     vr = topo.vocab_range()
     model.lm_head = VocabParallelHead(cfg.hidden_size, topo, comm)
     specs["lm_head.weight"] = (0, vr.start, vr.stop)

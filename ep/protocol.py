@@ -30,7 +30,8 @@ MAX_SLOT = 1 << 30
 EP_CMD_SHUTDOWN = 0xFFFFFFFF      # no payload
 EP_CMD_HANDSHAKE = 0xFFFFFFFE     # version, world_size, fingerprint_lo, fingerprint_hi, dtype_mode, stop_bits
 #                                   dtype_mode: the dtype code (bits 0-7, checked) | BATCH_INVARIANT_BIT
-#                                   (adopted: every rank runs the batch-invariant kernels or none does);
+#                                   (adopted: every rank runs the batch-invariant kernels or none does)
+#                                   | COMPILED_BIT (adopted: every rank compiles its step or none does);
 #                                   stop_bits: the group's confidence stop TAU as float32 bits, 0 for none;
 #                                   workers adopt it (the three-word propose drafts with it)
 EP_CMD_FORWARD = 0xFFFFFFFD       # num_ops, num_chunks, num_tokens, bulk_len, num_obs, num_tree_words
@@ -71,6 +72,7 @@ NO_PARENT = 0xFFFFFFFF
 DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float64": 3}
 DTYPE_MASK = 0xFF
 BATCH_INVARIANT_BIT = 1 << 8
+COMPILED_BIT = 1 << 9
 
 
 class ProtocolError(ValueError):

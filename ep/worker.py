@@ -10,6 +10,7 @@ read it off.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -213,10 +214,11 @@ def serve_rank(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_
     Returns (exit code, message): (0, "") on a clean shutdown, 3 when the group broke, 2 for any
     other failure (a refused handshake, garbage the word stream cannot stay in step after); the
     group is always left."""
+    _thread_lock_for_progress_bars()
     try:
-        confidence_stop, batch_invariant = worker_handshake(comm, model_dir, dtype, generation)
+        confidence_stop, batch_invariant, compiled = worker_handshake(comm, model_dir, dtype, generation)
         runner = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens, batch_invariant, model,
-                            gpu_memory_utilization)
+                            gpu_memory_utilization, compiled)
         gather_weight_bytes(comm, runner)
         gather_rank_info(comm)
         worker_loop(runner, comm, confidence_stop)
@@ -227,3 +229,14 @@ def serve_rank(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_
         return 2, f"metrale worker rank {comm.rank}: {type(exc).__name__}: {exc}"
     finally:
         comm.close()
+
+
+def _thread_lock_for_progress_bars() -> None:
+    """A rank may be killed at any moment. tqdm (which torch.fx runs while compiling the step)
+    would create a multiprocessing lock, whose semaphore the launcher's resource tracker then
+    reports as leaked when the rank dies: a thread lock serves a rank's one process."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())

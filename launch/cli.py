@@ -105,10 +105,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep-timeout", type=float, default=60.0, help="seconds before a collective is declared dead")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the target step eagerly: no torch.compile and no CUDA graph capture "
-                        "(float64 and EP always run eager)")
+                        "on every rank (float64 always runs eager)")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant kernels: a request's tokens do not depend on what shares its steps "
-                        "(width, speculation, other requests); the step runs eager. Default: on for float64 only")
+                        "(width, speculation, other requests); compiled unless --enforce-eager, and a group's "
+                        "ranks compile or run eager alike. Default: on for float64 only")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="compute every prompt whole (by default full KV blocks of earlier prompts are reused)")
 

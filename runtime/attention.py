@@ -190,19 +190,28 @@ class PagedAttention:
 # cache. So a compiled forward calls attention through an opaque custom op, which finds this
 # step's cache and plan in a forward context set by the runner for the length of the call (as
 # vLLM's unified attention does); everything around it is fused.
-_step_context = threading.local()   # .paged: the PagedAttention of the forward running on this thread
+_step_context = threading.local()   # .paged, .model: the attention and model of the forward running on this thread
 
 
 @contextmanager
-def forward_context(paged: PagedAttention):
-    """Make `paged` the attention of the forward that runs inside this block."""
+def forward_context(paged: PagedAttention, model: torch.nn.Module | None = None):
+    """Make `paged` the attention, and `model` the model, of the forward that runs inside this
+    block (opaque ops of the compiled graph find them here: `step_model`)."""
     if getattr(_step_context, "paged", None) is not None:
         raise RuntimeError("a forward is already running on this thread: forward contexts do not nest")
-    _step_context.paged = paged
+    _step_context.paged, _step_context.model = paged, model
     try:
         yield
     finally:
-        _step_context.paged = None
+        _step_context.paged = _step_context.model = None
+
+
+def step_model() -> torch.nn.Module:
+    """The model of the compiled forward running on this thread."""
+    model = getattr(_step_context, "model", None)
+    if model is None:
+        raise RuntimeError("no model in this thread's forward context")
+    return model
 
 
 # Defined with the low-level registration (a schema and one kernel for every backend), not

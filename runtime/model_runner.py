@@ -14,6 +14,7 @@ from runtime.model import CausalLM, RowTwice
 from runtime.static_step import StepGraphs
 
 CONTEXT_ATTENTION = ContextAttention()
+RECOMPILE_LIMIT = 128
 
 
 def cache_layers(model: CausalLM) -> int:
@@ -31,7 +32,7 @@ def kv_bytes_per_token(model: CausalLM) -> int:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, *, kv_cache_tokens: int, block_size: int = 16,
-                 compiled: bool = False, batch_invariant: bool | None = None, compile_batch_invariant: bool = False,
+                 compiled: bool = False, batch_invariant: bool | None = None,
                  gpu_memory_utilization: float | None = None, static_steps: bool = False,
                  cuda_graphs: bool = False) -> None:
         """The cache and every step tensor live on the model's device.
@@ -57,15 +58,25 @@ class ModelRunner:
             # The MTP drafter keeps the default kernels: its drafts decide which tokens are
             # checked, never which are committed (the target's rows, batch-invariant, decide).
             set_batch_invariant(model.mtp, False)
-        # A batch-invariant step runs eager unless `compile_batch_invariant`: EP ranks run eager
-        # and compiled kernels round otherwise than eager ones, so EP 2 equals EP 1 eager only.
-        # Compiled, its GEMMs, experts and attention are opaque ops whose row count never becomes
-        # a guard, so one graph (one set of generated kernels) serves every row count; a one-row
-        # step runs as two copies of its row (`forward`), so no graph is specialised to one row.
-        self.compiled = (compiled and model.dtype != torch.float64
-                         and (not self.batch_invariant or compile_batch_invariant))
+        # A compiled batch-invariant step: its GEMMs, experts and attention are opaque ops whose
+        # row count never becomes a guard, so one graph (one set of generated kernels) serves
+        # every row count; a one-row step runs as two copies of its row (`forward`), so no graph
+        # is specialised to one row. It rounds otherwise than the eager step (both invariant), so
+        # every EP rank compiles or none does (the handshake's COMPILED_BIT).
+        self.compiled = compiled and model.dtype != torch.float64
         # No size and stride asserts around every extern kernel: 111 of them per step, 4% of its CPU time.
-        self._compiled_forward = (torch.compile(model.forward, dynamic=True, options={"size_asserts": False})
+        if self.compiled:
+            # Every runner's model shares one code object (`CausalLM.forward`), so each model or
+            # mode built in a process (tests, bench arms, EP shards) adds a recompile to it; past
+            # Dynamo's limit (8) a step would silently run eager.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        options = {"size_asserts": False}
+        if self.batch_invariant:
+            # Fused kernels keep 16-bit intermediates in float32 unless told to round them as
+            # eager does; then a sum two ranks all-reduce in bfloat16 (the output projection's
+            # halves) would round otherwise on one rank than across two.
+            options["emulate_precision_casts"] = True
+        self._compiled_forward = (torch.compile(model.forward, dynamic=True, options=options)
                                   if self.compiled else None)
         self.config = cfg
         self.device = model.device
@@ -97,10 +108,10 @@ class ModelRunner:
         if self.batch_invariant and len(tokens) == 1:
             # Dynamo specialises a graph to one row (its kernels might round otherwise): the row
             # runs twice, the copy reusing its attention (runtime.model.RowTwice).
-            with forward_context(RowTwice(paged)):
+            with forward_context(RowTwice(paged), self.model):
                 hidden = self._compiled_forward(token_tensor.repeat(2), plan.positions.repeat(2), CONTEXT_ATTENTION)
             return hidden[:1], plan
-        with forward_context(paged):
+        with forward_context(paged, self.model):
             return self._compiled_forward(token_tensor, plan.positions, CONTEXT_ATTENTION), plan
 
     @torch.inference_mode()

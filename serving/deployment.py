@@ -90,9 +90,8 @@ class DeploymentConfig:
     kv_cache_tokens: int = 32768
     ep_timeout_s: float = 60.0
     max_restarts: int = DEFAULT_MAX_RESTARTS
-    enforce_eager: bool = False   # no torch.compile of the target step (single process; EP ranks run eager)
+    enforce_eager: bool = False   # no torch.compile of the target step (on any rank)
     batch_invariant: bool | None = None   # batch-invariant kernels (runtime.batch_invariant); None: float64 only
-    compile_batch_invariant: bool = False   # compile the batch-invariant step too (one process)
     warm_standby: bool = True    # spare worker ranks with their shards loaded (only when restarts are allowed)
     device: str = "cpu"                   # a resolved device (runtime.device.resolve_device): cpu, cuda:N
     gpu_memory_utilization: float | None = None   # CUDA only: KV cache from free GPU memory
@@ -177,7 +176,6 @@ class Deployment:
             runner = ModelRunner(load_model(cfg.model_dir, cfg.dtype, device=cfg.device),
                                  kv_cache_tokens=cfg.kv_cache_tokens, compiled=not cfg.enforce_eager,
                                  batch_invariant=cfg.batch_invariant,
-                                 compile_batch_invariant=cfg.compile_batch_invariant,
                                  gpu_memory_utilization=cfg.gpu_memory_utilization, static_steps=static,
                                  cuda_graphs=static and on_cuda and not cfg.enforce_eager)
         else:
@@ -215,14 +213,15 @@ class Deployment:
         cfg = self.config
         try:
             batch_invariant = cfg.dtype == "float64" if cfg.batch_invariant is None else cfg.batch_invariant
+            compiled = not cfg.enforce_eager and cfg.dtype != "float64"
             driver_handshake(comm, cfg.model_dir, cfg.dtype, self.spec.confidence_stop, batch_invariant,
-                             getattr(self.group, "generation", 0))
+                             getattr(self.group, "generation", 0), compiled)
             if comm.device != torch.device(cfg.device):
                 raise ValueError(f"rank 0's communicator is on {comm.device}, the deployment on {cfg.device}")
             if self._shard is None or self._shard[0] is not comm:
                 self._shard = comm, load_shard_model(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a)
             local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a, cfg.kv_cache_tokens, batch_invariant,
-                               self._shard[1], cfg.gpu_memory_utilization)
+                               self._shard[1], cfg.gpu_memory_utilization, compiled)
             self.rank_weight_bytes = gather_weight_bytes(comm, local)
             info = gather_rank_info(comm)
         except BaseException as exc:

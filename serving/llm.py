@@ -30,7 +30,6 @@ class LLM:
                  ep_timeout_s: float = 60.0, launcher: Launcher | None = None,
                  max_restarts: int = DEFAULT_MAX_RESTARTS, comm: Communicator | None = None,
                  enforce_eager: bool = False, batch_invariant: bool | None = None,
-                 compile_batch_invariant: bool = False,
                  prefix_cache: bool = True, warm_standby: bool = True, device: str = "auto",
                  gpu_memory_utilization: float | None = None, static_steps: bool | None = None) -> None:
         """Speculation: `spec` (none, mtp, ngram) with at most `num_drafts` drafts per step, a
@@ -45,16 +44,16 @@ class LLM:
         replaces the launcher (no restarts). `warm_standby`: the launcher keeps a spare process per
         worker rank with its shard loaded, so a restart needs no cold start (when restarts are allowed).
 
-        The target step is compiled with `torch.compile` (inductor) unless `enforce_eager`; float64
-        (the reference mode) and EP groups run eager.
+        The target step is compiled with `torch.compile` (inductor) unless `enforce_eager`, on
+        every rank of an EP group alike (its collectives are opaque ops of the graph); float64
+        (the reference mode) runs eager.
 
         `batch_invariant`: every operation whose per-row result could depend on the rows beside
         it runs a batch-invariant kernel (`runtime.batch_invariant`), so a request's tokens do not
         depend on what else is in its steps: its width, speculation, other requests. None (the
-        default) turns it on for float64 only. Its step runs eager: EP ranks run eager, and a
-        compiled step rounds otherwise than an eager one, so only then does EP 2 give EP 1's
-        tokens. `compile_batch_invariant` compiles it in one process (invariant among its own
-        steps, 12% faster at concurrency 1 in float32; not equal to EP 2).
+        default) turns it on for float64 only. Compiled and eager steps are each invariant, but
+        round otherwise than each other: EP 2 gives EP 1's tokens when both compile (the default)
+        or both run eager (`enforce_eager`).
 
         `prefix_cache` (on by default): a prompt that starts with full KV blocks an earlier request
         computed attaches them instead of computing them again (runtime.prefix_cache).
@@ -80,7 +79,7 @@ class LLM:
             DeploymentConfig(model_dir=model_dir, dtype=dtype, ep=ep if comm is None else comm.world_size,
                              moe_a2a=moe_a2a, kv_cache_tokens=kv_cache_tokens, ep_timeout_s=ep_timeout_s,
                              max_restarts=max_restarts, enforce_eager=enforce_eager,
-                             batch_invariant=batch_invariant, compile_batch_invariant=compile_batch_invariant,
+                             batch_invariant=batch_invariant,
                              warm_standby=warm_standby, device=str(resolved),
                              gpu_memory_utilization=gpu_memory_utilization, static_steps=static_steps),
             self.spec, launcher, comm)

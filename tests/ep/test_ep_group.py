@@ -234,18 +234,23 @@ def test_prefix_cache_at_ep2_equals_one_rank_computing_everything(ckpt_mtp):
         [(o.token_ids, o.drafted_tokens, o.accepted_tokens) for o in want]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_batch_invariant_ep2_equals_one_rank_bitwise(dtype):
+@pytest.mark.parametrize("dtype,eager", [("bfloat16", False), ("float32", False), ("float32", True)])
+def test_batch_invariant_ep2_equals_one_rank_bitwise(dtype, eager):
     """With the batch-invariant kernels the head-split output projection and the experts' combine
-    add in the same order on two ranks as on one: logits bit for bit, and the tokens with MTP."""
+    add in the same order on two ranks as on one: logits bit for bit, and the tokens with MTP.
+    Compiled (the default: every rank compiles, collectives as opaque ops of one rank's graph) and
+    eager alike."""
     model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
     ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    single = LLM(model, dtype=dtype, kv_cache_tokens=2048, batch_invariant=True, spec="mtp", num_drafts=3)
+    single = LLM(model, dtype=dtype, kv_cache_tokens=2048, batch_invariant=True, spec="mtp", num_drafts=3,
+                 enforce_eager=eager)
+    assert single.engine.runner.compiled is not eager
     want = prefill_logits(single, ids), outputs(single, params)
     llm = LLM(model, dtype=dtype, kv_cache_tokens=2048, batch_invariant=True, spec="mtp", num_drafts=3, ep=2,
-              launcher=MPGroup)
+              launcher=MPGroup, enforce_eager=eager)
     try:
+        assert llm.engine.runner.compiled is not eager
         assert torch.equal(prefill_logits(llm, ids), want[0])
         assert outputs(llm, params) == want[1]
     finally:

@@ -285,7 +285,7 @@ def test_compiled_step_rows_do_not_depend_on_the_step(dtype):
     """The compiled batch-invariant step (one graph for every row count: its GEMMs, experts and
     attention are opaque ops): a 700-row prefill alone, beside a 324-row one (1,024 rows), and in
     two chunks of 350, and its first 5 rows alone, give the same hidden rows bit for bit."""
-    llm = LLM(MODEL, dtype, kv_cache_tokens=4096, batch_invariant=True, compile_batch_invariant=True)
+    llm = LLM(MODEL, dtype, kv_cache_tokens=4096, batch_invariant=True)
     runner = llm.engine.runner
     assert runner.compiled
     gen = torch.Generator().manual_seed(0)
@@ -325,12 +325,12 @@ def outputs(request):
         if arm == "none":
             runs["alone"] = [llm.generate([p], greedy)[0].token_ids for p in PROMPTS]
         llm.shutdown()
-    # The compiled step (`compile_batch_invariant`) is invariant too (it rounds otherwise than the eager one).
-    compiled = LLM(MODEL, dtype, kv_cache_tokens=16384, batch_invariant=True, compile_batch_invariant=True, spec="mtp",
+    # The eager step (`enforce_eager`) is invariant too (it rounds otherwise than the compiled one).
+    eager = LLM(MODEL, dtype, kv_cache_tokens=16384, batch_invariant=True, enforce_eager=True, spec="mtp",
                 num_drafts=3)
-    runs["compiled-k3"] = [o.token_ids for o in compiled.generate(PROMPTS, greedy)]
-    runs["compiled-alone"] = [compiled.generate([p], greedy)[0].token_ids for p in PROMPTS[:6]]
-    compiled.shutdown()
+    runs["eager-k3"] = [o.token_ids for o in eager.generate(PROMPTS, greedy)]
+    runs["eager-alone"] = [eager.generate([p], greedy)[0].token_ids for p in PROMPTS[:6]]
+    eager.shutdown()
     # A cache a third the batch's size: sequences are preempted and recomputed (prefix cache off,
     # so the recompute really computes), MTP on.
     small = LLM(MODEL, dtype, kv_cache_tokens=768, batch_invariant=True, prefix_cache=False, spec="mtp", num_drafts=3)
@@ -345,9 +345,9 @@ def test_alone_equals_among_fifteen_others(outputs):
     assert runs["alone"] == runs["none"], f"{dtype}: prompts {[i for i in range(16) if runs['alone'][i] != runs['none'][i]]}"
 
 
-def test_compiled_step_is_invariant_too(outputs):
+def test_eager_step_is_invariant_too(outputs):
     dtype, runs = outputs
-    assert runs["compiled-alone"] == runs["compiled-k3"][:6], dtype
+    assert runs["eager-alone"] == runs["eager-k3"][:6], dtype
 
 
 @pytest.mark.parametrize("arm", ["k1", "k3", "tree", "ngram"])
@@ -374,6 +374,6 @@ def test_batch_invariant_is_on_for_float64_only_by_default():
     off = LLM(MODEL, "bfloat16", kv_cache_tokens=512)
     assert not off.engine.runner.batch_invariant and off.engine.runner.compiled
     on = LLM(MODEL, "bfloat16", kv_cache_tokens=512, batch_invariant=True)
-    assert on.engine.runner.batch_invariant and not on.engine.runner.compiled   # eager, as EP ranks
-    compiled = LLM(MODEL, "bfloat16", kv_cache_tokens=512, batch_invariant=True, compile_batch_invariant=True)
-    assert compiled.engine.runner.batch_invariant and compiled.engine.runner.compiled
+    assert on.engine.runner.batch_invariant and on.engine.runner.compiled
+    eager = LLM(MODEL, "bfloat16", kv_cache_tokens=512, batch_invariant=True, enforce_eager=True)
+    assert eager.engine.runner.batch_invariant and not eager.engine.runner.compiled
