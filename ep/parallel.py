@@ -74,6 +74,8 @@ class RowParallelLinear(Linear):
     halves one rank sums (`runtime.batch_invariant.split_linear`), so the all-reduce adds what
     EP 1 adds."""
 
+    gemm_takes_bias = False   # the bias is added once, after the all-reduce
+
     def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = False,
                  in_parts: int = 1) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -85,9 +87,9 @@ class RowParallelLinear(Linear):
         if not self.batch_invariant:
             partial = F.linear(x, self.weight)
         elif self.in_parts > 1:
-            partial = bi.split_linear(x, self.weight, self.in_parts)
+            partial = bi.split_linear(x, self.weight, self.in_parts, self.bi_rows)
         else:
-            partial = bi.linear(x, self.weight)
+            partial = bi.linear(x, self.weight, rows=self.bi_rows)
         out = all_reduce(self, partial)
         return out if self.bias is None else out + self.bias
 

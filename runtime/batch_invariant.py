@@ -109,14 +109,64 @@ def gemm_plan(weight: torch.Tensor, dtype: torch.dtype, bias: bool) -> tuple[int
     return plan
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+# (rows at least, rows at most, equal to `linear`) per batched expert weight, or None.
+_bmm_plans: dict[tuple, tuple[int, int, bool] | None] = {}
+
+
+def bmm_plan(weight: torch.Tensor, dtype: torch.dtype) -> tuple[int, int, bool] | None:
+    """How many rows per expert one batched matmul of x [E, p, K] by `weight` [E, N, K]
+    (transposed) may take while every row's result stays what a call of MAX_TILE rows gives it,
+    wherever the row sits and however many experts the call batches: (lo, hi, same), p in
+    lo..hi, `same` when each row also equals `linear`'s result for that expert's rows (then a
+    layer may take the per-expert path or the padded one by its size and stay invariant). None
+    when no range holds, and on accelerators. Probed as `gemm_plan` (bfloat16 here: 1..64, equal
+    to `linear`; float32 changes below 11 rows)."""
+    key = (weight.shape, weight.stride(), dtype, weight.device.type, torch.get_num_threads())
+    if key in _bmm_plans:
+        return _bmm_plans[key]
+    plan = None
+    if weight.device.type == "cpu" and weight.shape[0] >= 2:
+        e = weight.shape[0]
+        x1, w1 = _probe(weight[0], MAX_TILE, torch.float32)
+        w = torch.empty_strided(weight.shape, weight.stride(), dtype=dtype, device=weight.device)
+        w.copy_(torch.stack([w1 * (1 + 0.125 * i) for i in range(e)]))
+        x = torch.stack([x1.roll(i, 0) for i in range(e)]).to(dtype)          # [E, MAX_TILE, K]
+        wt = w.transpose(1, 2)
+        for hi in (MAX_TILE, MIN_ROWS):
+            ref = torch.bmm(x[:, :hi], wt)
+            ok = torch.equal(torch.bmm(x[:e // 2, :hi], wt[:e // 2]), ref[:e // 2])   # fewer experts
+            bad = [q for q in range(1, hi) if not all(torch.equal(torch.bmm(x[:, at:at + q], wt), ref[:, at:at + q])
+                                                      for at in {0, hi - q})]
+            lo = max(bad, default=0) + 1
+            if ok:
+                plan = (lo, hi, all(torch.equal(linear(x[i, :q], w[i]), ref[i, :q])
+                                    for i in (0, e - 1) for q in range(1, hi + 1)))
+                break
+    _bmm_plans[key] = plan
+    return plan
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           rows: tuple[int, int] | None = None) -> torch.Tensor:
     """`F.linear` whose every output row is independent of the other rows of `x` [..., in]: the
     GEMM runs on calls of `gemm_plan` rows (the last call padded up to its least row count).
-    In a compiled graph it is one opaque op (`metrale::bi_linear`): the row count never becomes a
-    guard, so every row count shares one graph and its generated kernels."""
+    In a compiled graph it is one opaque op (`metrale::bi_linear`), so the row count does not
+    become a guard, unless `rows`, the weight's plan looked up before compiling (`plan_rows`),
+    admits the step's row count: then the graph calls the GEMM itself, on exactly the call a
+    plan-sized `_linear` makes, without the op's Python (~8 us a call). The graph then holds one
+    guard on the row count (a graph up to the plan's rows, one above)."""
     if torch.compiler.is_compiling():
+        if rows is not None and x.dim() == 2 and rows[0] <= x.shape[0] <= rows[1]:
+            return F.linear(x, weight, bias)
         return torch.ops.metrale.bi_linear(x, weight, bias)
     return _linear(x, weight, bias)
+
+
+def plan_rows(weight: torch.Tensor, bias: bool, parts: int = 1) -> tuple[int, int]:
+    """The `gemm_plan` of a linear's weight (of each of its `parts` slices, `split_linear`), looked
+    up eagerly so a compiled graph reads it as a constant (`linear`'s `rows`)."""
+    width = weight.shape[1] // parts
+    return gemm_plan(weight[:, :width] if parts > 1 else weight, weight.dtype, bias and parts == 1)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -165,7 +215,7 @@ def halves(num_heads: int) -> int:
     return 2 if num_heads % 2 == 0 else 1
 
 
-def split_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+def split_linear(x: torch.Tensor, weight: torch.Tensor, parts: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """`linear` over `parts` equal slices of the input features, the partial sums added as a
     balanced tree in slice order. An output projection is summed in two halves of its heads: at
     EP 2 each rank's row-parallel slice is one half, and the all-reduce of two ranks (a + b, order
@@ -173,7 +223,8 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Ten
     width = weight.shape[1] // parts
     if width * parts != weight.shape[1]:
         raise ValueError(f"{weight.shape[1]} input features do not split into {parts} equal parts")
-    sums = [linear(x[..., i * width:(i + 1) * width], weight[:, i * width:(i + 1) * width]) for i in range(parts)]
+    sums = [linear(x[..., i * width:(i + 1) * width], weight[:, i * width:(i + 1) * width], rows=rows)
+            for i in range(parts)]
     while len(sums) > 1:
         sums = [sums[i] + sums[i + 1] if i + 1 < len(sums) else sums[i] for i in range(0, len(sums), 2)]
     return sums[0]
@@ -187,7 +238,14 @@ def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
 
 
 def set_batch_invariant(model: torch.nn.Module, on: bool) -> None:
-    """Switch every module of `model` that has a batch-invariant path (`batch_invariant`)."""
+    """Switch every module of `model` that has a batch-invariant path (`batch_invariant`); a
+    linear's GEMM plan is looked up now (`bi_rows`: see `linear`). Weights in their final dtype
+    and layout, and the thread count set, first."""
     for module in model.modules():
         if hasattr(module, "batch_invariant"):
             module.batch_invariant = on
+        if hasattr(module, "bi_rows"):
+            parts = getattr(module, "in_parts", 1)
+            bias = module.bias is not None and getattr(module, "gemm_takes_bias", True)
+            module.bi_rows = (plan_rows(module.weight, bias, parts)
+                              if on and module.weight.device.type != "meta" else None)

@@ -42,13 +42,14 @@ class Linear(nn.Linear):
 
     batch_invariant = False
     in_parts = 1
+    bi_rows: tuple[int, int] | None = None   # its GEMM plan (`bi.set_batch_invariant`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.batch_invariant:
             return F.linear(x, self.weight, self.bias)
         if self.in_parts == 1:
-            return bi.linear(x, self.weight, self.bias)
-        out = bi.split_linear(x, self.weight, self.in_parts)
+            return bi.linear(x, self.weight, self.bias, self.bi_rows)
+        out = bi.split_linear(x, self.weight, self.in_parts, self.bi_rows)
         return out if self.bias is None else out + self.bias
 
 
@@ -60,6 +61,7 @@ class FusedProjection(nn.Module):
     float32, 30-50 in bfloat16 (one CPU thread, design §3.2)."""
 
     batch_invariant = False
+    bi_rows: tuple[int, int] | None = None   # its GEMM plan (`bi.set_batch_invariant`)
 
     def __init__(self, linears: list[Linear]) -> None:
         super().__init__()
@@ -82,8 +84,9 @@ class FusedProjection(nn.Module):
             start += n
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        mm = bi.linear if self.batch_invariant else F.linear
-        return mm(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        if self.batch_invariant:
+            return bi.linear(x, self.weight, self.bias, self.bi_rows).split(self.sizes, dim=-1)
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 def pack_for_inference(model: nn.Module) -> None:
@@ -271,7 +274,7 @@ class RoutedExperts(nn.Module):
         if self.batch_invariant:
             if torch.compiler.is_compiling():
                 return invariant_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
-            return self._per_expert(x, weights, ids, bi.linear)
+            return _invariant_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
         if torch.compiler.is_compiling():   # opaque to inductor: grouped_mm has no float32 meta kernel
             return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
         return routed_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
@@ -305,11 +308,14 @@ class RoutedExperts(nn.Module):
         per_choice = torch.empty_like(ys).index_copy_(0, order, ys)             # back to choice order
         return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
 
-    def _padded(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _padded(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The CPU's path for many choices: every local expert's rows padded to the busiest one's
         count, then one batched matmul per projection over all local experts (two GEMM calls a
         layer instead of two per touched expert: a CPU GEMM call costs 25-35 us in bfloat16
-        whatever its rows; see `PADDED_MIN_CHOICES`). Reads the busiest count on the host."""
+        whatever its rows; see `PADDED_MIN_CHOICES`). Reads the busiest count on the host.
+        `rows` (lo, hi), batch-invariant (`bi.bmm_plan`): every call takes lo..hi rows per expert,
+        more rows run as calls of exactly hi."""
         t, k = ids.shape
         h = x.shape[1]
         e_local = self.num_local_experts
@@ -320,14 +326,18 @@ class RoutedExperts(nn.Module):
         p = int(counts[:e_local].max()) if t else 0
         if p == 0:                                  # no rows, or none routed to this shard
             return x.new_zeros(t, h)
+        if rows is not None:
+            lo, hi = rows
+            p = max(p, lo) if p <= hi else -(-p // hi) * hi
         sorted_key = key[order]
         rank = torch.arange(t * k, device=x.device) - (torch.cumsum(counts, 0) - counts)[sorted_key]
         mine = sorted_key < e_local
         slot = (sorted_key * p + rank)[mine]                                   # [L] place in [E*p]
         choice = order[mine]                                                   # [L] choice index
         xs = x.new_zeros(e_local * p, h).index_copy_(0, slot, x.index_select(0, choice // k))
-        gate, up = torch.bmm(xs.view(e_local, p, h), self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
-        ys = torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2)).view(e_local * p, h)
+        tile = p if rows is None else min(p, rows[1])
+        gate, up = _tiled_bmm(xs.view(e_local, p, h), self.gate_up_proj.transpose(1, 2), tile).chunk(2, dim=-1)
+        ys = _tiled_bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2), tile).view(e_local * p, h)
         per_choice = x.new_zeros(t * k, h).index_copy_(0, choice, ys.index_select(0, slot))
         return (per_choice.view(t, k, h) * weights.to(x.dtype)[..., None]).sum(dim=1)
 
@@ -383,6 +393,13 @@ class RoutedExperts(nn.Module):
         return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
 
 
+def _tiled_bmm(x: torch.Tensor, w: torch.Tensor, tile: int) -> torch.Tensor:
+    """bmm of x [E, p, K] by w [E, K, N] in calls of `tile` rows per expert (p a multiple of it)."""
+    if x.shape[1] == tile:
+        return torch.bmm(x, w)
+    return torch.cat([torch.bmm(part, w) for part in x.split(tile, dim=1)], dim=1)
+
+
 class _Experts:
     """The weights of `RoutedExperts` without the module, for its paths as plain functions."""
 
@@ -416,8 +433,19 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
 
 def _invariant_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
                        down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
-    """The batch-invariant routed experts: per expert, each expert's GEMMs through `bi.linear`."""
-    return RoutedExperts._per_expert(_Experts(gate_up_proj, down_proj, expert_offset), x, weights, ids, bi.linear)
+    """The batch-invariant routed experts: where `PADDED_MIN_CHOICES` takes the padded batched
+    matmuls and `bi.bmm_plan` finds row counts that give every row one result, padded on those
+    (from the same number of choices when each row equals `bi.linear`'s result, else always);
+    otherwise per expert with each GEMM through `bi.linear`."""
+    experts = _Experts(gate_up_proj, down_proj, expert_offset)
+    least = PADDED_MIN_CHOICES.get(x.dtype)
+    if least is not None and x.device.type == "cpu":
+        plans = bi.bmm_plan(gate_up_proj, x.dtype), bi.bmm_plan(down_proj, x.dtype)
+        if None not in plans:
+            (lo_a, hi_a, same_a), (lo_b, hi_b, same_b) = plans
+            if ids.numel() >= least or not (same_a and same_b):
+                return RoutedExperts._padded(experts, x, weights, ids, (max(lo_a, lo_b), min(hi_a, hi_b)))
+    return RoutedExperts._per_expert(experts, x, weights, ids, bi.linear)
 
 
 def _experts_op(name: str, impl):

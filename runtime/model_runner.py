@@ -76,6 +76,9 @@ class ModelRunner:
             # eager does; then a sum two ranks all-reduce in bfloat16 (the output projection's
             # halves) would round otherwise on one rank than across two.
             options["emulate_precision_casts"] = True
+            # A GEMM the graph calls itself (`bi.linear`'s rows) must stay that call: the
+            # pattern matcher would fold a residual add into it (addmm, which rounds otherwise).
+            options["pattern_matcher"] = False
         self._compiled_forward = (torch.compile(model.forward, dynamic=True, options=options)
                                   if self.compiled else None)
         self.config = cfg

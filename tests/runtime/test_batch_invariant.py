@@ -19,7 +19,7 @@ from runtime import invariant_attention as ia
 from runtime.attention import SeqChunk, build_plan
 from runtime.config import load_config
 from runtime.kv_cache import PagedKVCache
-from runtime.layers import Router, RoutedExperts
+from runtime.layers import Router, RoutedExperts, pack_for_inference
 from runtime.sampler import SamplingParams
 from serving.llm import LLM
 
@@ -144,6 +144,34 @@ def test_router_and_experts_rows_do_not_depend_on_the_row_count(dtype):
         shard.down_proj.copy_(experts.down_proj[4:])
     shard.batch_invariant = True
     assert_row_invariant(lambda x: shard(x, *router(x)[1:]), row)
+
+
+def test_padded_invariant_experts_do_not_depend_on_the_busiest_experts_rows():
+    """bfloat16 batch-invariant experts run padded batched matmuls (`bi.bmm_plan`): a row's
+    output is the same whatever the busiest expert's row count (one call up to the plan's hi
+    rows, calls of exactly hi beyond it) and, where the plan says so, equal to the per-expert path."""
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    experts = RoutedExperts(8, 256, 128).to(dtype)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.05)
+        experts.down_proj.normal_(0, 0.05)
+    pack_for_inference(experts)                     # the CPU's column-major layout, as loaded
+    experts.batch_invariant = True
+    plans = bi.bmm_plan(experts.gate_up_proj, dtype), bi.bmm_plan(experts.down_proj, dtype)
+    if None in plans:
+        pytest.skip("no batched-matmul row range gives every row one result on this CPU")
+    hi = min(p[1] for p in plans)
+    x = torch.randn(3 * hi, 256).to(dtype)
+    weights = torch.rand(3 * hi, 2)
+    ids = torch.tensor([[0, 1]] * (3 * hi))
+    ids[0] = torch.tensor([3, 5])                   # row 0: experts 3 and 5; every other row: 0 and 1
+    want = experts(x[:1], weights[:1], ids[:1])
+    for n in (2, 3, hi - 1, hi, hi + 1, 2 * hi + 5, 3 * hi):
+        assert torch.equal(experts(x[:n], weights[:n], ids[:n])[:1], want), n
+    if all(p[2] for p in plans):
+        assert torch.equal(experts._per_expert(x[:40], weights[:40], ids[:40], bi.linear),
+                           experts(x[:40], weights[:40], ids[:40]))
 
 
 KERNELS = {"sdpa": ia.attention, "tiled": ia.tiled_attention}
