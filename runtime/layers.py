@@ -313,7 +313,7 @@ class RoutedExperts(nn.Module):
         """The CPU's path for many choices: every local expert's rows padded to the busiest one's
         count, then one batched matmul per projection over all local experts (two GEMM calls a
         layer instead of two per touched expert: a CPU GEMM call costs 25-35 us in bfloat16
-        whatever its rows; see `PADDED_MIN_CHOICES`). Reads the busiest count on the host.
+        whatever its rows; see `PADDED_MIN_EXPERTS`). Reads the busiest count on the host.
         `rows` (lo, hi), batch-invariant (`bi.bmm_plan`): every call takes lo..hi rows per expert,
         more rows run as calls of exactly hi."""
         t, k = ids.shape
@@ -408,42 +408,52 @@ class _Experts:
         self.num_local_experts = gate_up_proj.shape[0]
 
 
-# Choices (rows x k) from which the CPU runs the padded batched matmuls instead of a GEMM pair per
-# touched expert, by dtype. Measured for 8 experts of 256 x 256 at two threads, choices spread over
-# the experts (per layer, us, per expert vs padded): bfloat16 2 choices 154 vs 186, 8: 471 vs 194,
-# 32: 659 vs 211, 64: 685 vs 254 (a bfloat16 GEMM call costs 25-35 us whatever its rows); float32
-# 2: 61 vs 159, 8: 218 vs 180, 32: 314 vs 204, 64: 357 vs 272, but in the served step (routing
-# concentrated on fewer experts) float32 gained nothing measurable, so it stays per expert.
-# In the step (two threads, one-thread CPU time halved): bfloat16 16 rows 9.6 -> 8.0 ms, k3 at
-# 16 sequences 14.0 -> 12.2 ms.
-PADDED_MIN_CHOICES = {torch.bfloat16: 4, torch.float16: 4}
+# Touched local experts from which the CPU runs the padded batched matmuls instead of a GEMM pair
+# per touched expert, by dtype. Measured for 8 experts of 256 x 256 at two threads, choices spread
+# over the experts (per layer, us, per expert vs padded): bfloat16 2 choices 154 vs 186, 8: 471 vs
+# 194, 32: 659 vs 211, 64: 685 vs 254 (a bfloat16 GEMM call costs 25-35 us whatever its rows, a
+# batched one over 8 experts ~130); float32 2: 61 vs 159, 8: 218 vs 180, 32: 314 vs 204, 64: 357
+# vs 272, but in the served step (routing concentrated on fewer experts) float32 gained nothing
+# measurable, so it stays per expert. In the step (two threads, one-thread CPU time halved):
+# bfloat16 16 rows 9.6 -> 8.0 ms, k3 at 16 sequences 14.0 -> 12.2 ms. Counted in experts, not
+# choices: a row's two copies (runtime.model.RowTwice) make 4 choices over 2 experts, where the
+# padded path cost 655 against 488 us a layer.
+PADDED_MIN_EXPERTS = {torch.bfloat16: 3, torch.float16: 3}
+
+
+def _take_padded(x: torch.Tensor, ids: torch.Tensor, expert_offset: int, num_local: int) -> bool:
+    """Whether the CPU's padded path is the cheaper one for these choices (`PADDED_MIN_EXPERTS`)."""
+    least = PADDED_MIN_EXPERTS.get(x.dtype)
+    if least is None or x.device.type != "cpu" or ids.numel() < least:
+        return False
+    touched = torch.unique(ids)
+    return int(((touched >= expert_offset) & (touched < expert_offset + num_local)).sum()) >= least
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
                    down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
     """The float32 / bfloat16 routed experts: on the CPU per expert, or padded batched matmuls
-    from `PADDED_MIN_CHOICES` choices (16-bit types); grouped elsewhere."""
+    from `PADDED_MIN_EXPERTS` touched experts (16-bit types); grouped elsewhere."""
     experts = _Experts(gate_up_proj, down_proj, expert_offset)
     if x.device.type != "cpu":
         return RoutedExperts._grouped(experts, x, weights, ids)
-    if ids.numel() >= PADDED_MIN_CHOICES.get(x.dtype, ids.numel() + 1):
+    if _take_padded(x, ids, expert_offset, experts.num_local_experts):
         return RoutedExperts._padded(experts, x, weights, ids)
     return RoutedExperts._per_expert(experts, x, weights, ids)
 
 
 def _invariant_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
                        down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
-    """The batch-invariant routed experts: where `PADDED_MIN_CHOICES` takes the padded batched
-    matmuls and `bi.bmm_plan` finds row counts that give every row one result, padded on those
-    (from the same number of choices when each row equals `bi.linear`'s result, else always);
-    otherwise per expert with each GEMM through `bi.linear`."""
+    """The batch-invariant routed experts: where the CPU takes padded batched matmuls for 16-bit
+    types and `bi.bmm_plan` finds row counts that give every row one result, padded on those
+    (by `PADDED_MIN_EXPERTS` when each row equals `bi.linear`'s result, else always); otherwise
+    per expert with each GEMM through `bi.linear`."""
     experts = _Experts(gate_up_proj, down_proj, expert_offset)
-    least = PADDED_MIN_CHOICES.get(x.dtype)
-    if least is not None and x.device.type == "cpu":
+    if x.dtype in PADDED_MIN_EXPERTS and x.device.type == "cpu":
         plans = bi.bmm_plan(gate_up_proj, x.dtype), bi.bmm_plan(down_proj, x.dtype)
         if None not in plans:
             (lo_a, hi_a, same_a), (lo_b, hi_b, same_b) = plans
-            if ids.numel() >= least or not (same_a and same_b):
+            if not (same_a and same_b) or _take_padded(x, ids, expert_offset, experts.num_local_experts):
                 return RoutedExperts._padded(experts, x, weights, ids, (max(lo_a, lo_b), min(hi_a, hi_b)))
     return RoutedExperts._per_expert(experts, x, weights, ids, bi.linear)
 

@@ -44,12 +44,18 @@ def test_float64_takes_the_reference_loop(monkeypatch):
     assert calls == ["loop", "per expert"]      # float32 on the CPU: per expert (grouped on an accelerator)
 
 
-@pytest.mark.parametrize("dtype, rows", [(torch.float32, 64), (torch.bfloat16, 1), (torch.bfloat16, 2)])
-def test_the_cpu_picks_padded_matmuls_for_many_choices(monkeypatch, dtype, rows):
-    """bfloat16 from 4 choices (2 rows of 2, `PADDED_MIN_CHOICES`), float32 never, else per expert."""
+@pytest.mark.parametrize("dtype, ids, padded", [
+    (torch.float32, [[0, 1], [2, 3]] * 32, False),     # float32: never
+    (torch.bfloat16, [[0, 1]], False),                  # 2 experts
+    (torch.bfloat16, [[0, 1], [0, 1]], False),          # a row's two copies: still 2 experts
+    (torch.bfloat16, [[0, 1], [1, 2]], True),           # 3 experts (`PADDED_MIN_EXPERTS`)
+    (torch.bfloat16, [[4, 5], [6, 1]], False),          # 1 local expert: the others are another shard's
+])
+def test_the_cpu_picks_padded_matmuls_for_many_touched_experts(monkeypatch, dtype, ids, padded):
     experts = RoutedExperts(4, 16, 8).to(dtype)
     calls = []
     monkeypatch.setattr(RoutedExperts, "_padded", lambda self, *a: calls.append("padded") or a[0])
     monkeypatch.setattr(RoutedExperts, "_per_expert", lambda self, *a: calls.append("per expert") or a[0])
-    experts(torch.zeros(rows, 16, dtype=dtype), torch.ones(rows, 2), torch.zeros(rows, 2, dtype=torch.long))
-    assert calls == ["padded" if dtype == torch.bfloat16 and rows * 2 >= 4 else "per expert"]
+    rows = len(ids)
+    experts(torch.zeros(rows, 16, dtype=dtype), torch.ones(rows, 2), torch.tensor(ids))
+    assert calls == ["padded" if padded else "per expert"]
