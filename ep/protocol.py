@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from speculative.proposer import EP_CMD_MTP_PROPOSE
 from speculative.settings import MAX_NUM_DRAFTS
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7   # 7: COMPILED_BIT in the handshake
 HEADER_WORDS = 8
 NO_SLOT = 0xFFFFFFFF
 MAX_SLOT = 1 << 30
