@@ -199,7 +199,8 @@ def chain_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cells = chains.cells.reshape(-1)
     keys = k_cache.index_select(0, cells).view(b, kp, nkv, d).to(q.dtype).transpose(1, 2)
     values = v_cache.index_select(0, cells).view(b, kp, nkv, dv).to(q.dtype).transpose(1, 2)
-    heads = q.index_select(0, chains.rows.reshape(-1)).view(b, qm, nkv, g, d).permute(0, 2, 1, 3, 4)
+    rows = q if chains.in_order else q.index_select(0, chains.rows.reshape(-1))   # in order: every row, no padding
+    heads = rows.view(b, qm, nkv, g, d).permute(0, 2, 1, 3, 4)
     out = F.scaled_dot_product_attention(heads.reshape(b, nkv * qm * g, 1, d), keys, values,
                                          attn_mask=chains.head_mask(nkv, g, q.dtype), scale=scale, enable_gqa=qm * g > 1)
     return out.view(b, nkv, qm, g, dv).permute(0, 2, 1, 3, 4).reshape(b * qm, nh, dv)

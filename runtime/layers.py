@@ -455,7 +455,18 @@ def _invariant_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
             (lo_a, hi_a, same_a), (lo_b, hi_b, same_b) = plans
             if not (same_a and same_b) or _take_padded(x, ids, expert_offset, experts.num_local_experts):
                 return RoutedExperts._padded(experts, x, weights, ids, (max(lo_a, lo_b), min(hi_a, hi_b)))
-    return RoutedExperts._per_expert(experts, x, weights, ids, bi.linear)
+    return RoutedExperts._per_expert(experts, x, weights, ids, _planned_linear(gate_up_proj, down_proj, x.dtype))
+
+
+def _planned_linear(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, dtype: torch.dtype):
+    """`bi.linear` for one layer's expert matrices, their GEMM plans looked up once for the layer
+    (an expert's matrix is a fresh view each call, so `bi.linear` would look its plan up anew)."""
+    plans = {(w.shape[1:], w.stride()[1:]): bi.gemm_plan(w[0], dtype, False) for w in (gate_up_proj, down_proj)}
+
+    def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        lo, hi = plans[(w.shape, w.stride())]
+        return F.linear(x, w) if lo <= x.shape[0] <= hi else bi.linear(x, w)
+    return mm
 
 
 def _experts_op(name: str, impl):
