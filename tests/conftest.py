@@ -16,6 +16,17 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_l
             num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts_per_tok=2,
             n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=256,
             eos_token_id=0)
+@pytest.fixture(autouse=True)
+def engines_run_eager_unless_asked(monkeypatch):
+    """An `LLM` built in the test process runs its step eagerly unless the test passes
+    `enforce_eager=False`: every distinct model configuration costs a compile (5-15 s), and only
+    the tests of the compiled step need one. (Before this, Dynamo's recompile limit made the 9th
+    configuration of a process run eager silently; `ModelRunner` now raises that limit.) Engines
+    in subprocesses (the CLI, tools, EP workers of a compiled rank 0) keep the real default."""
+    from serving.llm import LLM
+    monkeypatch.setitem(LLM.__init__.__kwdefaults__, "enforce_eager", True)
+
+
 # One plain config, one with grouped routing, q/k norm, attention bias and routed scaling.
 CONFIGS = {
     "plain": dict(n_group=1, topk_group=1, use_qk_norm=False, attention_bias=False),

@@ -313,7 +313,7 @@ def test_compiled_step_rows_do_not_depend_on_the_step(dtype):
     """The compiled batch-invariant step (one graph for every row count: its GEMMs, experts and
     attention are opaque ops): a 700-row prefill alone, beside a 324-row one (1,024 rows), and in
     two chunks of 350, and its first 5 rows alone, give the same hidden rows bit for bit."""
-    llm = LLM(MODEL, dtype, kv_cache_tokens=4096, batch_invariant=True)
+    llm = LLM(MODEL, dtype, kv_cache_tokens=4096, batch_invariant=True, enforce_eager=False)
     runner = llm.engine.runner
     assert runner.compiled
     gen = torch.Generator().manual_seed(0)
@@ -346,7 +346,7 @@ def outputs(request):
     arms = {"none": {}, "k1": dict(spec="mtp", num_drafts=1), "k3": dict(spec="mtp", num_drafts=3),
             "tree": dict(spec="mtp", num_drafts=3, tree_shape="2,2,1"), "ngram": dict(spec="ngram", num_drafts=3)}
     for arm, spec in arms.items():
-        llm = LLM(MODEL, dtype, kv_cache_tokens=16384, batch_invariant=True, **spec)
+        llm = LLM(MODEL, dtype, kv_cache_tokens=16384, batch_invariant=True, enforce_eager=False, **spec)
         runs[arm] = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
         if arm in ("none", "k3"):
             runs[arm + "-seeded"] = [o.token_ids for o in llm.generate(PROMPTS, seeded)]
@@ -361,7 +361,8 @@ def outputs(request):
     eager.shutdown()
     # A cache a third the batch's size: sequences are preempted and recomputed (prefix cache off,
     # so the recompute really computes), MTP on.
-    small = LLM(MODEL, dtype, kv_cache_tokens=768, batch_invariant=True, prefix_cache=False, spec="mtp", num_drafts=3)
+    small = LLM(MODEL, dtype, kv_cache_tokens=768, batch_invariant=True, prefix_cache=False, spec="mtp", num_drafts=3,
+                enforce_eager=False)
     runs["preempted"] = [o.token_ids for o in small.generate(PROMPTS, greedy)]
     runs["num_preemptions"] = small.engine.scheduler.num_preemptions
     small.shutdown()
@@ -399,9 +400,9 @@ def test_seeded_sampling_with_speculation_equals_none(outputs):
 
 def test_batch_invariant_is_on_for_float64_only_by_default():
     assert LLM(MODEL, "float64", kv_cache_tokens=512).engine.runner.batch_invariant
-    off = LLM(MODEL, "bfloat16", kv_cache_tokens=512)
+    off = LLM(MODEL, "bfloat16", kv_cache_tokens=512, enforce_eager=False)
     assert not off.engine.runner.batch_invariant and off.engine.runner.compiled
-    on = LLM(MODEL, "bfloat16", kv_cache_tokens=512, batch_invariant=True)
+    on = LLM(MODEL, "bfloat16", kv_cache_tokens=512, batch_invariant=True, enforce_eager=False)
     assert on.engine.runner.batch_invariant and on.engine.runner.compiled
     eager = LLM(MODEL, "bfloat16", kv_cache_tokens=512, batch_invariant=True, enforce_eager=True)
     assert eager.engine.runner.batch_invariant and not eager.engine.runner.compiled
