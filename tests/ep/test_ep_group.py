@@ -106,7 +106,8 @@ def test_killed_worker_ends_rank0_with_a_message():
     model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
     proc = subprocess.Popen(metrale_cmd("generate", "--model", str(model), "--prompt", "x", "--max-tokens", "1000",
                                         "--ignore-eos", "--ep", "2", "--launcher", "mp", "--max-restarts", "0",
-                                        "--ep-timeout", "20", "--kv-cache-tokens", "2048"),
+                                        "--ep-timeout", "20", "--kv-cache-tokens", "2048",
+                                        "--enforce-eager"),   # the kill lands in generation, not in a compile
                             env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     worker = None
     deadline = time.time() + 60

@@ -102,6 +102,7 @@ def test_tree_arms_name_their_shape():
 
 def test_bench_at_ep2_runs_each_arm_with_its_own_group(tmp_path):
     out = subprocess.run(metrale_cmd("bench", "--model", str(EMBEDDED), "--arms", "none,k1", "--ep", "2",
+                                     "--enforce-eager",   # 4 group starts; a compile each would add ~1 min
                                      "--concurrency", "1", "--max-tokens", "4", "--requests", "2", "--repeats", "2",
                                      "--json-out", str(tmp_path / "b.json")),
                          env=run_env(), capture_output=True, text=True, timeout=300)
