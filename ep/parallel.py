@@ -30,7 +30,8 @@ from ep.topology import EPTopology
 from runtime import batch_invariant as bi
 from runtime.attention import step_model
 from runtime.config import ModelConfig
-from runtime.layers import Linear, MoE, RoutedExperts
+from runtime.experts import RoutedExperts
+from runtime.layers import Linear, MoE
 from runtime.mla import MLAttention
 from runtime.model import CausalLM
 

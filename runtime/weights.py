@@ -217,7 +217,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
 
 
 def _shrink_experts(model: CausalLM, num_local: int, offset: int) -> None:
-    from runtime.layers import RoutedExperts
+    from runtime.experts import RoutedExperts
     for mod in model.modules():
         if isinstance(mod, RoutedExperts):
             for name in ("gate_up_proj", "down_proj"):

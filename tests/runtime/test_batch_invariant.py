@@ -19,7 +19,8 @@ from runtime import invariant_attention as ia
 from runtime.attention import SeqChunk, build_plan
 from runtime.config import load_config
 from runtime.kv_cache import PagedKVCache
-from runtime.layers import Router, RoutedExperts, pack_for_inference
+from runtime.experts import RoutedExperts
+from runtime.layers import Router, pack_for_inference
 from runtime.sampler import SamplingParams
 from serving.llm import LLM
 

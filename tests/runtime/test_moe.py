@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.layers import RoutedExperts
+from runtime.experts import RoutedExperts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

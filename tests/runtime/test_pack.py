@@ -7,7 +7,8 @@ import torch
 
 from runtime.attention import CausalAttention
 from runtime.kv_cache import PagedKVCache
-from runtime.layers import MLP, Attention, FusedProjection, RoutedExperts, pack_for_inference
+from runtime.experts import RoutedExperts
+from runtime.layers import MLP, Attention, FusedProjection, pack_for_inference
 from runtime.model import CausalLM
 from runtime.weights import iter_hf_state, load_model
 
