@@ -44,6 +44,7 @@ class ChatBenchConfig:
     max_tokens: int = 64
     spec: str = "none"
     arms: tuple[str, ...] = ("no-cache", "cache")
+    enforce_eager: bool = False   # both servers without torch.compile
 
     def __post_init__(self) -> None:
         bad = [a for a in self.arms if a not in ARMS]
@@ -138,7 +139,7 @@ def start_server(config: ChatBenchConfig, arm: str) -> tuple[subprocess.Popen, s
     cmd = [sys.executable, "-m", "launch", "serve", "--model", config.model, "--dtype", config.dtype,
            "--device", config.device, "--port", str(port), "--served-model-name", "bench", "--max-num-seqs", str(config.conversations),
            "--kv-cache-tokens", str(max(65536, 2 * config.conversations * config.num_context_tokens())),
-           "--spec", config.spec, *ARMS[arm]]
+           "--spec", config.spec, *ARMS[arm]] + (["--enforce-eager"] if config.enforce_eager else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300

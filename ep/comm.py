@@ -68,20 +68,26 @@ class Communicator:
     def join(self, init_method: str) -> None:
         """Join the group at `init_method` (after `close` for a fresh group: a new address). At a
         `tcp://host:port` the rendezvous waits up to JOIN_TIMEOUT_S (or the collective timeout when
-        longer) for every rank to arrive, since a rank may still be importing and loading; the
-        collectives then run with `timeout_s`. Other methods (torchrun's env://) go to torch as they are."""
+        longer) for every rank to arrive, since a rank may still be importing and loading. Other
+        methods (torchrun's env://) go to torch as they are. The start's collectives (handshake,
+        shard sizes, rank info) wait as long, since ranks load their shards at their own pace;
+        `started` then sets `timeout_s` for serving."""
         if not self.joined:
             return
-        timeout = dt.timedelta(seconds=self.timeout_s)
+        timeout = dt.timedelta(seconds=max(JOIN_TIMEOUT_S, self.timeout_s))
         host, _, port = init_method.removeprefix("tcp://").rpartition(":")
         if not init_method.startswith("tcp://") or not host or not port.isdigit():
             dist.init_process_group(self.backend, init_method=init_method, rank=self.rank,
                                     world_size=self.world_size, timeout=timeout)
             return
-        store = dist.TCPStore(host, int(port), self.world_size, is_master=self.rank == 0,
-                              timeout=dt.timedelta(seconds=max(JOIN_TIMEOUT_S, self.timeout_s)))
+        store = dist.TCPStore(host, int(port), self.world_size, is_master=self.rank == 0, timeout=timeout)
         dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
                                 timeout=timeout)
+
+    def started(self) -> None:
+        """The group has started: every collective from now on times out after `timeout_s`."""
+        if self.joined and dist.is_initialized():
+            dist.distributed_c10d._set_pg_timeout(dt.timedelta(seconds=self.timeout_s))
 
     def _run(self, what: str, fn, *args, **kwargs):
         if not self.joined:

@@ -221,6 +221,7 @@ def serve_rank(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_
                             gpu_memory_utilization, compiled)
         gather_weight_bytes(comm, runner)
         gather_rank_info(comm)
+        comm.started()
         worker_loop(runner, comm, confidence_stop)
         return 0, ""
     except CommError as exc:

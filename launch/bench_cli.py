@@ -30,7 +30,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--requests", type=int, default=None, help="requests per cell (default: 2 x concurrency, at least 16)")
     b.add_argument("--repeats", type=int, default=1,
                    help="runs per cell, arms taking turns; the cell is the median run, with min and max beside it")
-    b.add_argument("--enforce-eager", action="store_true", help="every engine arm runs without torch.compile")
+    b.add_argument("--enforce-eager", action="store_true", help="every engine arm (chat: both servers) runs without torch.compile")
     b.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="arms vllm and vllm-mtpK (K=1..4) run vLLM's CPU build with this venv's Python "
                         "(default: METRALE_VLLM_PYTHON); a yardstick, never a dependency")
@@ -78,6 +78,6 @@ def cmd_chat_bench(args: argparse.Namespace) -> int:
     config = ChatBenchConfig(model=args.model, dtype=args.dtype, device=args.device, conversations=args.conversations, turns=args.turns,
                              system_tokens=args.system_tokens, user_tokens=args.user_tokens,
                              max_tokens=args.max_tokens or 64, spec=args.spec,
-                             arms=arm_list(args.arms or "no-cache,cache"))
+                             arms=arm_list(args.arms or "no-cache,cache"), enforce_eager=args.enforce_eager)
     run_chat_bench(config, args.out_dir)
     return 0

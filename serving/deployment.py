@@ -224,6 +224,7 @@ class Deployment:
                                self._shard[1], cfg.gpu_memory_utilization, compiled)
             self.rank_weight_bytes = gather_weight_bytes(comm, local)
             info = gather_rank_info(comm)
+            comm.started()
         except BaseException as exc:
             report = self.group.failure_report() if self.group is not None else ""
             if report:

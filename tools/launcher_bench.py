@@ -31,7 +31,7 @@ def drain(llm, errors: list[BaseException]) -> None:
 
 
 def measure(launcher: str, model: str, ep: int, max_tokens: int, kill_after: float,
-            kill_at_token: int | None = None) -> dict:
+            kill_at_token: int | None = None, enforce_eager: bool = False) -> dict:
     from launch import launcher_for
     from launch.ray_group import RayOptions
     from runtime.sampler import SamplingParams
@@ -40,7 +40,7 @@ def measure(launcher: str, model: str, ep: int, max_tokens: int, kill_after: flo
     ray_options = RayOptions(temp_dir=tempfile.mkdtemp(prefix="mray", dir="/tmp")) if launcher == "ray" else None
     t0 = time.perf_counter()
     llm = LLM(model, dtype="float32", ep=ep, kv_cache_tokens=4096,
-              launcher=launcher_for(launcher, ray_options=ray_options))
+              launcher=launcher_for(launcher, ray_options=ray_options), enforce_eager=enforce_eager)
     ready = time.perf_counter() - t0
     deployment = llm.deployment
     seq = llm.engine.add_request(llm.encode("def main("), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--kill-at-token", type=int, default=None,
                     help="kill rank 1 once the request has this many tokens (instead of --kill-after seconds)")
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--enforce-eager", action="store_true", help="run the eager step (no compile: a quick check; the speeds are not the served ones)")
     args = ap.parse_args()
     from launch import LAUNCHERS
     launchers = [name.strip() for name in args.launchers.split(",")]
@@ -106,7 +107,7 @@ def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     rows = []
     for launcher in launchers:
-        row = measure(launcher, args.model, args.ep, args.max_tokens, args.kill_after, args.kill_at_token)
+        row = measure(launcher, args.model, args.ep, args.max_tokens, args.kill_after, args.kill_at_token, args.enforce_eager)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json_out:

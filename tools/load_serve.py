@@ -80,7 +80,7 @@ def run_arm(args, spec: str, prompts: list[str]) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "launch", "serve", "--model", args.model, "--port", str(port),
            "--served-model-name", "bench", "--max-num-seqs", str(args.clients), "--spec", spec,
-           "--num-drafts", str(args.num_drafts)]
+           "--num-drafts", str(args.num_drafts)] + (["--enforce-eager"] if args.enforce_eager else [])
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -116,6 +116,7 @@ def main() -> int:
     ap.add_argument("--num-drafts", type=int, default=3)
     ap.add_argument("--arms", default="none,mtp")
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--enforce-eager", action="store_true", help="run the eager step (no compile: a quick check; the speeds are not the served ones)")
     args = ap.parse_args()
     path = Path(args.model) / "heldout_prompts.jsonl"
     prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]

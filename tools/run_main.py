@@ -31,6 +31,7 @@ def main() -> int:
     ap.add_argument("--num-drafts", type=int, default=3)
     ap.add_argument("--ep", type=int, default=2, help="ranks for the EP arm (1 skips it)")
     ap.add_argument("--launcher", default="ray", choices=LAUNCHERS, help="what starts the EP arm's worker ranks")
+    ap.add_argument("--enforce-eager", action="store_true", help="run the eager step (no compile: a quick check; the speeds are not the served ones)")
     args = ap.parse_args()
     if not Path(args.model).is_dir():
         print(f"make run: model folder {args.model!r} does not exist", file=sys.stderr)
@@ -45,7 +46,7 @@ def main() -> int:
     for label, spec, ep in arms:
         print(f"[{label}] loading {args.model} ...", flush=True)
         llm = LLM(args.model, dtype="float32", spec=spec, num_drafts=args.num_drafts, ep=ep,
-                  launcher=launcher_for(args.launcher) if ep > 1 else None)
+                  launcher=launcher_for(args.launcher) if ep > 1 else None, enforce_eager=args.enforce_eager)
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4))  # warm-up
         t0 = time.perf_counter()
         outs = llm.generate(PROMPTS, params)

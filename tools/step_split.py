@@ -29,11 +29,11 @@ def timed(obj, name: str, bucket: dict) -> None:
     setattr(obj, name, wrapper)
 
 
-def measure(model: str, k: int, prompts: list[str], max_tokens: int) -> dict:
+def measure(model: str, k: int, prompts: list[str], max_tokens: int, enforce_eager: bool = False) -> dict:
     from serving.llm import LLM
     from runtime.sampler import SamplingParams
     llm = LLM(model, dtype="float32", spec="mtp" if k else "none", num_drafts=max(k, 1), draft_policy="fixed",
-              kv_cache_tokens=8192)
+              kv_cache_tokens=8192, enforce_eager=enforce_eager)
     engine = llm.engine
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     bucket: dict[str, float] = {}
@@ -61,10 +61,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--enforce-eager", action="store_true", help="run the eager step (no compile: a quick check; the speeds are not the served ones)")
     args = ap.parse_args()
     path = Path(args.model) / "heldout_prompts.jsonl"
     prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()][:args.prompts]
-    rows = [measure(args.model, k, prompts, args.max_tokens) for k in [0, *map(int, args.num_drafts.split(","))]]
+    rows = [measure(args.model, k, prompts, args.max_tokens, args.enforce_eager) for k in [0, *map(int, args.num_drafts.split(","))]]
     cols = list(rows[0])
     print("  ".join(f"{c:>15}" for c in cols))
     for r in rows:

@@ -46,7 +46,8 @@ def test_bench_writes_record_and_plot(tmp_path):
     model = tmp_path / "m"
     shutil.copytree(EMBEDDED, model)
     (model / "metrale.toml").write_text("[behavior]\nmtp_max_seqs = 1\n")   # ladder: speculation off at 2
-    out = subprocess.run(metrale_cmd("bench", "--model", str(model), "--arms", "none,none-eager,k2,ladder,hf",
+    # One compiled arm (none); the speculating arms run eager, which keeps the compile time to one.
+    out = subprocess.run(metrale_cmd("bench", "--model", str(model), "--arms", "none,none-eager,k2-eager,ladder-eager,hf",
                                      "--concurrency", "1,2", "--max-tokens", "6", "--requests", "2", "--repeats", "2",
                                      "--json-out", str(tmp_path / "b.json"), "--plot-out", str(tmp_path / "b.png")),
                          env=run_env(), capture_output=True, text=True, timeout=300)
@@ -55,19 +56,19 @@ def test_bench_writes_record_and_plot(tmp_path):
     assert record["git_sha"] and isinstance(record["dirty"], bool) and "bench --model" in record["command"]
     assert record["git_sha_at_end"] == record["git_sha"] and record["machine"]["cpu_count"] >= 1
     cells = {(c["arm"], c["concurrency"]): c for c in record["cells"]}
-    assert set(cells) == {(a, c) for a in ("none", "none-eager", "k2", "ladder", "hf") for c in (1, 2)}
+    assert set(cells) == {(a, c) for a in ("none", "none-eager", "k2-eager", "ladder-eager", "hf") for c in (1, 2)}
     for (arm, c), x in cells.items():
         assert len(x["tok_s_runs"]) == 2 and x["tok_s"] in x["tok_s_runs"]
         assert x["tok_s_min"] <= x["tok_s"] <= x["tok_s_max"] and x["requests"] == 2
         assert x["output_tokens"] == 2 * 6 and x["threads"] >= 1 and x["layout"]["ep"] == 1
-        fixed = {k: v for k, v in cells.items() if k[1] == c and k[0] in ("none", "none-eager", "k2") and k[0] != arm}
+        fixed = {k: v for k, v in cells.items() if k[1] == c and k[0] in ("none", "none-eager", "k2-eager") and k[0] != arm}
         best = max(fixed.values(), key=lambda v: v["tok_s"])
         assert abs(x["tok_s_ratio_vs_best_fixed"] - x["tok_s"] / best["tok_s"]) < 2e-3
     # The fixed arm speculates at every width; the ladder takes the folder's cap of 1.
-    assert cells["k2", 2]["width_cap"] == 128 and cells["k2", 2]["verifies"] > 0
-    assert cells["k2", 1]["drafts_per_verify"] > 1.0
-    assert cells["ladder", 2]["width_cap"] == 1 and cells["ladder", 2]["verifies"] == 0
-    assert cells["ladder", 1]["verifies"] > 0 and cells["none", 1]["width_cap"] is None
+    assert cells["k2-eager", 2]["width_cap"] == 128 and cells["k2-eager", 2]["verifies"] > 0
+    assert cells["k2-eager", 1]["drafts_per_verify"] > 1.0
+    assert cells["ladder-eager", 2]["width_cap"] == 1 and cells["ladder-eager", 2]["verifies"] == 0
+    assert cells["ladder-eager", 1]["verifies"] > 0 and cells["none", 1]["width_cap"] is None
     assert cells["hf", 1]["accept_len"] is None and cells["hf", 2]["output_tokens"] == 12
     assert cells["none", 1]["compiled"] is True and cells["none-eager", 1]["compiled"] is False
     assert "vs best fixed" in out.stdout and "[" in out.stdout   # the table shows ratios and spreads
@@ -134,7 +135,7 @@ def test_chat_bench_runs_both_arms_through_the_server(tmp_path):
     """The chat workload, tiny: later turns find their history in the cache arm only."""
     out = subprocess.run(metrale_cmd("bench", "--workload", "chat", "--model", str(EMBEDDED), "--conversations", "2",
                                      "--turns", "2", "--system-tokens", "64", "--user-tokens", "8", "--max-tokens", "4",
-                                     "--out-dir", str(tmp_path)),
+                                     "--enforce-eager", "--out-dir", str(tmp_path)),
                          env=run_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     record = json.loads((tmp_path / "chat.json").read_text())

@@ -37,7 +37,7 @@ def test_generate_json_lines_in_input_order(ckpt_plain, tmp_path):
 
 def test_generate_plain_text(ckpt_plain):
     from serving import LLM, SamplingParams
-    res = run("generate", "--model", str(ckpt_plain), "--prompt", "x = 1", "--max-tokens", "4")
+    res = run("generate", "--model", str(ckpt_plain), "--prompt", "x = 1", "--max-tokens", "4", "--enforce-eager")
     assert res.returncode == 0, res.stderr
     # stdout is the continuation itself: what the same model generates in-process, and nothing more.
     want = LLM(ckpt_plain, kv_cache_tokens=256).generate("x = 1", SamplingParams(max_tokens=4))[0]

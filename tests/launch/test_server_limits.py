@@ -188,9 +188,9 @@ def test_sigterm_drains_then_exits_0_without_orphans(launcher):
     kids = descendants(proc.pid)
     assert len(kids) >= (1 if ep else 0)
     try:
-        long = Stream(base, 1500)
+        long = Stream(base, 1900)   # 10 s and more on 2 cores: the drain ends it
         assert long.next_event()["choices"][0]["finish_reason"] is None
-        short = Stream(base, 40)
+        short = Stream(base, 8)     # some steps: it ends inside the drain, also on a slow machine
         assert short.next_event()["choices"][0]["finish_reason"] is None
         proc.send_signal(signal.SIGTERM)
         status, health = get(base, "/health")

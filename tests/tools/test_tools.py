@@ -51,7 +51,7 @@ def test_ep_comm_bench_prints_layer_and_raw_comm_per_mode_and_size():
 def test_launcher_bench_mp_survives_a_killed_rank(tmp_path):
     out = tmp_path / "launcher.json"
     stdout = ok(run_tool("launcher_bench.py", "--model", MODEL, "--launchers", "mp", "--max-tokens", 48,
-                         "--kill-at-token", 2, "--json-out", out))
+                         "--kill-at-token", 2, "--json-out", out, "--enforce-eager"))
     record = json.loads(out.read_text())
     assert record["model"] == str(MODEL)
     [row] = record["rows"]
@@ -72,7 +72,7 @@ def test_launcher_bench_refuses_an_unknown_launcher():
 def test_load_serve_completes_every_request_in_both_arms(tmp_path):
     out = tmp_path / "nested" / "load.json"
     stdout = ok(run_tool("load_serve.py", "--model", MODEL, "--clients", 2, "--requests", 2, "--max-tokens", 4,
-                         "--arms", "none,mtp", "--json-out", out))
+                         "--arms", "none,mtp", "--json-out", out, "--enforce-eager"))
     rows = json.loads(out.read_text())
     assert json_lines(stdout) == rows
     assert [r["arm"] for r in rows] == ["none", "mtp"]
@@ -144,7 +144,8 @@ def arm_rows(stdout: str) -> dict[str, list[str]]:
 
 
 def test_run_main_prints_the_same_text_in_every_arm():
-    stdout = ok(run_tool("run_main.py", "--model", MODEL, "--max-tokens", 4, "--ep", 2, "--launcher", "mp"))
+    stdout = ok(run_tool("run_main.py", "--model", MODEL, "--max-tokens", 4, "--ep", 2, "--launcher", "mp",
+                             "--enforce-eager"))
     assert stdout.count("same text as without speculation") == 2  # MTP at EP 1 and at EP 2
     assert "warning" not in stdout
     rows = arm_rows(stdout)
@@ -163,7 +164,7 @@ def test_run_main_refuses_a_missing_model_folder(tmp_path):
 def test_step_split_splits_each_depth_into_draft_target_and_host(tmp_path):
     out = tmp_path / "split.json"
     stdout = ok(run_tool("step_split.py", "--model", MODEL, "--num-drafts", 2, "--max-tokens", 5,
-                         "--prompts", 1, "--json-out", out))
+                         "--prompts", 1, "--json-out", out, "--enforce-eager"))
     record = json.loads(out.read_text())
     assert record["model"] == str(MODEL)
     rows = record["rows"]
