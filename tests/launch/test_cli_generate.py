@@ -16,6 +16,21 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(metrale_cmd(*args), capture_output=True, text=True, env=run_env(), timeout=TIMEOUT)
 
 
+def refused_in_process(capsys: pytest.CaptureFixture, *args: str) -> str:
+    """The CLI's `main` in this process, for a refusal found before any model loads or setting is
+    published (test_bad_inputs_fail_with_one_line runs the real command): its one stderr line."""
+    from launch.cli import main
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exc:   # argparse's own refusals
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", (args, code, out, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
 def test_generate_json_lines_in_input_order(ckpt_plain, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "def add(a, b):"}, {"prompt_ids": [5, 6, 7]},
                                                   {"prompt": "import os"}])
@@ -59,11 +74,8 @@ def test_generate_plain_text(ckpt_plain):
     (["--min-tokens", "9", "--max-tokens", "4"], "--min-tokens: min_tokens=9"),
     (["--logit-bias", "5:1"], "--logit-bias '5:1': expected TOKEN_ID=BIAS"),
 ])
-def test_bad_sampling_flags(ckpt_plain, extra, needle):
-    res = run("generate", "--model", str(ckpt_plain), "--prompt", "hi", *extra)
-    assert res.returncode != 0
-    assert needle in res.stderr and "Traceback" not in res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1
+def test_bad_sampling_flags(ckpt_plain, extra, needle, capsys):
+    assert needle in refused_in_process(capsys, "generate", "--model", str(ckpt_plain), "--prompt", "hi", *extra)
 
 
 def test_sampling_flags_reach_the_sampler(ckpt_plain):
@@ -95,16 +107,18 @@ def test_sampling_flags_parse_into_the_params():
     assert p.logit_bias == ((0, -100.0), (77, 4.0))
 
 
-def test_bad_inputs_fail_with_one_line(ckpt_plain, tmp_path):
+def test_bad_inputs_fail_with_one_line(ckpt_plain, tmp_path, capsys):
+    # A prompts file is read before anything loads: in this process.
+    (tmp_path / "broken.jsonl").write_text("{not json\n")
+    for name, needle in (("none.jsonl", "none.jsonl"), ("broken.jsonl", "broken.jsonl:1")):
+        assert needle in refused_in_process(capsys, "generate", "--model", str(ckpt_plain),
+                                            "--prompts-file", str(tmp_path / name))
     cases = [
         (["--model", str(tmp_path / "missing"), "--prompt", "hi"], "missing"),
-        (["--model", str(ckpt_plain), "--prompts-file", str(tmp_path / "none.jsonl")], "none.jsonl"),
         (["--model", str(ckpt_plain), "--prompts-file",
           str(write_jsonl(tmp_path / "oov.jsonl", [{"prompt_ids": [1, 99999]}]))], "99999"),
         (["--model", str(ckpt_plain), "--prompt", "word " * 400], "context"),
     ]
-    (tmp_path / "broken.jsonl").write_text("{not json\n")
-    cases.append((["--model", str(ckpt_plain), "--prompts-file", str(tmp_path / "broken.jsonl")], "broken.jsonl:1"))
     empty = tmp_path / "empty_model"
     empty.mkdir()
     cases.append((["--model", str(empty), "--prompt", "hi"], "config.json"))
@@ -116,7 +130,7 @@ def test_bad_inputs_fail_with_one_line(ckpt_plain, tmp_path):
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
-def test_tree_shape_flag(ckpt_mtp, tmp_path):
+def test_tree_shape_flag(ckpt_mtp, tmp_path, capsys):
     args = ("generate", "--model", str(ckpt_mtp), "--prompt", "x = 1", "--max-tokens", "12", "--ignore-eos",
             "--json", "--dtype", "float64")
     plain = run(*args)
@@ -129,13 +143,8 @@ def test_tree_shape_flag(ckpt_mtp, tmp_path):
                           (["--spec", "mtp", "--tree-shape", "1;2"], "comma list"),
                           (["--tree-shape", "1,2,2"], "needs --spec mtp"),
                           (["--spec", "mtp", "--tree-shape", "1,2", "--spec-verify", "rejection"], "keyed target")):
-        res = run(*args, *extra)
-        assert res.returncode == 2, (extra, res.stderr)
-        assert needle in res.stderr and "Traceback" not in res.stderr, res.stderr
-        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert needle in refused_in_process(capsys, *args, *extra)
     for extra, needle in ((["--arms", "k3,tree"], "needs --tree-shape"),
                           (["--arms", "tree", "--tree-shape", "0,1"], "count 0"),
                           (["--request-kinds", "plain,xml"], "request kind 'xml'")):
-        res = run("bench", "--model", str(ckpt_mtp), *extra)
-        assert res.returncode == 2 and needle in res.stderr, res.stderr
-        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert needle in refused_in_process(capsys, "bench", "--model", str(ckpt_mtp), *extra)

@@ -1,12 +1,35 @@
-"""The METRALE_* knobs, read once per process: each case runs in a fresh interpreter."""
+"""The METRALE_* knobs, read once per process. A knob's parsing is checked in this process with
+its cache emptied before and after; reading once, and what other modules build from the knobs,
+in a fresh interpreter."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
+import speculative.knobs as k
 from tests.conftest import run_env
+
+
+def _forget_knobs() -> None:
+    for reader in vars(k).values():
+        if callable(getattr(reader, "cache_clear", None)):
+            reader.cache_clear()
+
+
+def read_in_process(reader, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> str:
+    """str(reader()) with exactly the METRALE_* variables of `env` set, read afresh."""
+    for name in [n for n in os.environ if n.startswith("METRALE_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _forget_knobs()
+    try:
+        return str(reader())
+    finally:
+        _forget_knobs()
 
 
 def read_in_subprocess(expr: str, env: dict[str, str]) -> str:
@@ -22,19 +45,19 @@ def read_in_subprocess(expr: str, env: dict[str, str]) -> str:
                                        ({"METRALE_MTP_SHADOW_TOPK": "99"}, "8"),
                                        ({"METRALE_MTP_SHADOW_TOPK": "-2"}, "0"),
                                        ({"METRALE_MTP_SHADOW_TOPK": "many"}, "0")])
-def test_shadow_topk(env, want):
-    assert read_in_subprocess("k.shadow_topk()", env) == want
+def test_shadow_topk(env, want, monkeypatch):
+    assert read_in_process(k.shadow_topk, env, monkeypatch) == want
 
 
 @pytest.mark.parametrize("env, want", [({}, "False"), ({"METRALE_MTP_ACCEPT_DEBUG": ""}, "True"),
                                        ({"METRALE_MTP_ACCEPT_DEBUG": "0"}, "True")])
-def test_accept_debug_is_on_when_present(env, want):
-    assert read_in_subprocess("k.mtp_accept_debug()", env) == want
+def test_accept_debug_is_on_when_present(env, want, monkeypatch):
+    assert read_in_process(k.mtp_accept_debug, env, monkeypatch) == want
 
 
-def test_refeed_debug_needs_1():
-    assert read_in_subprocess("k.mtp_refeed_debug()", {"METRALE_MTP_REFEED_DEBUG": "1"}) == "True"
-    assert read_in_subprocess("k.mtp_refeed_debug()", {"METRALE_MTP_REFEED_DEBUG": "yes"}) == "False"
+def test_refeed_debug_needs_1(monkeypatch):
+    assert read_in_process(k.mtp_refeed_debug, {"METRALE_MTP_REFEED_DEBUG": "1"}, monkeypatch) == "True"
+    assert read_in_process(k.mtp_refeed_debug, {"METRALE_MTP_REFEED_DEBUG": "yes"}, monkeypatch) == "False"
 
 
 def test_read_once_per_process():
@@ -48,14 +71,14 @@ def test_read_once_per_process():
                                        ({"METRALE_MTP_REFEED_SHIFT": "9"}, "4"),
                                        ({"METRALE_MTP_REFEED_SHIFT": "-9"}, "-4"),
                                        ({"METRALE_MTP_REFEED_SHIFT": "one"}, "0")])
-def test_refeed_shift_clamped(env, want):
-    assert read_in_subprocess("k.mtp_refeed_shift()", env) == want
+def test_refeed_shift_clamped(env, want, monkeypatch):
+    assert read_in_process(k.mtp_refeed_shift, env, monkeypatch) == want
 
 
 @pytest.mark.parametrize("env, want", [({}, "True"), ({"METRALE_NO_MTP_EP_PROPOSE": "1"}, "False"),
                                        ({"METRALE_NO_MTP_EP_PROPOSE": "0"}, "True")])
-def test_ep_propose_on_unless_no_is_1(env, want):
-    assert read_in_subprocess("k.mtp_ep_propose_enabled()", env) == want
+def test_ep_propose_on_unless_no_is_1(env, want, monkeypatch):
+    assert read_in_process(k.mtp_ep_propose_enabled, env, monkeypatch) == want
 
 
 CATCHUP = {"METRALE_MTP_CATCHUP": "1", "METRALE_MTP_REFEED_ACCEPTED": "1"}

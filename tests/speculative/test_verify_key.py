@@ -6,7 +6,7 @@ import itertools
 import pytest
 
 from speculative.verify_key import (FLAG_TREE, verify_batch_order, verify_graph_key, verify_graph_key_has_slot)
-from tests.speculative.test_knobs import read_in_subprocess
+from tests.speculative.test_knobs import read_in_process, read_in_subprocess
 
 
 def test_legacy_order_by_depth_then_slot():
@@ -60,9 +60,9 @@ def test_slot_matching_sees_slot_words_only():
                                        ({"METRALE_CANONICAL_KEY_MIN_WIDTH": "2.5"}, "8"),
                                        ({"METRALE_CANONICAL_KEY_MIN_WIDTH": "wide"}, "8"),
                                        ({"METRALE_CANONICAL_KEY_MIN_WIDTH": ""}, "8")])
-def test_canonical_min_width(env, want):
-    assert read_in_subprocess("__import__('speculative.verify_key').verify_key.canonical_key_min_width()",
-                              env) == want
+def test_canonical_min_width(env, want, monkeypatch):
+    from speculative.verify_key import canonical_key_min_width
+    assert read_in_process(canonical_key_min_width, env, monkeypatch) == want
 
 
 @pytest.mark.parametrize("env, want", [({}, "False False True True"),
