@@ -152,12 +152,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     GEMM runs on calls of `gemm_plan` rows (the last call padded up to its least row count).
     In a compiled graph it is one opaque op (`metrale::bi_linear`), so the row count does not
     become a guard, unless `rows`, the weight's plan looked up before compiling (`plan_rows`),
-    admits the step's row count: then the graph calls the GEMM itself, on exactly the call a
-    plan-sized `_linear` makes, without the op's Python (~8 us a call). The graph then holds one
-    guard on the row count (a graph up to the plan's rows, one above)."""
+    admits the step's row count, or is below it (one decode row where a one-row GEMM would take
+    another kernel): then the graph calls the GEMM itself, on exactly the call a plan-sized
+    `_linear` makes (padded with zero rows up to the least count), without the op's Python (~8 us
+    a call). The graph then holds one guard on the row count (a graph up to the plan's rows, one
+    above; a row count below the least, a graph of its own, as Dynamo keeps for one row anyway)."""
     if torch.compiler.is_compiling():
-        if rows is not None and x.dim() == 2 and rows[0] <= x.shape[0] <= rows[1]:
-            return F.linear(x, weight, bias)
+        if rows is not None and x.dim() == 2:
+            n = x.shape[0]
+            if rows[0] <= n <= rows[1]:
+                return F.linear(x, weight, bias)
+            if n < rows[0]:
+                return F.linear(F.pad(x, (0, 0, 0, rows[0] - n)), weight, bias)[:n]
         return torch.ops.metrale.bi_linear(x, weight, bias)
     return _linear(x, weight, bias)
 

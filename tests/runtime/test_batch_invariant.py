@@ -313,23 +313,26 @@ def test_one_row_step_equals_the_row_among_others(dtype):
 def test_compiled_step_rows_do_not_depend_on_the_step(dtype):
     """The compiled batch-invariant step (one graph for every row count: its GEMMs, experts and
     attention are opaque ops): a 700-row prefill alone, beside a 324-row one (1,024 rows), and in
-    two chunks of 350, and its first 5 rows alone, give the same hidden rows bit for bit."""
+    two chunks of 350, its first 5 rows alone, and its first row alone (below float32's least GEMM
+    rows: padded in the graph), give the same hidden rows bit for bit."""
     llm = LLM(MODEL, dtype, kv_cache_tokens=4096, batch_invariant=True, enforce_eager=False)
     runner = llm.engine.runner
     assert runner.compiled
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(1, 4000, (700,), generator=gen).tolist()
     other = torch.randint(1, 4000, (324,), generator=gen).tolist()
-    for seq, n in enumerate((700, 700, 324, 700, 5)):
+    for seq, n in enumerate((700, 700, 324, 700, 5, 1)):
         runner.cache.reserve(seq, n)
     alone, _ = runner.forward(tokens, [SeqChunk(0, 0, 700)])
     beside, _ = runner.forward(other + tokens, [SeqChunk(2, 0, 324), SeqChunk(1, 0, 700)])
     first, _ = runner.forward(tokens[:350], [SeqChunk(3, 0, 350)])
     second, _ = runner.forward(tokens[350:], [SeqChunk(3, 350, 350)])
     few, _ = runner.forward(tokens[:5], [SeqChunk(4, 0, 5)])
+    one, _ = runner.forward(tokens[:1], [SeqChunk(5, 0, 1)])
     assert torch.equal(beside[324:], alone)
     assert torch.equal(torch.cat((first, second)), alone)
     assert torch.equal(few, alone[:5])
+    assert torch.equal(one, alone[:1])
     llm.shutdown()
 
 
