@@ -200,21 +200,25 @@ def test_sharded_drafter_under_a_grammar_keeps_the_ranks_in_step(ckpt_mtp):
     assert refused and not any(refused) and sum(o.drafted_tokens for o in two) > 0
 
 
-def test_mp_group_restarts_after_a_killed_worker_and_loses_nothing(ckpt_mtp):
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_mp_group_restarts_after_a_killed_worker_and_loses_nothing(ckpt_mtp, dtype):
     """The deployment's supervision (both launchers): a worker SIGKILLed in mid-generation is replaced, the
     requests continue from what they committed, and the tokens equal an undisturbed run's. The
     prompts share two full blocks: the prefix cache (on) starts empty in the new group, whose
-    recomputed blocks later requests find again; the reference computes everything."""
+    recomputed blocks later requests find again; the reference computes everything. In bfloat16
+    with the batch-invariant kernels too (float64 has them on by default): the new group's
+    recomputed rows equal the rows the old one decoded."""
     import threading
     shared = [(i * 37) % 300 + 1 for i in range(34)]
     prompts = [shared + [5, 17, 200, 3], shared + [9, 9, 9, 100]]
     params = [GREEDY, SEEDED]
     long = [SamplingParams(max_tokens=60, ignore_eos=True),
             SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.8, seed=5)]
-    one = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, spec="mtp", num_drafts=2, prefix_cache=False)
+    one = LLM(ckpt_mtp, dtype=dtype, kv_cache_tokens=2048, spec="mtp", num_drafts=2, prefix_cache=False,
+              batch_invariant=True)
     want = [o.token_ids for o in one.generate(prompts, long)]
-    llm = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, spec="mtp", num_drafts=2, ep=2, launcher=MPGroup,
-              ep_timeout_s=30, max_restarts=1)
+    llm = LLM(ckpt_mtp, dtype=dtype, kv_cache_tokens=2048, spec="mtp", num_drafts=2, ep=2, launcher=MPGroup,
+              ep_timeout_s=30, max_restarts=1, batch_invariant=True)
     try:
         first = llm.deployment.group.pids[0]
         seqs = [llm.engine.add_request(p, sp) for p, sp in zip(prompts, long)]
