@@ -46,11 +46,12 @@ MIN_REQUESTS = 16   # requests behind a cell by default (at least 2 x concurrenc
 TREE_ARM = re.compile(r"^tree([1-4]{1,7})$")   # tree122: the shape 1,2,2, beside other shapes in one run
 EAGER = "-eager"   # an engine arm named with this suffix runs without torch.compile (none-eager, k2-eager)
 BATCH_INVARIANT = "-bi"   # ... with the batch-invariant kernels (none-bi, k3-bi)
-SUFFIXES = (EAGER, BATCH_INVARIANT)
+EXCHANGE = "-a2a"   # ... at EP > 1 with the MoE exchange (`--moe-a2a alltoall`), not the default's choice
+SUFFIXES = (EAGER, BATCH_INVARIANT, EXCHANGE)
 
 
 def arm_base(arm: str) -> str:
-    """The arm without its suffixes (-eager, -bi)."""
+    """The arm without its suffixes (-eager, -bi, -a2a)."""
     while arm.endswith(SUFFIXES):
         arm = arm[:-len(next(s for s in SUFFIXES if arm.endswith(s)))]
     return arm
@@ -121,6 +122,10 @@ class BenchConfig:
                 TreeShape.parse(arm_tree_shape(arm, None))
         if self.ep < 1:
             raise ValueError(f"--ep {self.ep} must be at least 1")
+        exchanged = [name for name in self.arms if EXCHANGE in arm_suffixes(name)]
+        if exchanged and self.ep == 1:
+            raise ValueError(f"bench arm {exchanged[0]!r}: {EXCHANGE} picks the MoE dispatch of an EP group; "
+                             "it needs --ep 2 or more")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency levels {self.concurrency} must be positive")
         if max(self.concurrency) > MAX_MTP_MAX_SEQS:
@@ -176,7 +181,7 @@ class EngineArm:
                        mtp_max_seqs=MAX_MTP_MAX_SEQS if policy == "fixed" and spec != "none" else None,
                        enforce_eager=config.enforce_eager or EAGER in arm_suffixes(name),
                        batch_invariant=True if BATCH_INVARIANT in arm_suffixes(name) else None,
-                       device=config.device)
+                       moe_a2a="alltoall" if EXCHANGE in arm_suffixes(name) else "auto", device=config.device)
         self.comm = self.llm.deployment.comm
         self.layout = {"ep": config.ep, "launcher": config.launcher if config.ep > 1 else None,
                        "ranks": [{k: r[k] for k in ("rank", "pid", "host", "node")} for r in self.llm.rank_info]}
@@ -223,6 +228,9 @@ class EngineArm:
                     threads=torch.get_num_threads(), layout=self.layout,
                     compiled=self.llm.engine.runner.compiled, device=str(self.llm.engine.runner.cache.device),
                     batch_invariant=self.llm.engine.runner.batch_invariant)
+        if ep > 1:   # what the routed-expert layers of rank 0 ran (`--moe-a2a`; auto picks per layer)
+            cell["moe_dispatch"] = sorted({m.dispatch_mode() for m in self.llm.engine.runner.model.modules()
+                                           if hasattr(m, "dispatch_mode")})
         steps = max(1, engine.num_steps - steps0)
         cell["step_ms"] = round(1000 * wall / steps, 3)
         graphs = getattr(self.llm.engine.runner, "graphs", None)

@@ -101,7 +101,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-standby", action=argparse.BooleanOptionalAction, default=True,
                    help="keep one spawned worker per rank with its shard loaded, so a restart of the EP group "
                         "needs no cold start (mp; Ray on CPU); --no-warm-standby saves that memory")
-    p.add_argument("--moe-a2a", default="alltoall", choices=["alltoall", "allreduce"], help="MoE dispatch mode")
+    p.add_argument("--moe-a2a", default="auto", choices=["auto", "alltoall", "allreduce"],
+                   help="MoE dispatch at EP > 1: allreduce (one collective a layer), alltoall (the exchange), or auto "
+                        "(allreduce, except batch-invariant with more than two experts a token)")
     p.add_argument("--ep-timeout", type=float, default=60.0, help="seconds before a collective is declared dead")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the target step eagerly: no torch.compile and no CUDA graph capture "

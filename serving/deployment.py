@@ -57,7 +57,7 @@ class GroupConfig:
     model_dir: str
     dtype: str
     ep: int
-    moe_a2a: str = "alltoall"
+    moe_a2a: str = "auto"
     kv_cache_tokens: int = 32768
     timeout_s: float = 60.0
     warm_standby: bool = True   # keep a spare per worker rank, its shard loaded, for the next restart
@@ -86,7 +86,7 @@ class DeploymentConfig:
     model_dir: Path
     dtype: str = "float32"
     ep: int = 1
-    moe_a2a: str = "alltoall"
+    moe_a2a: str = "auto"
     kv_cache_tokens: int = 32768
     ep_timeout_s: float = 60.0
     max_restarts: int = DEFAULT_MAX_RESTARTS
@@ -109,8 +109,8 @@ class DeploymentConfig:
             raise ValueError(f"ep={self.ep} must be at least 1")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts={self.max_restarts} must be at least 0")
-        if self.moe_a2a not in ("alltoall", "allreduce"):
-            raise ValueError(f"moe_a2a={self.moe_a2a!r}: expected alltoall or allreduce")
+        if self.moe_a2a not in ("auto", "alltoall", "allreduce"):
+            raise ValueError(f"moe_a2a={self.moe_a2a!r}: expected auto, alltoall or allreduce")
 
 
 @dataclass(frozen=True, slots=True)

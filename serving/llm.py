@@ -26,7 +26,7 @@ class LLM:
                  num_drafts: int = 3, spec_verify: str = "exact", draft_policy: str | None = None,
                  mtp_k_ladder: str | None = None, mtp_max_seqs: int | None = None,
                  draft_confidence_stop: float | None = None, tree_shape: str | None = None,
-                 spec_settings: SpecSettings | None = None, ep: int = 1, moe_a2a: str = "alltoall",
+                 spec_settings: SpecSettings | None = None, ep: int = 1, moe_a2a: str = "auto",
                  ep_timeout_s: float = 60.0, launcher: Launcher | None = None,
                  max_restarts: int = DEFAULT_MAX_RESTARTS, comm: Communicator | None = None,
                  enforce_eager: bool = False, batch_invariant: bool | None = None,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ep.parallel import EPMoE
 from runtime.attention import SeqChunk
 from runtime.grammar import StructuredOutput
 from launch.mp import MPGroup
@@ -68,6 +69,30 @@ def test_ep_logits_within_1e5_in_float32(request, ep, mode, which):
         got = prefill_logits(llm, ids)
         assert got.shape == want.shape
         assert (got - want).abs().max().item() < 1e-5
+    finally:
+        llm.shutdown()
+
+
+def moe_modes(llm: LLM) -> set[str]:
+    """The dispatch every routed-expert layer of rank 0 runs."""
+    return {m.dispatch_mode() for m in llm.engine.runner.model.modules() if isinstance(m, EPMoE)}
+
+
+@pytest.mark.parametrize("dtype, mode", [("float32", "allreduce"), ("float64", "alltoall")])
+def test_auto_dispatch_all_reduces_unless_invariant_with_more_than_two_choices(ckpt_grouped, dtype, mode):
+    """`--moe-a2a auto` (the default) on a model of three experts a token: the all-reduce in
+    float32; in float64, batch-invariant by default, the exchange, which adds a row's three
+    choices in one rank's order: EP 2's logits are then EP 1's bit for bit."""
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    want = prefill_logits(LLM(ckpt_grouped, dtype=dtype, kv_cache_tokens=1024), ids)
+    llm = LLM(ckpt_grouped, dtype=dtype, kv_cache_tokens=1024, ep=2, launcher=MPGroup)
+    try:
+        assert moe_modes(llm) == {mode}
+        got = prefill_logits(llm, ids)
+        if dtype == "float64":
+            assert torch.equal(got, want)
+        else:
+            assert (got - want).abs().max().item() < 1e-5
     finally:
         llm.shutdown()
 
@@ -261,9 +286,11 @@ def test_prefix_cache_at_ep2_equals_one_rank_computing_everything(ckpt_mtp):
 
 
 # Compiled in bfloat16 (where fused kernels could keep float32 sums), eager in float32; a compiled
-# float32 group adds half a minute of compile on every rank and no path the two do not run.
-@pytest.mark.parametrize("dtype,eager", [("bfloat16", False), ("float32", True)])
-def test_batch_invariant_ep2_equals_one_rank_bitwise(dtype, eager):
+# float32 group adds half a minute of compile on every rank and no path the two do not run. The
+# embedded model takes two experts a token, so `auto` all-reduces; the exchange too, eager.
+@pytest.mark.parametrize("dtype,eager,mode", [("bfloat16", False, "auto"), ("float32", True, "auto"),
+                                              ("float32", True, "alltoall")])
+def test_batch_invariant_ep2_equals_one_rank_bitwise(dtype, eager, mode):
     """With the batch-invariant kernels the head-split output projection and the experts' combine
     add in the same order on two ranks as on one: logits bit for bit, and the tokens with MTP.
     Compiled (the default: every rank compiles, collectives as opaque ops of one rank's graph) and
@@ -276,9 +303,10 @@ def test_batch_invariant_ep2_equals_one_rank_bitwise(dtype, eager):
     assert single.engine.runner.compiled is not eager
     want = prefill_logits(single, ids), outputs(single, params)
     llm = LLM(model, dtype=dtype, kv_cache_tokens=2048, batch_invariant=True, spec="mtp", num_drafts=3, ep=2,
-              launcher=MPGroup, enforce_eager=eager)
+              launcher=MPGroup, enforce_eager=eager, moe_a2a=mode)
     try:
         assert llm.engine.runner.compiled is not eager
+        assert moe_modes(llm) == {"allreduce" if mode == "auto" else mode}
         assert torch.equal(prefill_logits(llm, ids), want[0])
         assert outputs(llm, params) == want[1]
     finally:

@@ -93,6 +93,9 @@ def test_tree_arms_name_their_shape():
     with pytest.raises(ValueError, match="unknown bench arm 'tree5'"):
         BenchConfig(model="m", arms=("tree5",))
     BenchConfig(model="m", arms=("none-eager", "k2-eager", "tree122-eager", "k3-bi", "none-eager-bi"))
+    BenchConfig(model="m", arms=("none", "none-a2a", "k3-bi-a2a"), ep=2)
+    with pytest.raises(ValueError, match="'none-a2a': -a2a picks the MoE dispatch of an EP group"):
+        BenchConfig(model="m", arms=("none", "none-a2a"))
     from bench.benchmark import arm_base, arm_suffixes
     assert arm_base("k3-bi-eager") == "k3" and arm_suffixes("k3-bi-eager") == {"-bi", "-eager"}
     assert arm_base("none-bi") == "none" and arm_suffixes("k3") == set()
@@ -102,14 +105,16 @@ def test_tree_arms_name_their_shape():
 
 
 def test_bench_at_ep2_runs_each_arm_with_its_own_group(tmp_path):
-    out = subprocess.run(metrale_cmd("bench", "--model", str(EMBEDDED), "--arms", "none,k1", "--ep", "2",
+    out = subprocess.run(metrale_cmd("bench", "--model", str(EMBEDDED), "--arms", "none,k1-a2a", "--ep", "2",
                                      "--enforce-eager",   # 4 group starts; a compile each would add ~1 min
                                      "--concurrency", "1", "--max-tokens", "4", "--requests", "2", "--repeats", "2",
                                      "--json-out", str(tmp_path / "b.json")),
                          env=run_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     cells = json.loads((tmp_path / "b.json").read_text())["cells"]
-    assert [(c["arm"], c["ep"], c["output_tokens"]) for c in cells] == [("none", 2, 8), ("k1", 2, 8)]
+    assert [(c["arm"], c["ep"], c["output_tokens"]) for c in cells] == [("none", 2, 8), ("k1-a2a", 2, 8)]
+    # The default dispatch all-reduces (two experts a token); -a2a takes the exchange.
+    assert [c["moe_dispatch"] for c in cells] == [["allreduce"], ["alltoall"]]
     assert all(len(c["layout"]["ranks"]) == 2 and c["layout"]["launcher"] == "mp" for c in cells)
 
 
