@@ -100,7 +100,10 @@ def plot(cells: list[dict], path: Path, title: str) -> None:
         ax.set_xlabel("concurrency")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    if not ax2.get_legend_handles_labels()[0]:
+        ax2.text(0.5, 0.5, "no speculating arm", ha="center", va="center", transform=ax2.transAxes)
     ax2.set_title("acceptance (speculating arms)")
     fig.suptitle(title)
     fig.tight_layout()
