@@ -14,7 +14,10 @@ import torch
 import torch.distributed as dist
 
 
-JOIN_TIMEOUT_S = 60.0
+# How long a group's start waits for a rank (the rendezvous, then the start's collectives): ranks
+# import and load their shards at their own pace, minutes for a large model or a loaded host. A
+# rank that dies meanwhile is seen at once (its connections close; the launcher watches it).
+START_TIMEOUT_S = 300.0
 
 
 class CommError(RuntimeError):
@@ -67,14 +70,14 @@ class Communicator:
 
     def join(self, init_method: str) -> None:
         """Join the group at `init_method` (after `close` for a fresh group: a new address). At a
-        `tcp://host:port` the rendezvous waits up to JOIN_TIMEOUT_S (or the collective timeout when
+        `tcp://host:port` the rendezvous waits up to START_TIMEOUT_S (or the collective timeout when
         longer) for every rank to arrive, since a rank may still be importing and loading. Other
         methods (torchrun's env://) go to torch as they are. The start's collectives (handshake,
         shard sizes, rank info) wait as long, since ranks load their shards at their own pace;
         `started` then sets `timeout_s` for serving."""
         if not self.joined:
             return
-        timeout = dt.timedelta(seconds=max(JOIN_TIMEOUT_S, self.timeout_s))
+        timeout = dt.timedelta(seconds=max(START_TIMEOUT_S, self.timeout_s))
         host, _, port = init_method.removeprefix("tcp://").rpartition(":")
         if not init_method.startswith("tcp://") or not host or not port.isdigit():
             dist.init_process_group(self.backend, init_method=init_method, rank=self.rank,

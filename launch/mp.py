@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from ep.channel import load_shard_model
-from ep.comm import JOIN_TIMEOUT_S, Communicator, free_port
+from ep.comm import START_TIMEOUT_S, Communicator, free_port
 from ep.worker import serve_rank
 from runtime.device import check_local_gpus, rank_device
 from serving.deployment import GroupConfig, GroupStartError
@@ -137,7 +137,7 @@ class MPGroup:
     def _wait_joining(self) -> None:
         """Wait until every worker is about to join (a cold one has imported everything by then);
         one that exits first fails the start at once instead of leaving rank 0 in the rendezvous."""
-        limit = max(JOIN_TIMEOUT_S, self.cfg.timeout_s)
+        limit = max(START_TIMEOUT_S, self.cfg.timeout_s)
         deadline = time.monotonic() + limit
         for rank, w in enumerate(self.workers, 1):
             try:
