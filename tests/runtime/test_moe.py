@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.experts import RoutedExperts
+from runtime import cpu_ops
+from runtime.experts import PADDED_MIN_EXPERTS, RoutedExperts, routed_experts
+
+
+@pytest.fixture
+def python_paths(monkeypatch):
+    """The routed experts without the native op: the Python paths it mirrors run."""
+    monkeypatch.setattr(cpu_ops, "_state", {"loaded": False})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -32,7 +39,7 @@ def test_grouped_equals_the_loop(dtype, offset, num_local):
         assert not padded[off_shard].any() if t else padded.shape == (0, 64)
 
 
-def test_float64_takes_the_reference_loop(monkeypatch):
+def test_float64_takes_the_reference_loop(monkeypatch, python_paths):
     experts = RoutedExperts(4, 16, 8).to(torch.float64)
     calls = []
     monkeypatch.setattr(RoutedExperts, "_looped", lambda self, *a: calls.append("loop") or a[0])
@@ -51,7 +58,7 @@ def test_float64_takes_the_reference_loop(monkeypatch):
     (torch.bfloat16, [[0, 1], [1, 2]], True),           # 3 experts (`PADDED_MIN_EXPERTS`)
     (torch.bfloat16, [[4, 5], [6, 1]], False),          # 1 local expert: the others are another shard's
 ])
-def test_the_cpu_picks_padded_matmuls_for_many_touched_experts(monkeypatch, dtype, ids, padded):
+def test_the_cpu_picks_padded_matmuls_for_many_touched_experts(monkeypatch, python_paths, dtype, ids, padded):
     experts = RoutedExperts(4, 16, 8).to(dtype)
     calls = []
     monkeypatch.setattr(RoutedExperts, "_padded", lambda self, *a: calls.append("padded") or a[0])
@@ -59,3 +66,71 @@ def test_the_cpu_picks_padded_matmuls_for_many_touched_experts(monkeypatch, dtyp
     rows = len(ids)
     experts(torch.zeros(rows, 16, dtype=dtype), torch.ones(rows, 2), torch.tensor(ids))
     assert calls == ["padded" if padded else "per expert"]
+
+
+def test_the_native_op_builds_here():
+    """This machine has a C++ compiler (the contract's set-up), so the native op must load."""
+    assert cpu_ops.load(), cpu_ops.error()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset, num_local, num_experts", [(0, 8, 8), (4, 4, 12), (8, 4, 12)])
+def test_the_native_op_equals_the_python_paths_bit_for_bit(dtype, offset, num_local, num_experts):
+    """Per expert and padded (16-bit types from `PADDED_MIN_EXPERTS` touched experts), on a shard
+    whose experts some rows never choose, from no rows to 64."""
+    assert cpu_ops.load(), cpu_ops.error()
+    torch.manual_seed(offset + num_local)
+    experts = RoutedExperts(num_local, 256, 128, expert_offset=offset)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.1)
+        experts.down_proj.normal_(0, 0.1)
+    experts = experts.to(dtype)
+    args = (experts.gate_up_proj, experts.down_proj, offset)
+    paths = set()
+    for t in (0, 1, 2, 3, 4, 16, 64):
+        x = torch.randn(t, 256).to(dtype)
+        ids = (torch.stack([torch.randperm(num_experts)[:2] for _ in range(t)]) if t
+               else torch.zeros(0, 2, dtype=torch.long))
+        weights = torch.rand(t, 2)
+        local = ((ids >= offset) & (ids < offset + num_local))
+        least = PADDED_MIN_EXPERTS.get(dtype)
+        padded = least is not None and ids.numel() >= least and len(set(ids[local].tolist())) >= least
+        paths.add(padded)
+        want = experts._padded(x, weights, ids) if padded else experts._per_expert(x, weights, ids)
+        got = torch.ops.metrale_cpu.routed_experts(x, weights, ids, *args, least or 0)
+        assert got.dtype == dtype and got.shape == (t, 256)
+        assert torch.equal(got, want), (t, padded)
+        assert torch.equal(routed_experts(x, weights, ids, *args), want)          # the served call
+        assert not got[~local.any(dim=1)].any()                                  # no local choice: zero
+    assert paths == ({False, True} if dtype == torch.bfloat16 else {False})
+
+
+def test_the_native_op_refuses_bad_shapes():
+    assert cpu_ops.load(), cpu_ops.error()
+    gate_up, down = torch.zeros(2, 8, 4), torch.zeros(2, 4, 4)
+    with pytest.raises(RuntimeError, match="ids must be"):
+        torch.ops.metrale_cpu.routed_experts(torch.zeros(3, 4), torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.long),
+                                             gate_up, down, 0, 0)
+    with pytest.raises(RuntimeError, match="weights"):
+        torch.ops.metrale_cpu.routed_experts(torch.zeros(2, 4), torch.ones(2, 1), torch.zeros(2, 2, dtype=torch.long),
+                                             gate_up, down, 0, 0)
+
+
+def test_a_failed_build_falls_back_to_the_python_paths(monkeypatch, tmp_path, caplog):
+    """No working compiler (CXX is `false`) and an empty cache: `load` says why, once, and the
+    experts still give the Python path's rows."""
+    monkeypatch.setattr(cpu_ops, "_state", {})
+    monkeypatch.setenv("METRALE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    with caplog.at_level("WARNING", logger="metrale.cpu_ops"):
+        assert not cpu_ops.load()
+        assert not cpu_ops.load()
+    assert "false failed" in cpu_ops.error()
+    assert len([r for r in caplog.records if "native CPU ops unavailable" in r.message]) == 1
+    assert not list(tmp_path.rglob("*.so"))                                     # no half-written library
+    experts = RoutedExperts(4, 16, 8)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_()
+        experts.down_proj.normal_()
+    x, w, ids = torch.randn(3, 16), torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 2]])
+    assert torch.equal(experts(x, w, ids), experts._per_expert(x, w, ids))

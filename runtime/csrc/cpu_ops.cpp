@@ -1,0 +1,106 @@
+// The CPU's routed experts as one native op: the same ATen kernels, in the same order, as the
+// Python paths of runtime/experts.py (`RoutedExperts._per_expert`, `RoutedExperts._padded`), so
+// the results are bit for bit theirs; the sorting of choices by expert and the bookkeeping run on
+// plain host vectors instead of ~30 small tensor ops a layer (each 5-30 us of host time here).
+// Built and loaded by runtime/cpu_ops.py.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+at::Tensor long_tensor(const std::vector<int64_t>& values) {
+  at::Tensor out = at::empty({static_cast<int64_t>(values.size())}, at::kLong);
+  std::copy(values.begin(), values.end(), out.mutable_data_ptr<int64_t>());
+  return out;
+}
+
+// x [T, H], weights/ids [T, k] (global expert ids), gate_up [E, 2I, H], down [E, H, I] ->
+// the weighted sum over this shard's experts [T, H]; choices routed elsewhere contribute zero.
+// `padded_min_experts` > 0: from that many touched local experts, every expert's rows are padded
+// to the busiest count and each projection is one batched matmul (`_padded`); else one GEMM pair
+// per touched expert (`_per_expert`).
+at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
+                          const at::Tensor& gate_up, const at::Tensor& down, int64_t expert_offset,
+                          int64_t padded_min_experts) {
+  TORCH_CHECK(x.device().is_cpu(), "metrale_cpu::routed_experts runs on the CPU, got ", x.device());
+  TORCH_CHECK(x.dim() == 2, "x must be [T, H], got ", x.sizes());
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0), "ids must be [T, k] for x ", x.sizes(), ", got ", ids.sizes());
+  TORCH_CHECK(weights.sizes() == ids.sizes(), "weights ", weights.sizes(), " and ids ", ids.sizes(), " differ");
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(0) == down.size(0),
+              "gate_up [E, 2I, H] and down [E, H, I] expected, got ", gate_up.sizes(), " and ", down.sizes());
+  const int64_t t = ids.size(0), k = ids.size(1), h = x.size(1), e_local = gate_up.size(0);
+  const int64_t n = t * k;
+  if (t == 0) {
+    return at::zeros({0, h}, x.options());
+  }
+  const at::Tensor id = ids.to(at::kLong).contiguous();
+  const int64_t* idp = id.const_data_ptr<int64_t>();
+  std::vector<int64_t> key(n), counts(e_local + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t local = idp[i] - expert_offset;
+    key[i] = (local >= 0 && local < e_local) ? local : e_local;   // non-local: a last group
+    ++counts[key[i]];
+  }
+  int64_t touched = 0, busiest = 0, mine = 0;
+  std::vector<int64_t> first(e_local + 1, 0);   // first place of each expert's run in choice order
+  for (int64_t e = 0; e < e_local; ++e) {
+    touched += counts[e] > 0;
+    busiest = std::max(busiest, counts[e]);
+    first[e + 1] = first[e] + counts[e];
+    mine += counts[e];
+  }
+  // Choices of local experts, stably sorted by expert (argsort(key, stable=True) minus the last group).
+  std::vector<int64_t> order(mine), fill(first.begin(), first.end() - 1);
+  for (int64_t i = 0; i < n; ++i) {
+    if (key[i] < e_local) {
+      order[fill[key[i]]++] = i;
+    }
+  }
+  at::Tensor per_choice = at::zeros({n, h}, x.options());                         // [T*k, H]
+  if (mine > 0) {
+    std::vector<int64_t> rows(mine);
+    for (int64_t j = 0; j < mine; ++j) {
+      rows[j] = order[j] / k;
+    }
+    const at::Tensor xs = x.index_select(0, long_tensor(rows));                    // [L, H], expert-major
+    const at::Tensor choice = long_tensor(order);
+    const bool padded = padded_min_experts > 0 && n >= padded_min_experts && touched >= padded_min_experts;
+    if (padded) {
+      const int64_t p = busiest;
+      std::vector<int64_t> slot(mine);   // place of each choice in [E * p]
+      for (int64_t e = 0; e < e_local; ++e) {
+        for (int64_t r = 0; r < counts[e]; ++r) {
+          slot[first[e] + r] = e * p + r;
+        }
+      }
+      const at::Tensor slots = long_tensor(slot);
+      const at::Tensor xp = at::zeros({e_local * p, h}, x.options()).index_copy_(0, slots, xs);
+      const auto gu = at::bmm(xp.view({e_local, p, h}), gate_up.transpose(1, 2)).chunk(2, -1);
+      const at::Tensor ys = at::bmm(at::silu(gu[0]) * gu[1], down.transpose(1, 2)).view({e_local * p, h});
+      per_choice.index_copy_(0, choice, ys.index_select(0, slots));
+    } else {
+      std::vector<at::Tensor> outs;
+      for (int64_t e = 0; e < e_local; ++e) {
+        if (counts[e] == 0) {
+          continue;
+        }
+        const auto gu = at::linear(xs.narrow(0, first[e], counts[e]), gate_up.select(0, e)).chunk(2, -1);
+        outs.push_back(at::linear(at::silu(gu[0]) * gu[1], down.select(0, e)));
+      }
+      per_choice.index_copy_(0, choice, outs.size() == 1 ? outs[0] : at::cat(outs));
+    }
+  }
+  // Sum over the k choices in a fixed order, as the Python paths do.
+  return (per_choice.view({t, k, h}) * weights.to(x.scalar_type()).unsqueeze(-1)).sum(1);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(metrale_cpu, m) {
+  m.def("routed_experts(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down, "
+        "int expert_offset, int padded_min_experts) -> Tensor");
+  m.impl("routed_experts", c10::DispatchKey::CPU, TORCH_FN(routed_experts));
+}
