@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from runtime import cpu_ops
 from runtime import invariant_attention as ia
 from runtime.kv_cache import PagedKVCache
 
@@ -164,6 +165,11 @@ class PagedAttention:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         p = self.plan
+        if p.tiles is None and q.device.type == "cpu" and cpu_ops.load():   # the same calls, natively
+            cache = self.cache
+            return torch.ops.metrale_cpu.paged_attention(
+                q, k, v, cache.k[layer_idx], cache.v[layer_idx], cache.latent_dim is None, p.cell_mapping, p.gather,
+                p.q_index, p.valid, p.mask, p.mask_mode, scale)
         self.cache.write(layer_idx, p.cell_mapping, k, v)
         if p.tiles is not None:
             return ia.attention(q, self.cache.k[layer_idx], self.cache.v[layer_idx], p.tiles, scale)

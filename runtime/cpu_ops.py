@@ -5,7 +5,8 @@ Why: on the CPU a step's host time is mostly the per-call cost of small tensor o
 here). The routed experts of one layer took ~30 of them around their GEMMs: 280 us against 78 us
 of GEMMs for one row, 740 against 335 for a four-row verify (two threads, 8 experts of 256 x 256).
 The native op does the same GEMMs with the bookkeeping on host vectors, bit for bit the Python
-path's results.
+path's results. Paged attention (`PagedAttention.attend` over a padded batch) is the other op:
+the same cache write, gather and SDPA call in one native call instead of ~15 from Python.
 
 The library is built on first use (~15 s; `make venv` builds it ahead) into
 `$METRALE_CACHE_DIR/cpu_ops` (default `~/.cache/metrale/cpu_ops`), under a name that hashes the

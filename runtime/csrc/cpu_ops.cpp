@@ -1,4 +1,4 @@
-// The CPU's routed experts as one native op: the same ATen kernels, in the same order, as the
+// The CPU's routed experts and paged attention as native ops: the same ATen kernels, in the same order, as the
 // Python paths of runtime/experts.py (`RoutedExperts._per_expert`, `RoutedExperts._padded`), so
 // the results are bit for bit theirs; the sorting of choices by expert and the bookkeeping run on
 // plain host vectors instead of ~30 small tensor ops a layer (each 5-30 us of host time here).
@@ -97,10 +97,53 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const 
   return (per_choice.view({t, k, h}) * weights.to(x.scalar_type()).unsqueeze(-1)).sum(1);
 }
 
+// One layer of `runtime.attention.PagedAttention.attend` over a padded batch (not the
+// batch-invariant tiles): this step's keys and values written to their cells, every sequence's
+// context gathered, one SDPA call. The same ATen calls in the same order as the Python method.
+// k_plane, v_plane: the layer's cache planes [N, nkv, D] / [N, nkv, Dv] (v_plane a view of
+// k_plane's first channels in a latent cache, then `write_v` is false); mode: "none" (one sequence
+// of one row or more, unmasked), "causal", "explicit" (mask [B, 1, Q, K]) or "padded" (B*Q rows).
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_plane,
+                           at::Tensor& v_plane, bool write_v, const at::Tensor& cell_mapping,
+                           const at::Tensor& gather, const at::Tensor& q_index, const at::Tensor& valid,
+                           const at::Tensor& mask, c10::string_view mode, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, heads, dim]");
+  TORCH_CHECK(gather.dim() == 2, "gather must be [B, K], got ", gather.sizes());
+  const bool padded = mode == "padded", causal = mode == "causal", explicit_mask = mode == "explicit";
+  TORCH_CHECK(padded || causal || explicit_mask || mode == "none", "unknown mask mode ", mode);
+  k_plane.index_copy_(0, cell_mapping, k.to(k_plane.scalar_type()));
+  if (write_v) {
+    v_plane.index_copy_(0, cell_mapping, v.to(v_plane.scalar_type()));
+  }
+  const int64_t b = gather.size(0), kk = gather.size(1);
+  const at::Tensor cells = gather.reshape(-1);
+  const at::Tensor keys = k_plane.index_select(0, cells).view({b, kk, k_plane.size(1), k_plane.size(2)}).transpose(1, 2);
+  const at::Tensor values = v_plane.index_select(0, cells).view({b, kk, v_plane.size(1), v_plane.size(2)}).transpose(1, 2);
+  const bool single = !padded && b == 1;
+  const at::Tensor queries = single ? q.transpose(0, 1).unsqueeze(0) : q.index({q_index}).transpose(1, 2);
+  const bool gqa = keys.size(1) != queries.size(1);
+  std::optional<at::Tensor> attn_mask;
+  if (padded || explicit_mask) {
+    attn_mask = mask;
+  }
+  const at::Tensor out = at::scaled_dot_product_attention(queries, keys.to(q.scalar_type()), values.to(q.scalar_type()),
+                                                          attn_mask, 0.0, causal, scale, gqa);
+  if (padded) {
+    return out.transpose(1, 2).reshape({q.size(0), q.size(1), out.size(-1)}).contiguous();
+  }
+  if (single) {
+    return out.select(0, 0).transpose(0, 1).contiguous();
+  }
+  return out.transpose(1, 2).index({valid}).contiguous();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(metrale_cpu, m) {
   m.def("routed_experts(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down, "
         "int expert_offset, int padded_min_experts) -> Tensor");
   m.impl("routed_experts", c10::DispatchKey::CPU, TORCH_FN(routed_experts));
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_plane, Tensor(b!) v_plane, bool write_v, "
+        "Tensor cell_mapping, Tensor gather, Tensor q_index, Tensor valid, Tensor mask, str mode, float scale) -> Tensor");
+  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }

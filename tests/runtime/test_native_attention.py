@@ -1,0 +1,72 @@
+"""The native paged attention (runtime/csrc/cpu_ops.cpp) gives the Python method's rows and cache
+writes bit for bit, in every mask mode and for a latent cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import cpu_ops
+from runtime.attention import PagedAttention, SeqChunk, build_plan
+from runtime.kv_cache import PagedKVCache
+from runtime.static_step import StaticBuffers, static_shape
+
+STEPS = {
+    "one row": [SeqChunk(0, 37, 1)],                                         # mode none
+    "prefill": [SeqChunk(0, 0, 20)],                                          # causal
+    "chunk": [SeqChunk(0, 30, 8)],                                            # explicit, one sequence
+    "batch": [SeqChunk(0, 37, 1), SeqChunk(1, 10, 4), SeqChunk(2, 0, 7)],     # explicit
+    "tree": [SeqChunk(0, 20, 4, parents=(-1, 0, 0, 1)), SeqChunk(1, 5, 1)],
+}
+
+
+def _cache(latent: bool, dtype: torch.dtype) -> PagedKVCache:
+    heads, dim = (1, 48) if latent else (2, 32)
+    cache = PagedKVCache(num_layers=2, num_kv_heads=heads, head_dim=dim, num_blocks=24, block_size=8, dtype=dtype,
+                         latent_dim=40 if latent else None)
+    for seq in range(3):
+        cache.reserve(seq, 48)
+    torch.manual_seed(0)
+    cache.k.normal_()
+    if not latent:
+        cache.v.normal_()
+    return cache
+
+
+def _run(native: bool, monkeypatch, cache: PagedKVCache, chunks, padded: bool, latent: bool, dtype):
+    monkeypatch.setattr(cpu_ops, "_state", {} if native else {"loaded": False})
+    t = sum(c.num_tokens for c in chunks)
+    torch.manual_seed(1)
+    nh, dk = (4, 48) if latent else (4, 32)
+    q, k = torch.randn(t, nh, dk, dtype=dtype), torch.randn(t, cache.k.shape[2], dk, dtype=dtype)
+    v = k[..., :40] if latent else torch.randn(t, 2, 32, dtype=dtype)
+    if padded:
+        shape = static_shape(chunks, 48)
+        buffers = StaticBuffers(shape, cache)
+        rows = buffers.fill(list(range(t)), chunks, cache)
+        qp, kp, vp = (x.new_zeros(shape.num_tokens, *x.shape[1:]).index_copy_(0, rows, x) for x in (q, k, v))
+        return PagedAttention(cache, buffers.plan).attend(1, qp, kp, vp, 0.125)[rows]
+    return PagedAttention(cache, build_plan(cache, chunks)).attend(1, q, k, v, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("latent", [False, True], ids=["gqa", "latent"])
+@pytest.mark.parametrize("step, padded", [(s, False) for s in STEPS] + [(s, True) for s in STEPS if s != "prefill"])
+def test_native_attention_equals_the_python_method(monkeypatch, step, padded, latent, dtype):
+    assert cpu_ops.load(), cpu_ops.error()
+    chunks = STEPS[step]
+    want_cache, got_cache = _cache(latent, dtype), _cache(latent, dtype)
+    want = _run(False, monkeypatch, want_cache, chunks, padded, latent, dtype)
+    got = _run(True, monkeypatch, got_cache, chunks, padded, latent, dtype)
+    assert got.shape == want.shape and got.is_contiguous()
+    assert torch.equal(got, want)
+    assert torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
+
+
+def test_native_attention_refuses_an_unknown_mode():
+    assert cpu_ops.load(), cpu_ops.error()
+    plane = torch.zeros(8, 1, 4)
+    x = torch.zeros(1, 1, 4)
+    idx = torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="unknown mask mode"):
+        torch.ops.metrale_cpu.paged_attention(x, x, x, plane, plane, True, idx[0], idx, idx, idx.bool(),
+                                              torch.ones(1, 1, 1, 1, dtype=torch.bool), "sideways", 1.0)
