@@ -4,9 +4,14 @@
 // plain host vectors instead of ~30 small tensor ops a layer (each 5-30 us of host time here).
 // Built and loaded by runtime/cpu_ops.py.
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -97,6 +102,98 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const 
   return (per_choice.view({t, k, h}) * weights.to(x.scalar_type()).unsqueeze(-1)).sum(1);
 }
 
+template <typename acc_t, typename T>
+inline acc_t to_acc(T x) { return static_cast<acc_t>(x); }
+
+// Attention of a few rows per sequence straight from the paged cache, without the gathered copy
+// of every sequence's keys and values that SDPA needs (two copies of B x K cache rows a layer).
+// Each (sequence, kv head) task reads a key once for its query heads; one row's scores, softmax
+// and sum are its own (no other row changes them). q [T, nh, D], planes [N, nkv, D] / [N, nkv, Dv],
+// gather [B, K] cells, rows [B, Q] the step row of each (sequence, query) or -1 (none), mask
+// [B, Q, K] bool or undefined (every key visible). out [T, nh, Dv]: every row named in `rows`.
+// Accumulates in float (double for double).
+template <typename scalar_t>
+void paged_rows(const at::Tensor& q, const at::Tensor& k_plane, const at::Tensor& v_plane, const at::Tensor& gather,
+                const at::Tensor& rows, const at::Tensor& mask, double scale, at::Tensor& out) {
+  const int64_t b = gather.size(0), kk = gather.size(1), nq = rows.size(1);
+  const int64_t nh = q.size(1), d = q.size(2), nkv = k_plane.size(1), dv = v_plane.size(2);
+  const int64_t group = nh / nkv;
+  const scalar_t* qp = q.const_data_ptr<scalar_t>();
+  const scalar_t* kp = k_plane.const_data_ptr<scalar_t>();
+  const scalar_t* vp = v_plane.const_data_ptr<scalar_t>();
+  scalar_t* op = out.mutable_data_ptr<scalar_t>();
+  const int64_t* gp = gather.const_data_ptr<int64_t>();
+  const int64_t* rp = rows.const_data_ptr<int64_t>();
+  const bool* mp = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k_plane.stride(0), ks1 = k_plane.stride(1);
+  const int64_t vs0 = v_plane.stride(0), vs1 = v_plane.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  using acc_t = at::opmath_type<scalar_t>;
+  const acc_t sc = static_cast<acc_t>(scale);
+  constexpr acc_t kNeg = -std::numeric_limits<acc_t>::infinity();
+  at::parallel_for(0, b * nkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> s(group * kk), qf(group * d), acc(group * dv);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t bi = i / nkv, g = i % nkv;
+      const int64_t* cells = gp + bi * kk;
+      for (int64_t r = 0; r < nq; ++r) {
+        const int64_t row = rp[bi * nq + r];
+        if (row < 0) continue;
+        const bool* vis = mp ? mp + (bi * nq + r) * kk : nullptr;
+        for (int64_t hh = 0; hh < group; ++hh) {
+          const scalar_t* qrow = qp + row * qs0 + (g * group + hh) * qs1;
+          for (int64_t x = 0; x < d; ++x) qf[hh * d + x] = to_acc<acc_t>(qrow[x]) * sc;
+        }
+        for (int64_t j = 0; j < kk; ++j) {
+          if (vis && !vis[j]) {
+            for (int64_t hh = 0; hh < group; ++hh) s[hh * kk + j] = kNeg;
+            continue;
+          }
+          const scalar_t* key = kp + cells[j] * ks0 + g * ks1;
+          for (int64_t hh = 0; hh < group; ++hh) {
+            const acc_t* qh = qf.data() + hh * d;
+            acc_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t x = 0; x < d; ++x) dot += qh[x] * to_acc<acc_t>(key[x]);
+            s[hh * kk + j] = dot;
+          }
+        }
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        std::vector<acc_t> inv(group);
+        for (int64_t hh = 0; hh < group; ++hh) {
+          acc_t* sh = s.data() + hh * kk;
+          acc_t m = kNeg;
+          for (int64_t j = 0; j < kk; ++j) m = std::max(m, sh[j]);
+          acc_t sum = 0;
+          for (int64_t j = 0; j < kk; ++j) {
+            const acc_t p = sh[j] == kNeg ? acc_t(0) : std::exp(sh[j] - m);
+            sh[j] = p;
+            sum += p;
+          }
+          inv[hh] = acc_t(1) / sum;
+        }
+        for (int64_t j = 0; j < kk; ++j) {
+          if (vis && !vis[j]) continue;
+          const scalar_t* val = vp + cells[j] * vs0 + g * vs1;
+          for (int64_t hh = 0; hh < group; ++hh) {
+            const acc_t p = s[hh * kk + j];
+            acc_t* ah = acc.data() + hh * dv;
+#pragma omp simd
+            for (int64_t x = 0; x < dv; ++x) ah[x] += p * to_acc<acc_t>(val[x]);
+          }
+        }
+        for (int64_t hh = 0; hh < group; ++hh) {
+          scalar_t* orow = op + row * os0 + (g * group + hh) * os1;
+          for (int64_t x = 0; x < dv; ++x) orow[x] = static_cast<scalar_t>(acc[hh * dv + x] * inv[hh]);
+        }
+      }
+    }
+  });
+}
+
+// Rows per sequence up to which attention reads the cache in place (`paged_rows`): decode and
+// verify steps. Longer chunks (prefills) gather and run SDPA, whose tiled kernel suits them.
+constexpr int64_t kInPlaceMaxRows = 8;
+
 // One layer of `runtime.attention.PagedAttention.attend` over a padded batch (not the
 // batch-invariant tiles): this step's keys and values written to their cells, every sequence's
 // context gathered, one SDPA call. The same ATen calls in the same order as the Python method.
@@ -105,8 +202,9 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const 
 // of one row or more, unmasked), "causal", "explicit" (mask [B, 1, Q, K]) or "padded" (B*Q rows).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_plane,
                            at::Tensor& v_plane, bool write_v, const at::Tensor& cell_mapping,
-                           const at::Tensor& gather, const at::Tensor& q_index, const at::Tensor& valid,
-                           const at::Tensor& mask, c10::string_view mode, double scale) {
+                           const at::Tensor& gather, const std::optional<at::Tensor>& q_index,
+                           const std::optional<at::Tensor>& valid, const std::optional<at::Tensor>& mask,
+                           c10::string_view mode, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, heads, dim]");
   TORCH_CHECK(gather.dim() == 2, "gather must be [B, K], got ", gather.sizes());
   const bool padded = mode == "padded", causal = mode == "causal", explicit_mask = mode == "explicit";
@@ -116,11 +214,25 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     v_plane.index_copy_(0, cell_mapping, v.to(v_plane.scalar_type()));
   }
   const int64_t b = gather.size(0), kk = gather.size(1);
+  const bool single = !padded && b == 1;
+  TORCH_CHECK(single || (q_index.has_value() && valid.has_value()), "a batch of ", b, " sequences needs q_index and valid");
+  TORCH_CHECK(!(padded || explicit_mask) || mask.has_value(), "mask mode ", mode, " needs a mask");
+  const int64_t rows_per_seq = single ? q.size(0) : q_index->size(1);
+  if (!causal && rows_per_seq <= kInPlaceMaxRows && k_plane.stride(2) == 1 && v_plane.stride(2) == 1) {
+    const at::Tensor rows = single ? at::arange(q.size(0), gather.options()).view({1, -1})
+                                   : (padded ? *q_index : at::where(*valid, *q_index, -1));
+    const at::Tensor m = (padded || explicit_mask) ? mask->reshape({b, rows_per_seq, kk}).contiguous() : at::Tensor();
+    const at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
+    at::Tensor out = at::empty({q.size(0), q.size(1), v_plane.size(2)}, q.options());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_rows", [&] {
+      paged_rows<scalar_t>(qc, k_plane, v_plane, gather.contiguous(), rows.contiguous(), m, scale, out);
+    });
+    return out;
+  }
   const at::Tensor cells = gather.reshape(-1);
   const at::Tensor keys = k_plane.index_select(0, cells).view({b, kk, k_plane.size(1), k_plane.size(2)}).transpose(1, 2);
   const at::Tensor values = v_plane.index_select(0, cells).view({b, kk, v_plane.size(1), v_plane.size(2)}).transpose(1, 2);
-  const bool single = !padded && b == 1;
-  const at::Tensor queries = single ? q.transpose(0, 1).unsqueeze(0) : q.index({q_index}).transpose(1, 2);
+  const at::Tensor queries = single ? q.transpose(0, 1).unsqueeze(0) : q.index({*q_index}).transpose(1, 2);
   const bool gqa = keys.size(1) != queries.size(1);
   std::optional<at::Tensor> attn_mask;
   if (padded || explicit_mask) {
@@ -134,7 +246,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   if (single) {
     return out.select(0, 0).transpose(0, 1).contiguous();
   }
-  return out.transpose(1, 2).index({valid}).contiguous();
+  return out.transpose(1, 2).index({*valid}).contiguous();
 }
 
 }  // namespace
@@ -144,6 +256,6 @@ TORCH_LIBRARY(metrale_cpu, m) {
         "int expert_offset, int padded_min_experts) -> Tensor");
   m.impl("routed_experts", c10::DispatchKey::CPU, TORCH_FN(routed_experts));
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_plane, Tensor(b!) v_plane, bool write_v, "
-        "Tensor cell_mapping, Tensor gather, Tensor q_index, Tensor valid, Tensor mask, str mode, float scale) -> Tensor");
+        "Tensor cell_mapping, Tensor gather, Tensor? q_index, Tensor? valid, Tensor? mask, str mode, float scale) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }
