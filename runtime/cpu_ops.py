@@ -8,11 +8,11 @@ The native op does the same GEMMs with the bookkeeping on host vectors, bit for 
 path's results. Paged attention (`PagedAttention.attend` over a padded batch) is the other op:
 the same cache write, gather and SDPA call in one native call instead of ~15 from Python.
 
-The library is built on first use (~15 s; `make venv` builds it ahead) into
-`$METRALE_CACHE_DIR/cpu_ops` (default `~/.cache/metrale/cpu_ops`), under a name that hashes the
-source, the torch version and the compiler flags, so a changed source or torch rebuilds it. When no
-compiler is found or the build fails, `load` logs why once and returns False, and the Python paths
-run instead (same results, slower).
+The library is built on first use (~15 s; `make venv` builds it ahead) into `CACHE_DIR`
+(`~/.cache/metrale/cpu_ops`), under a name that hashes the source, the torch version and the
+compiler flags, so a changed source or torch rebuilds it. The compiler is the first of `COMPILERS`
+on the PATH. When none is found or the build fails, `load` logs why once and returns False, and
+the Python paths run instead (same results, slower).
 """
 from __future__ import annotations
 
@@ -36,38 +36,28 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
 # `omp simd` reductions (the in-place attention's dot products) vectorise.
 FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-ffp-contract=off", "-fopenmp-simd", "-w")
 BUILD_TIMEOUT_S = 600
+CACHE_DIR = Path.home() / ".cache" / "metrale" / "cpu_ops"
+COMPILERS = ("c++", "g++", "clang++")
 
 _state: dict[str, object] = {}   # "loaded": bool, "error": str
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("METRALE_CACHE_DIR") or Path.home() / ".cache" / "metrale"
-    return Path(root) / "cpu_ops"
-
-
-def library_path() -> Path:
+def library_path(cache_dir: Path = CACHE_DIR) -> Path:
     """Where this source's library for this torch build lives (built or not)."""
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(FLAGS).encode(),
                  str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(), sys.version.encode()):
         digest.update(part)
-    return cache_dir() / f"metrale_cpu_ops_{digest.hexdigest()[:16]}.so"
+    return cache_dir / f"metrale_cpu_ops_{digest.hexdigest()[:16]}.so"
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def build(path: Path) -> None:
-    """Compile the library into `path` (atomically: a temp file renamed into place). Raises
-    RuntimeError with the compiler's output on failure."""
+def build(path: Path, compilers: tuple[str, ...] = COMPILERS) -> None:
+    """Compile the library into `path` (atomically: a temp file renamed into place) with the first
+    of `compilers` on the PATH. Raises RuntimeError with the compiler's output on failure."""
     from torch.utils import cpp_extension   # its import costs ~0.3 s: only when building
-    cxx = _compiler()
+    cxx = next((name for name in compilers if shutil.which(name)), None)
     if cxx is None:
-        raise RuntimeError("no C++ compiler found (CXX, c++, g++, clang++)")
+        raise RuntimeError(f"no C++ compiler found ({', '.join(compilers)})")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
@@ -87,20 +77,21 @@ def build(path: Path) -> None:
     log.info("built the native CPU ops in %.1f s", time.monotonic() - t0)
 
 
-def load() -> bool:
+def load(cache_dir: Path = CACHE_DIR, compilers: tuple[str, ...] = COMPILERS) -> bool:
     """Load the native CPU ops, building them first when this source and torch have no library yet.
-    True when `torch.ops.metrale_cpu` is usable; False (logged once, with the reason) otherwise."""
+    True when `torch.ops.metrale_cpu` is usable; False (logged once, with the reason) otherwise.
+    The first call decides for the process; later calls return its answer."""
     loaded = _state.get("loaded")
     if loaded is not None:
         return bool(loaded)
     try:
-        path = library_path()
+        path = library_path(cache_dir)
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path.parent / ".build.lock", "w") as lock:   # one build when processes start together
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 if not path.exists():
-                    build(path)
+                    build(path, compilers)
         torch.ops.load_library(str(path))
         _state["loaded"] = True
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:

@@ -212,12 +212,12 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     from `PADDED_MIN_EXPERTS` touched experts (16-bit types), through the native op when it is
     built (runtime.cpu_ops: the same kernels, bit for bit, without the host cost of ~30 small
     tensor ops a layer); grouped elsewhere."""
+    if x.device.type == "cpu" and cpu_ops.load():
+        return torch.ops.metrale_cpu.routed_experts(x, weights, ids, gate_up_proj, down_proj, expert_offset,
+                                                    PADDED_MIN_EXPERTS.get(x.dtype, 0))
     experts = _Experts(gate_up_proj, down_proj, expert_offset)
     if x.device.type != "cpu":
         return RoutedExperts._grouped(experts, x, weights, ids)
-    if cpu_ops.load():
-        return torch.ops.metrale_cpu.routed_experts(x, weights, ids, gate_up_proj, down_proj, expert_offset,
-                                                    PADDED_MIN_EXPERTS.get(x.dtype, 0))
     if _take_padded(x, ids, expert_offset, experts.num_local_experts):
         return RoutedExperts._padded(experts, x, weights, ids)
     return RoutedExperts._per_expert(experts, x, weights, ids)

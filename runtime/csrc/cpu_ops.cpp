@@ -131,7 +131,7 @@ void paged_rows(const at::Tensor& q, const at::Tensor& k_plane, const at::Tensor
   const acc_t sc = static_cast<acc_t>(scale);
   constexpr acc_t kNeg = -std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, b * nkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> s(group * kk), qf(group * d), acc(group * dv);
+    std::vector<acc_t> s(group * kk), qf(group * d), acc(group * dv), inv(group);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t bi = i / nkv, g = i % nkv;
       const int64_t* cells = gp + bi * kk;
@@ -158,7 +158,6 @@ void paged_rows(const at::Tensor& q, const at::Tensor& k_plane, const at::Tensor
           }
         }
         std::fill(acc.begin(), acc.end(), acc_t(0));
-        std::vector<acc_t> inv(group);
         for (int64_t hh = 0; hh < group; ++hh) {
           acc_t* sh = s.data() + hh * kk;
           acc_t m = kNeg;
@@ -195,8 +194,10 @@ void paged_rows(const at::Tensor& q, const at::Tensor& k_plane, const at::Tensor
 constexpr int64_t kInPlaceMaxRows = 8;
 
 // One layer of `runtime.attention.PagedAttention.attend` over a padded batch (not the
-// batch-invariant tiles): this step's keys and values written to their cells, every sequence's
-// context gathered, one SDPA call. The same ATen calls in the same order as the Python method.
+// batch-invariant tiles): this step's keys and values written to their cells (as the Python
+// method), then up to `kInPlaceMaxRows` rows a sequence attend in place (`paged_rows`), longer
+// chunks gather every sequence's context and make one SDPA call, the Python method's calls in
+// its order.
 // k_plane, v_plane: the layer's cache planes [N, nkv, D] / [N, nkv, Dv] (v_plane a view of
 // k_plane's first channels in a latent cache, then `write_v` is false); mode: "none" (one sequence
 // of one row or more, unmasked), "causal", "explicit" (mask [B, 1, Q, K]) or "padded" (B*Q rows).

@@ -117,14 +117,12 @@ def test_the_native_op_refuses_bad_shapes():
 
 
 def test_a_failed_build_falls_back_to_the_python_paths(monkeypatch, tmp_path, caplog):
-    """No working compiler (CXX is `false`) and an empty cache: `load` says why, once, and the
-    experts still give the Python path's rows."""
+    """No working compiler (`false`) and an empty cache: `load` says why, once, and the experts
+    still give the Python path's rows."""
     monkeypatch.setattr(cpu_ops, "_state", {})
-    monkeypatch.setenv("METRALE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CXX", "false")
     with caplog.at_level("WARNING", logger="metrale.cpu_ops"):
-        assert not cpu_ops.load()
-        assert not cpu_ops.load()
+        assert not cpu_ops.load(tmp_path, ("false",))
+        assert not cpu_ops.load(tmp_path, ("false",))
     assert "false failed" in cpu_ops.error()
     assert len([r for r in caplog.records if "native CPU ops unavailable" in r.message]) == 1
     assert not list(tmp_path.rglob("*.so"))                                     # no half-written library
