@@ -4,15 +4,20 @@ with the host's C++ compiler and loaded into torch.ops.metrale_cpu.
 Why: on the CPU a step's host time is mostly the per-call cost of small tensor ops (5-30 us each
 here). The routed experts of one layer took ~30 of them around their GEMMs: 280 us against 78 us
 of GEMMs for one row, 740 against 335 for a four-row verify (two threads, 8 experts of 256 x 256).
-The native op does the same GEMMs with the bookkeeping on host vectors, bit for bit the Python
-path's results. Paged attention (`PagedAttention.attend` over a padded batch) is the other op:
-the same cache write, gather and SDPA call in one native call instead of ~15 from Python.
+The native op does the bookkeeping on host vectors. Its GEMMs, and every float32 / bfloat16 linear
+of a few rows (`few_rows_max`), run a few-row kernel (`metrale_cpu::linear`): a stream of the
+column-major weights with float accumulators, each output summed in order, so a row's result is
+its own whatever the batch; MKL's GEMM of 4-16 rows read the weights at 4-7 GB/s, and oneDNN's
+bfloat16 GEMM without native bfloat16 (AVX2) took ~200 us a row. Without the kernel (more rows,
+other types) the op runs the Python path's ATen calls, bit for bit its results. Paged attention
+(`PagedAttention.attend` over a padded batch) is the other op: the same cache write, then the
+decode and verify rows read the cache in place (prefills gather for SDPA), in one native call.
 
 The library is built on first use (~15 s; `make venv` builds it ahead) into `CACHE_DIR`
 (`~/.cache/metrale/cpu_ops`), under a name that hashes the source, the torch version and the
 compiler flags, so a changed source or torch rebuilds it. The compiler is the first of `COMPILERS`
 on the PATH. When none is found or the build fails, `load` logs why once and returns False, and
-the Python paths run instead (same results, slower).
+the Python paths run instead (slower; within rounding of the kernel's results).
 """
 from __future__ import annotations
 
@@ -32,9 +37,11 @@ import torch
 log = logging.getLogger("metrale.cpu_ops")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
-# No contraction of a*b+c into one rounding: the ops must round as the ATen kernels they mirror;
-# `omp simd` reductions (the in-place attention's dot products) vectorise.
-FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-ffp-contract=off", "-fopenmp-simd", "-w")
+# No contraction of a*b+c into one rounding: the ops must round as the ATen kernels they mirror,
+# and the few-row GEMM the same on every ISA. -fopenmp: at::parallel_for is inline OpenMP, which
+# without it runs on one thread (the library then links libgomp.so.1, the name torch's bundled
+# copy has, so the process keeps one OpenMP runtime); `omp simd` reductions vectorise.
+FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-ffp-contract=off", "-fopenmp", "-w")
 BUILD_TIMEOUT_S = 600
 CACHE_DIR = Path.home() / ".cache" / "metrale" / "cpu_ops"
 COMPILERS = ("c++", "g++", "clang++")
@@ -93,12 +100,57 @@ def load(cache_dir: Path = CACHE_DIR, compilers: tuple[str, ...] = COMPILERS) ->
                 if not path.exists():
                     build(path, compilers)
         torch.ops.load_library(str(path))
+        _register_fakes()
+        FEW_ROWS.update(_few_rows_table())
         _state["loaded"] = True
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         _state["loaded"], _state["error"] = False, str(exc)
-        log.warning("native CPU ops unavailable, the routed experts run the Python path (slower, same "
-                    "results): %s", exc)
-    return bool(_state["loaded"])
+        FEW_ROWS.clear()
+        log.warning("native CPU ops unavailable, the routed experts, attention and linears run the Python "
+                    "paths (slower): %s", exc)
+    global LOADED
+    LOADED = bool(_state["loaded"])
+    return LOADED
+
+
+# Most rows a GEMM may have to run through the native few-row kernel (`metrale_cpu::linear`, the
+# routed experts' per-expert GEMMs), by dtype; more rows go to MKL / oneDNN. Measured at two
+# threads on an AVX2 CPU (EPYC), a column-major 256 x 512 matrix (weights cycled through 15 MB),
+# us a call, kernel / MKL: float32 1 row 21/21, 4: 26/48, 8: 35/53, 16: 54/61, 32: 107/93, 64:
+# 187/140; bfloat16 1: 24/212, 16: 62/3140, 256: 884/48995 (oneDNN without native bfloat16;
+# row-major weights 3917). So float32 up to 16 rows, and bfloat16 always where oneDNN has no
+# native bfloat16 (else up to 16, as float32).
+FEW_ROWS_FLOAT32 = 16
+FEW_ROWS_BFLOAT16_EMULATED = 1 << 30
+
+# Set by `load` (plain globals, so a compiled step reads them as constants): whether the library is
+# loaded (None: not tried yet), and `few_rows_max` by dtype.
+LOADED: bool | None = None
+FEW_ROWS: dict[torch.dtype, int] = {}
+_FAKES: list[str] = []
+
+
+def few_rows_max(dtype: torch.dtype) -> int:
+    """Most rows of a `dtype` GEMM that the native few-row kernel takes (0: none, or not loaded)."""
+    return FEW_ROWS.get(dtype, 0)
+
+
+def _few_rows_table() -> dict[torch.dtype, int]:
+    native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return {torch.float32: FEW_ROWS_FLOAT32,
+            torch.bfloat16: FEW_ROWS_FLOAT32 if native_bf16 else FEW_ROWS_BFLOAT16_EMULATED}
+
+
+def _register_fakes() -> None:
+    """Output shapes of the ops a compiled step calls directly (the others run inside opaque
+    Python ops that have their own); once a process."""
+    if _FAKES:
+        return
+    _FAKES.append("metrale_cpu::linear")
+
+    @torch.library.register_fake("metrale_cpu::linear")
+    def _(x, w, bias, max_rows):
+        return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
 def error() -> str | None:

@@ -208,13 +208,14 @@ def _take_padded(x: torch.Tensor, ids: torch.Tensor, expert_offset: int, num_loc
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
                    down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
-    """The float32 / bfloat16 routed experts: on the CPU per expert, or padded batched matmuls
-    from `PADDED_MIN_EXPERTS` touched experts (16-bit types), through the native op when it is
-    built (runtime.cpu_ops: the same kernels, bit for bit, without the host cost of ~30 small
-    tensor ops a layer); grouped elsewhere."""
+    """The float32 / bfloat16 routed experts: on the CPU through the native op when it is built
+    (runtime.cpu_ops: without the host cost of ~30 small tensor ops a layer; each expert's GEMMs
+    through the few-row kernel up to `cpu_ops.few_rows_max` rows, else the Python paths' kernels
+    bit for bit), or per expert, or padded batched matmuls from `PADDED_MIN_EXPERTS` touched
+    experts (16-bit types); grouped elsewhere."""
     if x.device.type == "cpu" and cpu_ops.load():
         return torch.ops.metrale_cpu.routed_experts(x, weights, ids, gate_up_proj, down_proj, expert_offset,
-                                                    PADDED_MIN_EXPERTS.get(x.dtype, 0))
+                                                    PADDED_MIN_EXPERTS.get(x.dtype, 0), cpu_ops.few_rows_max(x.dtype))
     experts = _Experts(gate_up_proj, down_proj, expert_offset)
     if x.device.type != "cpu":
         return RoutedExperts._grouped(experts, x, weights, ids)

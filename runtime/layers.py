@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime import batch_invariant as bi
+from runtime import cpu_ops
 from runtime.config import ModelConfig
 from runtime.experts import RoutedExperts
 from runtime.rotary import apply_rotary
@@ -36,6 +37,19 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`; on the CPU, float32 and bfloat16 GEMMs of few rows run through the native
+    few-row kernel (`runtime.cpu_ops.few_rows_max`: a stream of the column-major weights, each
+    row's result its own), called straight from a compiled step (`cpu_ops.load` registers its
+    fake)."""
+    if cpu_ops.LOADED is None and not torch.compiler.is_compiling():
+        cpu_ops.load()
+    if x.device.type != "cpu" or not cpu_ops.LOADED or x.dtype not in cpu_ops.FEW_ROWS or (
+            torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):   # training: autograd's
+        return F.linear(x, weight, bias)
+    return torch.ops.metrale_cpu.linear(x, weight, bias, cpu_ops.few_rows_max(x.dtype))
+
+
 class Linear(nn.Linear):
     """`nn.Linear` with a batch-invariant path (`runtime.batch_invariant.linear`) when switched on;
     `in_parts` > 1 sums that path over equal slices of the input features (an attention output
@@ -47,7 +61,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.batch_invariant:
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias)
         if self.in_parts == 1:
             return bi.linear(x, self.weight, self.bias, self.bi_rows)
         out = bi.split_linear(x, self.weight, self.in_parts, self.bi_rows)
@@ -87,7 +101,7 @@ class FusedProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.batch_invariant:
             return bi.linear(x, self.weight, self.bias, self.bi_rows).split(self.sizes, dim=-1)
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 def pack_for_inference(model: nn.Module) -> None:
@@ -96,6 +110,8 @@ def pack_for_inference(model: nn.Module) -> None:
     GEMM runs up to 1.7x faster for the few rows of a decode or verify step (float32: 8.0 -> 4.9 us
     for one row of 256 x 512, 34.8 -> 20.2 us for 16; design §3.2). Values are unchanged;
     shapes and names too."""
+    if any(p.device.type == "cpu" for p in model.parameters()):
+        cpu_ops.load()   # before any step is compiled: `linear` reads its answer as a constant
     for mod in model.modules():
         if isinstance(mod, Attention) and type(mod.q_proj) is Linear and mod.qkv is None:
             mod.qkv = FusedProjection([mod.q_proj, mod.k_proj, mod.v_proj])

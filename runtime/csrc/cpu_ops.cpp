@@ -1,7 +1,8 @@
-// The CPU's routed experts and paged attention as native ops: the same ATen kernels, in the same order, as the
-// Python paths of runtime/experts.py (`RoutedExperts._per_expert`, `RoutedExperts._padded`), so
-// the results are bit for bit theirs; the sorting of choices by expert and the bookkeeping run on
-// plain host vectors instead of ~30 small tensor ops a layer (each 5-30 us of host time here).
+// The CPU's routed experts, paged attention and few-row linears as native ops. The routed experts
+// sort choices by expert and keep their books on plain host vectors instead of ~30 small tensor
+// ops a layer (each 5-30 us of host time here); their GEMMs run the few-row kernel below up to
+// `few_rows_max` rows an expert, else the same ATen kernels, in the same order, as the Python
+// paths of runtime/experts.py (`RoutedExperts._per_expert`, `RoutedExperts._padded`), bit for bit.
 // Built and loaded by runtime/cpu_ops.py.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -9,7 +10,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -22,6 +27,217 @@ at::Tensor long_tensor(const std::vector<int64_t>& values) {
   return out;
 }
 
+// ---- Few-row GEMMs: y[M, N] = x[M, K] . W^T, W [N, K] stored column-major (W^T [K, N] rows of
+// stride ldw, as runtime.layers.pack_for_inference lays linears and experts out on the CPU).
+// Why: at the few rows of a decode or verify step a GEMM is a stream of its weights; MKL reads a
+// column-major 256 x 512 float32 matrix at 4-7 GB/s for 4-16 rows, and oneDNN's bfloat16 GEMM on a
+// CPU without native bfloat16 (AVX2) takes ~200 us a row (16 rows 3.1 ms; row-major 255 us). This
+// kernel streams W^T once per 4 rows, 16 columns at a time, with float accumulators.
+// Each output is sum_k x[m, k] * w[k, n] in k order, one rounding per multiply and per add (no
+// contraction, -ffp-contract=off), whatever the ISA clone, the number of rows or the thread split:
+// a row's result is its own (row-invariant), bit for bit across batch sizes.
+typedef float v8f __attribute__((vector_size(32)));
+
+inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
+inline v8f load8(const c10::BFloat16* p) {   // bfloat16 -> float: the 16 bits shifted up
+  uint16_t raw[8];
+  std::memcpy(raw, p, sizeof raw);
+  uint32_t wide[8];
+  for (int i = 0; i < 8; ++i) wide[i] = uint32_t(raw[i]) << 16;
+  v8f v;
+  std::memcpy(&v, wide, sizeof v);
+  return v;
+}
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+constexpr int64_t kColumns = 16;   // output columns of one register tile (two 8-float vectors)
+constexpr int64_t kRows = 4;       // rows of one register tile
+constexpr int64_t kSpan = 16;      // tiles of one task: 256 columns, 1 KB of a float32 weight row
+constexpr int64_t kDepth = 16;     // weight rows a tile reads before the next tile of the span
+constexpr int64_t kPrefetch = 16;  // weight rows ahead (measured 4, 8, 16: 16 fastest here)
+
+// Rows [0, MR) of x against columns [0, 16) of wt over `depth` weight rows: y[m, 0:16] (+)= ...
+// `accumulate`: y holds the sums of the earlier rows, which continue in order.
+template <typename W, int MR>
+__attribute__((target_clones("avx2", "default")))
+void tile16(const float* x, int64_t ldx, const W* wt, int64_t ldw, float* y, int64_t ldy, int64_t depth,
+            bool accumulate) {
+  v8f acc[MR][2] = {};
+  if (accumulate) {
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      std::memcpy(&acc[m][0], y + m * ldy, sizeof(v8f));
+      std::memcpy(&acc[m][1], y + m * ldy + 8, sizeof(v8f));
+    }
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    __builtin_prefetch(wt + (k + kPrefetch) * ldw);
+    const v8f w0 = load8(wt + k * ldw), w1 = load8(wt + k * ldw + 8);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const float xv = x[m * ldx + k];
+      acc[m][0] = acc[m][0] + xv * w0;
+      acc[m][1] = acc[m][1] + xv * w1;
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) {
+    std::memcpy(y + m * ldy, &acc[m][0], sizeof(v8f));
+    std::memcpy(y + m * ldy + 8, &acc[m][1], sizeof(v8f));
+  }
+}
+
+template <typename W>
+void tile(int64_t mr, const float* x, int64_t ldx, const W* wt, int64_t ldw, float* y, int64_t ldy, int64_t depth,
+          bool accumulate) {
+  switch (mr) {
+    case 1: tile16<W, 1>(x, ldx, wt, ldw, y, ldy, depth, accumulate); break;
+    case 2: tile16<W, 2>(x, ldx, wt, ldw, y, ldy, depth, accumulate); break;
+    case 3: tile16<W, 3>(x, ldx, wt, ldw, y, ldy, depth, accumulate); break;
+    default: tile16<W, 4>(x, ldx, wt, ldw, y, ldy, depth, accumulate); break;
+  }
+}
+
+// Span `span` (kSpan tiles of 16 columns, fewer at the end) of y[M, N] = x[M, K] . wt[K, N]: the
+// span's tiles take turns over kDepth weight rows at a time, so the weights are read a span of
+// rows at a time (few pages) rather than one 64-byte column strip down the whole matrix (a page
+// a row for a wide matrix: 4096 columns, 1 row, 460 -> ... us).
+template <typename W>
+void gemm_span(const float* x, int64_t m_rows, int64_t kdim, const W* wt, int64_t ldw, int64_t n_cols,
+               float* y, int64_t ldy, int64_t span, int64_t span_tiles) {
+  const int64_t n0 = span * span_tiles * kColumns;
+  const int64_t n1 = std::min(n_cols, n0 + span_tiles * kColumns);
+  const int64_t full_end = n0 + (n1 - n0) / kColumns * kColumns;
+  if (m_rows <= kRows) {   // a stream of the weights: the span's tiles take turns over kDepth rows
+    for (int64_t k0 = 0; k0 < kdim; k0 += kDepth) {
+      const int64_t depth = std::min(kDepth, kdim - k0);
+      for (int64_t c = n0; c < full_end; c += kColumns) {
+        tile<W>(m_rows, x + k0, kdim, wt + k0 * ldw + c, ldw, y + c, ldy, depth, k0 > 0);
+      }
+    }
+  } else {   // more rows: each tile's 16-column strip stays in L1 while every 4 rows pass over it
+    for (int64_t c = n0; c < full_end; c += kColumns) {
+      for (int64_t m0 = 0; m0 < m_rows; m0 += kRows) {
+        tile<W>(std::min(kRows, m_rows - m0), x + m0 * kdim, kdim, wt + c, ldw, y + m0 * ldy + c, ldy, kdim, false);
+      }
+    }
+  }
+  for (int64_t m = 0; m < m_rows; ++m) {   // the last, narrow columns: the same sums one at a time
+    for (int64_t n = full_end; n < n1; ++n) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < kdim; ++k) acc = acc + x[m * kdim + k] * to_float(wt[k * ldw + n]);
+      y[m * ldy + n] = acc;
+    }
+  }
+}
+
+// Tiles of a span: kSpan, fewer when `parts` matrices of `n_cols` columns would then give fewer
+// spans than threads.
+int64_t span_tiles(int64_t n_cols, int64_t parts) {
+  const int64_t tiles = (n_cols + kColumns - 1) / kColumns;
+  const int64_t threads = at::get_num_threads();
+  return std::clamp<int64_t>(tiles * parts / threads, 1, kSpan);
+}
+int64_t column_spans(int64_t n_cols, int64_t tiles) { return (n_cols + tiles * kColumns - 1) / (tiles * kColumns); }
+
+// Whether `w` [N, K] (or each matrix of [E, N, K]) is column-major: its transpose's rows contiguous.
+bool column_major(const at::Tensor& w) {
+  const int64_t d = w.dim();
+  return w.stride(d - 2) == 1 && w.stride(d - 1) == w.size(d - 2);
+}
+
+bool few_row_kernel(const at::Tensor& x, const at::Tensor& w, int64_t rows, int64_t max_rows) {
+  return (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && w.scalar_type() == x.scalar_type() &&
+         rows <= max_rows && column_major(w);
+}
+
+// x [..., K] . w^T (+ bias) through the few-row kernel when x has at most `max_rows` rows, its
+// type is float32 or bfloat16 and w is column-major; at::linear otherwise.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t max_rows) {
+  TORCH_CHECK(x.device().is_cpu(), "metrale_cpu::linear runs on the CPU, got ", x.device());
+  TORCH_CHECK(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1),
+              "linear: x [..., K] and w [N, K] expected, got ", x.sizes(), " and ", w.sizes());
+  const int64_t kdim = w.size(1), n_cols = w.size(0);
+  const int64_t rows = kdim == 0 ? 0 : x.numel() / kdim;
+  if (!few_row_kernel(x, w, rows, max_rows) || rows == 0 || kdim == 0) {
+    return at::linear(x, w, bias);
+  }
+  const at::Tensor xf = x.reshape({rows, kdim}).to(at::kFloat).contiguous();
+  at::Tensor yf = at::empty({rows, n_cols}, x.options().dtype(at::kFloat));
+  const float* xp = xf.const_data_ptr<float>();
+  float* yp = yf.mutable_data_ptr<float>();
+  const int64_t ldw = w.stride(1);
+  const int64_t tiles = span_tiles(n_cols, 1);
+  AT_DISPATCH_SWITCH(w.scalar_type(), "metrale_cpu::linear",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      const float* wp = w.const_data_ptr<float>();
+      at::parallel_for(0, column_spans(n_cols, tiles), 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) gemm_span(xp, rows, kdim, wp, ldw, n_cols, yp, n_cols, b, tiles);
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      const c10::BFloat16* wp = w.const_data_ptr<c10::BFloat16>();
+      at::parallel_for(0, column_spans(n_cols, tiles), 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) gemm_span(xp, rows, kdim, wp, ldw, n_cols, yp, n_cols, b, tiles);
+      });
+    }));
+  if (bias.has_value() && bias->defined()) {
+    yf.add_(*bias);
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n_cols;
+  return yf.to(x.scalar_type()).view(shape);
+}
+
+// The routed experts through the few-row kernel, every touched expert's column blocks of one
+// projection spread over the threads together: xs [L, H] float rows in expert-major order, expert
+// e's rows at first[e] for counts[e]. Float throughout (silu(gate) * up in float, no rounding to
+// the model's type between the projections) -> ys [L, H] float.
+template <typename W>
+at::Tensor few_row_experts(const at::Tensor& xs, const at::Tensor& gate_up, const at::Tensor& down,
+                           const std::vector<int64_t>& first, const std::vector<int64_t>& counts) {
+  const int64_t rows = xs.size(0), h = xs.size(1), two_i = gate_up.size(1), inter = two_i / 2;
+  std::vector<int64_t> touched;
+  for (int64_t e = 0; e < static_cast<int64_t>(counts.size()); ++e) {
+    if (counts[e] > 0) touched.push_back(e);
+  }
+  const int64_t nt = static_cast<int64_t>(touched.size());
+  at::Tensor gu = at::empty({rows, two_i}, xs.options());
+  at::Tensor act = at::empty({rows, inter}, xs.options());
+  at::Tensor ys = at::empty({rows, h}, xs.options());
+  const float* xp = xs.const_data_ptr<float>();
+  float* gp = gu.mutable_data_ptr<float>();
+  float* ap = act.mutable_data_ptr<float>();
+  float* yp = ys.mutable_data_ptr<float>();
+  const W* gw = gate_up.const_data_ptr<W>();
+  const W* dw = down.const_data_ptr<W>();
+  const int64_t gs = gate_up.stride(0), ds = down.stride(0);
+  const int64_t gt = span_tiles(two_i, nt), dt = span_tiles(h, nt);
+  const int64_t gb = column_spans(two_i, gt), db = column_spans(h, dt);
+  at::parallel_for(0, nt * gb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i) {
+      const int64_t e = touched[i / gb];
+      gemm_span(xp + first[e] * h, counts[e], h, gw + e * gs, two_i, two_i, gp + first[e] * two_i, two_i, i % gb, gt);
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gp + r * two_i;
+    float* a = ap + r * inter;
+    for (int64_t j = 0; j < inter; ++j) {
+      const float v = g[j];
+      a[j] = v / (1.0f + std::exp(-v)) * g[inter + j];
+    }
+  }
+  at::parallel_for(0, nt * db, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i) {
+      const int64_t e = touched[i / db];
+      gemm_span(ap + first[e] * inter, counts[e], inter, dw + e * ds, h, h, yp + first[e] * h, h, i % db, dt);
+    }
+  });
+  return ys;
+}
+
 // x [T, H], weights/ids [T, k] (global expert ids), gate_up [E, 2I, H], down [E, H, I] ->
 // the weighted sum over this shard's experts [T, H]; choices routed elsewhere contribute zero.
 // `padded_min_experts` > 0: from that many touched local experts, every expert's rows are padded
@@ -29,7 +245,7 @@ at::Tensor long_tensor(const std::vector<int64_t>& values) {
 // per touched expert (`_per_expert`).
 at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
                           const at::Tensor& gate_up, const at::Tensor& down, int64_t expert_offset,
-                          int64_t padded_min_experts) {
+                          int64_t padded_min_experts, int64_t few_rows_max) {
   TORCH_CHECK(x.device().is_cpu(), "metrale_cpu::routed_experts runs on the CPU, got ", x.device());
   TORCH_CHECK(x.dim() == 2, "x must be [T, H], got ", x.sizes());
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0), "ids must be [T, k] for x ", x.sizes(), ", got ", ids.sizes());
@@ -63,6 +279,38 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const 
     if (key[i] < e_local) {
       order[fill[key[i]]++] = i;
     }
+  }
+  if (mine > 0 && few_row_kernel(x, gate_up, busiest, few_rows_max) && column_major(down) &&
+      down.scalar_type() == x.scalar_type()) {
+    // The few-row kernel: every touched expert's GEMMs in float, and the weighted sum over a row's
+    // choices in float (choice order), rounded once to x's type.
+    std::vector<int64_t> rows(mine), place(n, -1);
+    for (int64_t j = 0; j < mine; ++j) {
+      rows[j] = order[j] / k;
+      place[order[j]] = j;
+    }
+    const at::Tensor xs = x.index_select(0, long_tensor(rows)).to(at::kFloat).contiguous();
+    const std::vector<int64_t> expert_counts(counts.begin(), counts.end() - 1);
+    at::Tensor ys;
+    AT_DISPATCH_SWITCH(x.scalar_type(), "metrale_cpu::routed_experts",
+      AT_DISPATCH_CASE(at::kFloat, [&] { ys = few_row_experts<float>(xs, gate_up, down, first, expert_counts); })
+      AT_DISPATCH_CASE(at::kBFloat16, [&] { ys = few_row_experts<c10::BFloat16>(xs, gate_up, down, first, expert_counts); }));
+    const at::Tensor wf = weights.to(at::kFloat).contiguous();
+    const float* wp = wf.const_data_ptr<float>();
+    const float* yp = ys.const_data_ptr<float>();
+    at::Tensor out = at::zeros({t, h}, x.options().dtype(at::kFloat));
+    float* op = out.mutable_data_ptr<float>();
+    for (int64_t r = 0; r < t; ++r) {
+      for (int64_t c = 0; c < k; ++c) {
+        const int64_t j = place[r * k + c];
+        if (j < 0) continue;   // routed to another shard: contributes zero
+        const float wv = wp[r * k + c];
+        const float* y = yp + j * h;
+        float* o = op + r * h;
+        for (int64_t d = 0; d < h; ++d) o[d] = o[d] + wv * y[d];
+      }
+    }
+    return out.to(x.scalar_type());
   }
   at::Tensor per_choice = at::zeros({n, h}, x.options());                         // [T*k, H]
   if (mine > 0) {
@@ -254,8 +502,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 TORCH_LIBRARY(metrale_cpu, m) {
   m.def("routed_experts(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down, "
-        "int expert_offset, int padded_min_experts) -> Tensor");
+        "int expert_offset, int padded_min_experts, int few_rows_max) -> Tensor");
   m.impl("routed_experts", c10::DispatchKey::CPU, TORCH_FN(routed_experts));
+  m.def("linear(Tensor x, Tensor w, Tensor? bias, int max_rows) -> Tensor");
+  m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_plane, Tensor(b!) v_plane, bool write_v, "
         "Tensor cell_mapping, Tensor gather, Tensor? q_index, Tensor? valid, Tensor? mask, str mode, float scale) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));

@@ -107,12 +107,11 @@ def test_plain_float32_linear_is_not_row_invariant_here():
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
 def test_rowwise_sigmoid_of_narrow_rows_does_not_depend_on_the_row_count(dtype):
-    """The router's 8 scores per row: a plain sigmoid gives a row alone (scalar code) other bits
-    than the same row among others (vector code); rowwise pads every row to whole vectors."""
+    """The router's 8 scores per row: a plain sigmoid can give a row alone (scalar code) other bits
+    than the same row among others (vector code: AVX-512 float32 and float64 do; on an AVX2 EPYC
+    float64 does not); rowwise pads every row to whole vectors, so it never depends on the count."""
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(64, 8, generator=gen) * 3).to(dtype)
-    alone = torch.stack([torch.sigmoid(x[i:i + 1])[0] for i in range(64)])
-    assert not torch.equal(torch.sigmoid(x), alone)
     for row in x[:16]:
         assert_row_invariant(lambda t: bi.rowwise(torch.sigmoid, t), row)
 
@@ -185,14 +184,17 @@ def attention_rows(kernel: str, chunks: list[SeqChunk], cache: PagedKVCache, q: 
 
 @pytest.mark.parametrize("dtype", (*DTYPES, torch.float64))
 def test_sdpa_is_invariant_for_the_embedded_models_heads_on_this_cpu(dtype):
-    """The probe passes here for equal key and value widths (so `attention` is one SDPA call),
-    and refuses latent attention's unequal widths without trying."""
+    """The probe refuses latent attention's unequal widths without trying, and passes for equal key
+    and value widths on the AVX-512 CPUs this was built on (so `attention` is one SDPA call there).
+    An AVX2 EPYC fails it for float32 (the tiled kernel then serves): skipped there, said why."""
+    assert not ia.sdpa_is_invariant(16, 1, 96, 64, dtype, torch.device("cpu"))
     cfg = load_config(MODEL)
     for threads in (1, 2):
         with torch_threads(threads):
-            assert ia.sdpa_is_invariant(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                        cfg.head_dim, dtype, torch.device("cpu"))
-    assert not ia.sdpa_is_invariant(16, 1, 96, 64, dtype, torch.device("cpu"))
+            if not ia.sdpa_is_invariant(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                        cfg.head_dim, dtype, torch.device("cpu")):
+                pytest.skip(f"SDPA is not row-invariant for {dtype} on this CPU "
+                            f"({torch.backends.cpu.get_cpu_capability()}): the tiled kernel serves")
 
 
 def test_sdpa_and_tiled_attention_agree_with_plain_attention():

@@ -8,12 +8,15 @@ import torch
 
 from runtime import cpu_ops
 from runtime.experts import PADDED_MIN_EXPERTS, RoutedExperts, routed_experts
+from runtime.layers import pack_for_inference
 
 
 @pytest.fixture
 def python_paths(monkeypatch):
     """The routed experts without the native op: the Python paths it mirrors run."""
     monkeypatch.setattr(cpu_ops, "_state", {"loaded": False})
+    monkeypatch.setattr(cpu_ops, "LOADED", False)
+    monkeypatch.setattr(cpu_ops, "FEW_ROWS", {})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -76,8 +79,9 @@ def test_the_native_op_builds_here():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("offset, num_local, num_experts", [(0, 8, 8), (4, 4, 12), (8, 4, 12)])
 def test_the_native_op_equals_the_python_paths_bit_for_bit(dtype, offset, num_local, num_experts):
-    """Per expert and padded (16-bit types from `PADDED_MIN_EXPERTS` touched experts), on a shard
-    whose experts some rows never choose, from no rows to 64."""
+    """Without the few-row kernel: per expert and padded (16-bit types from `PADDED_MIN_EXPERTS`
+    touched experts), on a shard whose experts some rows never choose, from no rows to 64. With it
+    (the served call): within rounding of them, and each row's result its own."""
     assert cpu_ops.load(), cpu_ops.error()
     torch.manual_seed(offset + num_local)
     experts = RoutedExperts(num_local, 256, 128, expert_offset=offset)
@@ -85,6 +89,8 @@ def test_the_native_op_equals_the_python_paths_bit_for_bit(dtype, offset, num_lo
         experts.gate_up_proj.normal_(0, 0.1)
         experts.down_proj.normal_(0, 0.1)
     experts = experts.to(dtype)
+    pack_for_inference(experts)                     # column-major, as served: the few-row kernel's layout
+    assert experts.gate_up_proj.transpose(1, 2).is_contiguous()
     args = (experts.gate_up_proj, experts.down_proj, offset)
     paths = set()
     for t in (0, 1, 2, 3, 4, 16, 64):
@@ -97,11 +103,20 @@ def test_the_native_op_equals_the_python_paths_bit_for_bit(dtype, offset, num_lo
         padded = least is not None and ids.numel() >= least and len(set(ids[local].tolist())) >= least
         paths.add(padded)
         want = experts._padded(x, weights, ids) if padded else experts._per_expert(x, weights, ids)
-        got = torch.ops.metrale_cpu.routed_experts(x, weights, ids, *args, least or 0)
+        got = torch.ops.metrale_cpu.routed_experts(x, weights, ids, *args, least or 0, 0)
         assert got.dtype == dtype and got.shape == (t, 256)
         assert torch.equal(got, want), (t, padded)
-        assert torch.equal(routed_experts(x, weights, ids, *args), want)          # the served call
         assert not got[~local.any(dim=1)].any()                                  # no local choice: zero
+        served = routed_experts(x, weights, ids, *args)                          # the few-row kernel
+        assert served.dtype == dtype and served.shape == (t, 256)
+        # bfloat16: the kernel keeps float between the projections, the Python path rounds each op
+        tol = 1e-5 if dtype == torch.float32 else 2e-2 * max([1.0, *want.abs().flatten().tolist()])
+        assert torch.allclose(served.float(), want.float(), atol=tol, rtol=0), (t, (served.float() - want.float()).abs().max())
+        assert not served[~local.any(dim=1)].any()
+        for r in range(min(t, 4)):                                               # a row alone: the same bits
+            alone = torch.ops.metrale_cpu.routed_experts(x[r:r + 1], weights[r:r + 1], ids[r:r + 1], *args,
+                                                         least or 0, 1 << 30)
+            assert torch.equal(alone[0], served[r]) or t > cpu_ops.few_rows_max(dtype), (t, r)
     assert paths == ({False, True} if dtype == torch.bfloat16 else {False})
 
 
@@ -110,16 +125,18 @@ def test_the_native_op_refuses_bad_shapes():
     gate_up, down = torch.zeros(2, 8, 4), torch.zeros(2, 4, 4)
     with pytest.raises(RuntimeError, match="ids must be"):
         torch.ops.metrale_cpu.routed_experts(torch.zeros(3, 4), torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.long),
-                                             gate_up, down, 0, 0)
+                                             gate_up, down, 0, 0, 0)
     with pytest.raises(RuntimeError, match="weights"):
         torch.ops.metrale_cpu.routed_experts(torch.zeros(2, 4), torch.ones(2, 1), torch.zeros(2, 2, dtype=torch.long),
-                                             gate_up, down, 0, 0)
+                                             gate_up, down, 0, 0, 0)
 
 
 def test_a_failed_build_falls_back_to_the_python_paths(monkeypatch, tmp_path, caplog):
     """No working compiler (`false`) and an empty cache: `load` says why, once, and the experts
     still give the Python path's rows."""
     monkeypatch.setattr(cpu_ops, "_state", {})
+    monkeypatch.setattr(cpu_ops, "LOADED", None)
+    monkeypatch.setattr(cpu_ops, "FEW_ROWS", {})
     with caplog.at_level("WARNING", logger="metrale.cpu_ops"):
         assert not cpu_ops.load(tmp_path, ("false",))
         assert not cpu_ops.load(tmp_path, ("false",))
@@ -132,3 +149,4 @@ def test_a_failed_build_falls_back_to_the_python_paths(monkeypatch, tmp_path, ca
         experts.down_proj.normal_()
     x, w, ids = torch.randn(3, 16), torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 2]])
     assert torch.equal(experts(x, w, ids), experts._per_expert(x, w, ids))
+    assert cpu_ops.LOADED is False and cpu_ops.few_rows_max(torch.float32) == 0   # linears take F.linear

@@ -1,0 +1,89 @@
+"""The native few-row GEMM (`metrale_cpu::linear`, `runtime.layers.linear`): within rounding of
+F.linear, each row's result its own (the same bits alone, in any batch, on any thread count), and
+F.linear itself where it does not apply."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime import cpu_ops
+from runtime.layers import Linear, linear
+
+BIG = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def native():
+    assert cpu_ops.load(), cpu_ops.error()
+
+
+def column_major(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(k, n, generator=g) * 0.1).to(dtype).t()   # [N, K], its transpose contiguous
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(8, 64), (40, 64), (512, 256), (4104, 96)])
+def test_close_to_f_linear_and_rows_are_their_own(dtype, n, k):
+    """Narrow (all tail), a tile and a tail, whole spans, many spans with a tail; 1 to 33 rows, with
+    and without bias, 2-D and 3-D input."""
+    w = column_major(n, k, dtype)
+    bias = (torch.randn(n) * 0.1).to(dtype)
+    x = torch.randn(33, k).to(dtype)
+    full = torch.ops.metrale_cpu.linear(x, w, bias, BIG)
+    want = F.linear(x.double(), w.double(), bias.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2 * want.abs().max().item()
+    assert full.dtype == dtype and full.shape == (33, n)
+    assert (full.double() - want).abs().max() <= tol
+    for rows in (1, 3, 4, 5, 16):
+        assert torch.equal(torch.ops.metrale_cpu.linear(x[:rows], w, bias, BIG), full[:rows])
+        assert torch.equal(torch.ops.metrale_cpu.linear(x[rows:rows + 1], w, bias, BIG)[0], full[rows])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(torch.ops.metrale_cpu.linear(x, w, bias, BIG), full)
+    finally:
+        torch.set_num_threads(threads)
+    x3 = x[:32].view(4, 8, k)
+    assert torch.equal(torch.ops.metrale_cpu.linear(x3, w, None, BIG), torch.ops.metrale_cpu.linear(x[:32], w, None, BIG).view(4, 8, n))
+
+
+@pytest.mark.parametrize("case", ["row-major weight", "more rows", "float64", "float16"])
+def test_f_linear_where_the_kernel_does_not_apply(case):
+    dtype = {"float64": torch.float64, "float16": torch.float16}.get(case, torch.float32)
+    w = column_major(48, 32, dtype)
+    if case == "row-major weight":
+        w = w.contiguous()
+    x = torch.randn(6, 32).to(dtype)
+    max_rows = 4 if case == "more rows" else BIG
+    assert torch.equal(torch.ops.metrale_cpu.linear(x, w, None, max_rows), F.linear(x, w))
+
+
+def test_refuses_mismatched_shapes():
+    with pytest.raises(RuntimeError, match="linear: x"):
+        torch.ops.metrale_cpu.linear(torch.zeros(2, 8), torch.zeros(4, 6).t(), None, BIG)
+
+
+def test_the_layer_compiles_into_one_graph_with_the_same_bits():
+    """`Linear` calls the op straight from a compiled step (its fake gives the shape); no graph
+    break, and the compiled result equals the eager one bit for bit."""
+    torch.manual_seed(0)
+    lin = Linear(64, 48)
+    with torch.no_grad():
+        lin.weight.data = lin.weight.data.t().contiguous().t()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        compiled = torch.compile(lin, fullgraph=True, dynamic=False)
+        assert torch.equal(compiled(x), lin(x))
+        assert torch.equal(lin(x), torch.ops.metrale_cpu.linear(x, lin.weight, lin.bias, BIG))   # the kernel ran
+        assert cpu_ops.few_rows_max(torch.float32) >= 3
+
+
+def test_training_keeps_autograd():
+    """With gradients wanted, `linear` is F.linear (the native op has no backward)."""
+    lin = Linear(16, 8)
+    x = torch.randn(2, 16, requires_grad=True)
+    lin(x).sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
+    assert torch.equal(linear(x, lin.weight, lin.bias), F.linear(x, lin.weight, lin.bias))
