@@ -169,19 +169,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   float* yp = yf.mutable_data_ptr<float>();
   const int64_t ldw = w.stride(1);
   const int64_t tiles = span_tiles(n_cols, 1);
+  const auto run = [&](const auto* wp) {
+    at::parallel_for(0, column_spans(n_cols, tiles), 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) gemm_span(xp, rows, kdim, wp, ldw, n_cols, yp, n_cols, b, tiles);
+    });
+  };
   AT_DISPATCH_SWITCH(w.scalar_type(), "metrale_cpu::linear",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      const float* wp = w.const_data_ptr<float>();
-      at::parallel_for(0, column_spans(n_cols, tiles), 1, [&](int64_t b0, int64_t b1) {
-        for (int64_t b = b0; b < b1; ++b) gemm_span(xp, rows, kdim, wp, ldw, n_cols, yp, n_cols, b, tiles);
-      });
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      const c10::BFloat16* wp = w.const_data_ptr<c10::BFloat16>();
-      at::parallel_for(0, column_spans(n_cols, tiles), 1, [&](int64_t b0, int64_t b1) {
-        for (int64_t b = b0; b < b1; ++b) gemm_span(xp, rows, kdim, wp, ldw, n_cols, yp, n_cols, b, tiles);
-      });
-    }));
+    AT_DISPATCH_CASE(at::kFloat, [&] { run(w.const_data_ptr<float>()); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { run(w.const_data_ptr<c10::BFloat16>()); }));
   if (bias.has_value() && bias->defined()) {
     yf.add_(*bias);
   }
