@@ -32,7 +32,7 @@ from runtime import batch_invariant as bi
 from runtime.attention import step_model
 from runtime.config import ModelConfig
 from runtime.experts import RoutedExperts
-from runtime.layers import Linear, MoE
+from runtime.layers import Linear, MoE, linear
 from runtime.mla import MLAttention
 from runtime.model import CausalLM
 
@@ -111,7 +111,7 @@ class VocabParallelHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(len(topo.vocab_range()), hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = (bi.linear if self.batch_invariant else F.linear)(x, self.weight)   # [T, Vr]
+        local = (bi.linear if self.batch_invariant else linear)(x, self.weight)   # [T, Vr]
         pad = self.topo.max_vocab_shard - local.shape[1]
         if pad:
             local = F.pad(local, (0, pad))

@@ -43,6 +43,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime import cpu_ops
+
 MIN_ROWS = 16      # the fixed GEMM tile: every call has exactly this many rows (the uncalibrated plan)
 MAX_TILE = 64      # the most rows a calibrated GEMM call takes
 LANES = 32         # elements of the widest CPU vector (AVX-512, 16-bit types)
@@ -87,6 +89,8 @@ def gemm_plan(weight: torch.Tensor, dtype: torch.dtype, bias: bool) -> tuple[int
     depends on shapes, not values, so equal results on probe rows mean the same reduction order
     on any rows (`_probe` makes the results sensitive to that order). Accelerators keep the fixed
     tiles."""
+    if cpu_ops.takes_all_rows(dtype, weight):   # `linear` runs the native kernel: any row count
+        return 1, MAX_TILE
     key = (weight.shape, weight.stride(), dtype, weight.device.type, bias, torch.get_num_threads())
     plan = _gemm_plans.get(key)
     if plan is not None:
@@ -156,7 +160,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     another kernel): then the graph calls the GEMM itself, on exactly the call a plan-sized
     `_linear` makes (padded with zero rows up to the least count), without the op's Python (~8 us
     a call). The graph then holds one guard on the row count (a graph up to the plan's rows, one
-    above; a row count below the least, a graph of its own, as Dynamo keeps for one row anyway)."""
+    above; a row count below the least, a graph of its own, as Dynamo keeps for one row anyway).
+    Where the native few-row kernel takes every row count of x's dtype (float64; bfloat16 on a CPU
+    without native bfloat16: `cpu_ops.takes_all_rows`), it runs instead: each output is summed in
+    k order, whatever the rows, the threads or the column's place in the weight."""
+    if cpu_ops.takes_all_rows(x.dtype, weight):
+        return torch.ops.metrale_cpu.linear(x, weight, bias, cpu_ops.ALL_ROWS)
     if torch.compiler.is_compiling():
         if rows is not None and x.dim() == 2:
             n = x.shape[0]

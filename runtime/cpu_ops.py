@@ -119,9 +119,11 @@ def load(cache_dir: Path = CACHE_DIR, compilers: tuple[str, ...] = COMPILERS) ->
 # us a call, kernel / MKL: float32 1 row 21/21, 4: 26/48, 8: 35/53, 16: 54/61, 32: 107/93, 64:
 # 187/140; bfloat16 1: 24/212, 16: 62/3140, 256: 884/48995 (oneDNN without native bfloat16;
 # row-major weights 3917). So float32 up to 16 rows, and bfloat16 always where oneDNN has no
-# native bfloat16 (else up to 16, as float32).
+# native bfloat16 (else up to 16, as float32). float64, the reference mode, always: a column's
+# result is then its own wherever it sits in the matrix (MKL's float64 GEMM on AVX2 rounds a column
+# by its place, so an EP rank's slice of an attention's heads gave other bits than one rank's).
 FEW_ROWS_FLOAT32 = 16
-FEW_ROWS_BFLOAT16_EMULATED = 1 << 30
+ALL_ROWS = 1 << 30
 
 # Set by `load` (plain globals, so a compiled step reads them as constants): whether the library is
 # loaded (None: not tried yet), and `few_rows_max` by dtype.
@@ -138,7 +140,18 @@ def few_rows_max(dtype: torch.dtype) -> int:
 def _few_rows_table() -> dict[torch.dtype, int]:
     native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return {torch.float32: FEW_ROWS_FLOAT32,
-            torch.bfloat16: FEW_ROWS_FLOAT32 if native_bf16 else FEW_ROWS_BFLOAT16_EMULATED}
+            torch.bfloat16: FEW_ROWS_FLOAT32 if native_bf16 else ALL_ROWS,
+            torch.float64: ALL_ROWS}
+
+
+def takes_all_rows(dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    """Whether `metrale_cpu::linear` runs x . weight^T for x of `dtype` and every row count (the
+    kernel loaded, this dtype always through it, weight column-major on the CPU): its results are
+    then row- and column-invariant by construction. Loads the library on first use."""
+    if LOADED is None and not torch.compiler.is_compiling():
+        load()
+    return (FEW_ROWS.get(dtype, 0) >= ALL_ROWS and weight.dtype == dtype and weight.device.type == "cpu"
+            and weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) == weight.shape[0])
 
 
 def _register_fakes() -> None:

@@ -229,9 +229,12 @@ def _invariant_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     """The batch-invariant routed experts: where the CPU takes padded batched matmuls for 16-bit
     types and `bi.bmm_plan` finds row counts that give every row one result, padded on those
     (by `PADDED_MIN_EXPERTS` when each row equals `bi.linear`'s result, else always); otherwise
-    per expert with each GEMM through `bi.linear`."""
+    per expert with each GEMM through `bi.linear` (always where that runs the native kernel on
+    every row count: bfloat16 without native bfloat16, whose batched matmul took ~3 ms for 16
+    rows of a 256 x 512 matrix)."""
     experts = _Experts(gate_up_proj, down_proj, expert_offset)
-    if x.dtype in PADDED_MIN_EXPERTS and x.device.type == "cpu":
+    native = all(cpu_ops.takes_all_rows(x.dtype, w[0]) for w in (gate_up_proj, down_proj))
+    if x.dtype in PADDED_MIN_EXPERTS and x.device.type == "cpu" and not native:
         plans = bi.bmm_plan(gate_up_proj, x.dtype), bi.bmm_plan(down_proj, x.dtype)
         if None not in plans:
             (lo_a, hi_a, same_a), (lo_b, hi_b, same_b) = plans
@@ -242,7 +245,10 @@ def _invariant_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 
 def _planned_linear(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, dtype: torch.dtype):
     """`bi.linear` for one layer's expert matrices, their GEMM plans looked up once for the layer
-    (an expert's matrix is a fresh view each call, so `bi.linear` would look its plan up anew)."""
+    (an expert's matrix is a fresh view each call, so `bi.linear` would look its plan up anew);
+    `bi.linear` itself where it runs the native kernel on every row count (no plan)."""
+    if all(cpu_ops.takes_all_rows(dtype, w[0]) for w in (gate_up_proj, down_proj)):
+        return bi.linear
     plans = {(w.shape[1:], w.stride()[1:]): bi.gemm_plan(w[0], dtype, False) for w in (gate_up_proj, down_proj)}
 
     def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

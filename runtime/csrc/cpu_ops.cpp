@@ -32,26 +32,36 @@ at::Tensor long_tensor(const std::vector<int64_t>& values) {
 // Why: at the few rows of a decode or verify step a GEMM is a stream of its weights; MKL reads a
 // column-major 256 x 512 float32 matrix at 4-7 GB/s for 4-16 rows, and oneDNN's bfloat16 GEMM on a
 // CPU without native bfloat16 (AVX2) takes ~200 us a row (16 rows 3.1 ms; row-major 255 us). This
-// kernel streams W^T once per 4 rows, 16 columns at a time, with float accumulators.
+// kernel streams W^T once per 4 rows, 16 columns at a time, with float accumulators (double for
+// float64 weights).
 // Each output is sum_k x[m, k] * w[k, n] in k order, one rounding per multiply and per add (no
-// contraction, -ffp-contract=off), whatever the ISA clone, the number of rows or the thread split:
-// a row's result is its own (row-invariant), bit for bit across batch sizes.
-typedef float v8f __attribute__((vector_size(32)));
+// contraction, -ffp-contract=off), whatever the ISA clone, the number of rows, the thread split or
+// the column's place in W: a row's result is its own (row-invariant), bit for bit across batch
+// sizes, and a column's is its own in any slice of W's columns (an EP rank's heads or vocabulary
+// rows: MKL's float64 GEMM on AVX2 rounds a column by where it sits in the matrix).
+// A 32-byte vector of the accumulator type A: 8 floats (float32, bfloat16 weights) or 4 doubles.
+template <typename A> struct Vector;
+template <> struct Vector<float> { typedef float type __attribute__((vector_size(32))); };
+template <> struct Vector<double> { typedef double type __attribute__((vector_size(32))); };
+template <typename A> using vec_t = typename Vector<A>::type;
+template <typename A> constexpr int kLanes = 32 / sizeof(A);
 
-inline v8f load8(const float* p) { v8f v; std::memcpy(&v, p, sizeof v); return v; }
-inline v8f load8(const c10::BFloat16* p) {   // bfloat16 -> float: the 16 bits shifted up
+template <typename A, typename W>
+inline vec_t<A> load_vec(const W* p) { vec_t<A> v; std::memcpy(&v, p, sizeof v); return v; }
+template <>
+inline vec_t<float> load_vec<float, c10::BFloat16>(const c10::BFloat16* p) {   // bfloat16 -> float: the 16 bits shifted up
   uint16_t raw[8];
   std::memcpy(raw, p, sizeof raw);
   uint32_t wide[8];
   for (int i = 0; i < 8; ++i) wide[i] = uint32_t(raw[i]) << 16;
-  v8f v;
+  vec_t<float> v;
   std::memcpy(&v, wide, sizeof v);
   return v;
 }
-inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+template <typename A, typename W>
+inline A widen(W v) { return static_cast<A>(v); }
 
-constexpr int64_t kColumns = 16;   // output columns of one register tile (two 8-float vectors)
+constexpr int64_t kColumns = 16;   // output columns of one register tile (two float or four double vectors)
 constexpr int64_t kRows = 4;       // rows of one register tile
 constexpr int64_t kSpan = 16;      // tiles of one task: 256 columns, 1 KB of a float32 weight row
 constexpr int64_t kDepth = 16;     // weight rows a tile reads before the next tile of the span
@@ -59,43 +69,46 @@ constexpr int64_t kPrefetch = 16;  // weight rows ahead (measured 4, 8, 16: 16 f
 
 // Rows [0, MR) of x against columns [0, 16) of wt over `depth` weight rows: y[m, 0:16] (+)= ...
 // `accumulate`: y holds the sums of the earlier rows, which continue in order.
-template <typename W, int MR>
+template <typename A, typename W, int MR>
 __attribute__((target_clones("avx2", "default")))
-void tile16(const float* x, int64_t ldx, const W* wt, int64_t ldw, float* y, int64_t ldy, int64_t depth,
+void tile16(const A* x, int64_t ldx, const W* wt, int64_t ldw, A* y, int64_t ldy, int64_t depth,
             bool accumulate) {
-  v8f acc[MR][2] = {};
+  constexpr int V = kColumns / kLanes<A>;   // vectors across the tile's columns
+  vec_t<A> acc[MR][V] = {};
   if (accumulate) {
 #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m) {
-      std::memcpy(&acc[m][0], y + m * ldy, sizeof(v8f));
-      std::memcpy(&acc[m][1], y + m * ldy + 8, sizeof(v8f));
+#pragma GCC unroll 4
+      for (int j = 0; j < V; ++j) std::memcpy(&acc[m][j], y + m * ldy + j * kLanes<A>, sizeof(vec_t<A>));
     }
   }
   for (int64_t k = 0; k < depth; ++k) {
     __builtin_prefetch(wt + (k + kPrefetch) * ldw);
-    const v8f w0 = load8(wt + k * ldw), w1 = load8(wt + k * ldw + 8);
+    vec_t<A> w[V];
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) w[j] = load_vec<A, W>(wt + k * ldw + j * kLanes<A>);
 #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m) {
-      const float xv = x[m * ldx + k];
-      acc[m][0] = acc[m][0] + xv * w0;
-      acc[m][1] = acc[m][1] + xv * w1;
+      const A xv = x[m * ldx + k];
+#pragma GCC unroll 4
+      for (int j = 0; j < V; ++j) acc[m][j] = acc[m][j] + xv * w[j];
     }
   }
 #pragma GCC unroll 4
   for (int m = 0; m < MR; ++m) {
-    std::memcpy(y + m * ldy, &acc[m][0], sizeof(v8f));
-    std::memcpy(y + m * ldy + 8, &acc[m][1], sizeof(v8f));
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) std::memcpy(y + m * ldy + j * kLanes<A>, &acc[m][j], sizeof(vec_t<A>));
   }
 }
 
-template <typename W>
-void tile(int64_t mr, const float* x, int64_t ldx, const W* wt, int64_t ldw, float* y, int64_t ldy, int64_t depth,
+template <typename A, typename W>
+void tile(int64_t mr, const A* x, int64_t ldx, const W* wt, int64_t ldw, A* y, int64_t ldy, int64_t depth,
           bool accumulate) {
   switch (mr) {
-    case 1: tile16<W, 1>(x, ldx, wt, ldw, y, ldy, depth, accumulate); break;
-    case 2: tile16<W, 2>(x, ldx, wt, ldw, y, ldy, depth, accumulate); break;
-    case 3: tile16<W, 3>(x, ldx, wt, ldw, y, ldy, depth, accumulate); break;
-    default: tile16<W, 4>(x, ldx, wt, ldw, y, ldy, depth, accumulate); break;
+    case 1: tile16<A, W, 1>(x, ldx, wt, ldw, y, ldy, depth, accumulate); break;
+    case 2: tile16<A, W, 2>(x, ldx, wt, ldw, y, ldy, depth, accumulate); break;
+    case 3: tile16<A, W, 3>(x, ldx, wt, ldw, y, ldy, depth, accumulate); break;
+    default: tile16<A, W, 4>(x, ldx, wt, ldw, y, ldy, depth, accumulate); break;
   }
 }
 
@@ -103,9 +116,9 @@ void tile(int64_t mr, const float* x, int64_t ldx, const W* wt, int64_t ldw, flo
 // span's tiles take turns over kDepth weight rows at a time, so the weights are read a span of
 // rows at a time (few pages) rather than one 64-byte column strip down the whole matrix (a page
 // a row for a wide matrix: 4096 columns, 1 row, 460 -> ... us).
-template <typename W>
-void gemm_span(const float* x, int64_t m_rows, int64_t kdim, const W* wt, int64_t ldw, int64_t n_cols,
-               float* y, int64_t ldy, int64_t span, int64_t span_tiles) {
+template <typename A, typename W>
+void gemm_span(const A* x, int64_t m_rows, int64_t kdim, const W* wt, int64_t ldw, int64_t n_cols,
+               A* y, int64_t ldy, int64_t span, int64_t span_tiles) {
   const int64_t n0 = span * span_tiles * kColumns;
   const int64_t n1 = std::min(n_cols, n0 + span_tiles * kColumns);
   const int64_t full_end = n0 + (n1 - n0) / kColumns * kColumns;
@@ -113,20 +126,20 @@ void gemm_span(const float* x, int64_t m_rows, int64_t kdim, const W* wt, int64_
     for (int64_t k0 = 0; k0 < kdim; k0 += kDepth) {
       const int64_t depth = std::min(kDepth, kdim - k0);
       for (int64_t c = n0; c < full_end; c += kColumns) {
-        tile<W>(m_rows, x + k0, kdim, wt + k0 * ldw + c, ldw, y + c, ldy, depth, k0 > 0);
+        tile<A, W>(m_rows, x + k0, kdim, wt + k0 * ldw + c, ldw, y + c, ldy, depth, k0 > 0);
       }
     }
   } else {   // more rows: each tile's 16-column strip stays in L1 while every 4 rows pass over it
     for (int64_t c = n0; c < full_end; c += kColumns) {
       for (int64_t m0 = 0; m0 < m_rows; m0 += kRows) {
-        tile<W>(std::min(kRows, m_rows - m0), x + m0 * kdim, kdim, wt + c, ldw, y + m0 * ldy + c, ldy, kdim, false);
+        tile<A, W>(std::min(kRows, m_rows - m0), x + m0 * kdim, kdim, wt + c, ldw, y + m0 * ldy + c, ldy, kdim, false);
       }
     }
   }
   for (int64_t m = 0; m < m_rows; ++m) {   // the last, narrow columns: the same sums one at a time
     for (int64_t n = full_end; n < n1; ++n) {
-      float acc = 0.0f;
-      for (int64_t k = 0; k < kdim; ++k) acc = acc + x[m * kdim + k] * to_float(wt[k * ldw + n]);
+      A acc = 0;
+      for (int64_t k = 0; k < kdim; ++k) acc = acc + x[m * kdim + k] * widen<A>(wt[k * ldw + n]);
       y[m * ldy + n] = acc;
     }
   }
@@ -148,7 +161,8 @@ bool column_major(const at::Tensor& w) {
 }
 
 bool few_row_kernel(const at::Tensor& x, const at::Tensor& w, int64_t rows, int64_t max_rows) {
-  return (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && w.scalar_type() == x.scalar_type() &&
+  const auto type = x.scalar_type();
+  return (type == at::kFloat || type == at::kBFloat16 || type == at::kDouble) && w.scalar_type() == type &&
          rows <= max_rows && column_major(w);
 }
 
@@ -163,20 +177,25 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   if (!few_row_kernel(x, w, rows, max_rows) || rows == 0 || kdim == 0) {
     return at::linear(x, w, bias);
   }
-  const at::Tensor xf = x.reshape({rows, kdim}).to(at::kFloat).contiguous();
-  at::Tensor yf = at::empty({rows, n_cols}, x.options().dtype(at::kFloat));
-  const float* xp = xf.const_data_ptr<float>();
-  float* yp = yf.mutable_data_ptr<float>();
+  const at::ScalarType acc_type = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor xf = x.reshape({rows, kdim}).to(acc_type).contiguous();
+  at::Tensor yf = at::empty({rows, n_cols}, x.options().dtype(acc_type));
   const int64_t ldw = w.stride(1);
   const int64_t tiles = span_tiles(n_cols, 1);
-  const auto run = [&](const auto* wp) {
+  const auto run = [&](const auto* xp, auto* yp, const auto* wp) {
     at::parallel_for(0, column_spans(n_cols, tiles), 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) gemm_span(xp, rows, kdim, wp, ldw, n_cols, yp, n_cols, b, tiles);
     });
   };
+  const auto run_float = [&](const auto* wp) {
+    run(xf.const_data_ptr<float>(), yf.mutable_data_ptr<float>(), wp);
+  };
   AT_DISPATCH_SWITCH(w.scalar_type(), "metrale_cpu::linear",
-    AT_DISPATCH_CASE(at::kFloat, [&] { run(w.const_data_ptr<float>()); })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] { run(w.const_data_ptr<c10::BFloat16>()); }));
+    AT_DISPATCH_CASE(at::kFloat, [&] { run_float(w.const_data_ptr<float>()); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { run_float(w.const_data_ptr<c10::BFloat16>()); })
+    AT_DISPATCH_CASE(at::kDouble, [&] {
+      run(xf.const_data_ptr<double>(), yf.mutable_data_ptr<double>(), w.const_data_ptr<double>());
+    }));
   if (bias.has_value() && bias->defined()) {
     yf.add_(*bias);
   }
@@ -275,7 +294,7 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const 
       order[fill[key[i]]++] = i;
     }
   }
-  if (mine > 0 && few_row_kernel(x, gate_up, busiest, few_rows_max) && column_major(down) &&
+  if (mine > 0 && x.scalar_type() != at::kDouble && few_row_kernel(x, gate_up, busiest, few_rows_max) && column_major(down) &&
       down.scalar_type() == x.scalar_type()) {
     // The few-row kernel: every touched expert's GEMMs in float, and the weighted sum over a row's
     // choices in float (choice order), rounded once to x's type.

@@ -23,7 +23,7 @@ def column_major(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Ten
     return (torch.randn(k, n, generator=g) * 0.1).to(dtype).t()   # [N, K], its transpose contiguous
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("n, k", [(8, 64), (40, 64), (512, 256), (4104, 96)])
 def test_close_to_f_linear_and_rows_are_their_own(dtype, n, k):
     """Narrow (all tail), a tile and a tail, whole spans, many spans with a tail; 1 to 33 rows, with
@@ -33,7 +33,7 @@ def test_close_to_f_linear_and_rows_are_their_own(dtype, n, k):
     x = torch.randn(33, k).to(dtype)
     full = torch.ops.metrale_cpu.linear(x, w, bias, BIG)
     want = F.linear(x.double(), w.double(), bias.double())
-    tol = 1e-5 if dtype == torch.float32 else 2e-2 * want.abs().max().item()
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12}.get(dtype, 2e-2 * want.abs().max().item())
     assert full.dtype == dtype and full.shape == (33, n)
     assert (full.double() - want).abs().max() <= tol
     for rows in (1, 3, 4, 5, 16):
@@ -49,9 +49,34 @@ def test_close_to_f_linear_and_rows_are_their_own(dtype, n, k):
     assert torch.equal(torch.ops.metrale_cpu.linear(x3, w, None, BIG), torch.ops.metrale_cpu.linear(x[:32], w, None, BIG).view(4, 8, n))
 
 
-@pytest.mark.parametrize("case", ["row-major weight", "more rows", "float64", "float16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_column_is_its_own_in_any_slice_of_the_weight(dtype):
+    """An EP rank holds a slice of an attention's heads (of the fused q/k/v outputs) or of the
+    vocabulary: each output column is summed in k order wherever it sits, so a slice's GEMM gives
+    the bits of the same columns in the whole matrix's GEMM (MKL's float64 GEMM does not, on AVX2)."""
+    w = column_major(160, 64, dtype)
+    x = torch.randn(11, 64).to(dtype)
+    full = torch.ops.metrale_cpu.linear(x, w, None, BIG)
+    for lo, hi in ((0, 64), (96, 128), (37, 160), (150, 153)):
+        part = w[lo:hi].t().contiguous().t()   # the rank's own weight, column-major
+        assert torch.equal(torch.ops.metrale_cpu.linear(x, part, None, BIG), full[:, lo:hi])
+
+
+def test_float64_always_runs_the_kernel_and_batch_invariant_linear_uses_it():
+    """float64 (the reference mode) takes every row count; `bi.linear` then needs no GEMM plan."""
+    from runtime import batch_invariant as bi
+    w = column_major(96, 32, torch.float64)
+    x = torch.randn(100, 32, dtype=torch.float64)
+    assert cpu_ops.few_rows_max(torch.float64) >= cpu_ops.ALL_ROWS and cpu_ops.takes_all_rows(x.dtype, w)
+    assert not cpu_ops.takes_all_rows(x.dtype, w.contiguous()) and not cpu_ops.takes_all_rows(torch.float32, w.float())
+    want = torch.ops.metrale_cpu.linear(x, w, None, BIG)
+    assert torch.equal(linear(x, w, None), want) and torch.equal(bi.linear(x, w), want)
+    assert torch.equal(bi.linear(x[7:9], w), want[7:9])
+
+
+@pytest.mark.parametrize("case", ["row-major weight", "more rows", "float16"])
 def test_f_linear_where_the_kernel_does_not_apply(case):
-    dtype = {"float64": torch.float64, "float16": torch.float16}.get(case, torch.float32)
+    dtype = {"float16": torch.float16}.get(case, torch.float32)
     w = column_major(48, 32, dtype)
     if case == "row-major weight":
         w = w.contiguous()
