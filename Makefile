@@ -9,6 +9,9 @@ MODEL ?= models/tiny-glm-moe
 # CUDA, transformers and the project's small dependencies; no Ray); it never installs anything.
 GPU_CHECK_OUT ?= gpu-check-out
 GPU_PY ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || echo $(PY))
+# pytest-xdist workers for `make test` (0: one process). Two on two cores: much of the suite waits on
+# child processes, servers and collectives; each worker's torch takes half the cores (tests/conftest.py).
+TEST_WORKERS ?= 2
 
 .PHONY: run test venv clean-venv gpu-check
 
@@ -29,7 +32,7 @@ run: venv
 
 test: venv
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 gpu-check:
 	$(GPU_PY) tools/gpu_check.py --out-dir $(GPU_CHECK_OUT)

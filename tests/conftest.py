@@ -90,6 +90,14 @@ def ckpt_grouped(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("grouped"), "grouped", seed=1)
 
 
+def pytest_configure(config) -> None:
+    """Under pytest-xdist (`make test` runs two workers) each worker's torch takes an equal share
+    of the cores, so the workers do not oversubscribe them; a test that needs a thread count sets it."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests marked `cuda` are skipped on a host without a CUDA device."""
     if torch.cuda.is_available():
