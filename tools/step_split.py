@@ -1,6 +1,6 @@
 """Where a speculative step's time goes at concurrency 1: drafting, the verify forward, the rest.
 
-    python tools/step_split.py --model models/tiny-glm-moe --num-drafts 1,2,3 --max-tokens 128
+    python tools/step_split.py --model models/tiny-glm-moe --num-drafts 1,2,3 --max-tokens 128 [--dtype bfloat16]
 
 For no speculation and each K: ms per step, split into the drafter (propose), the target forward
 (plus its logits) and everything else on the host (scheduling, sampling, commits), and tokens per
@@ -29,10 +29,11 @@ def timed(obj, name: str, bucket: dict) -> None:
     setattr(obj, name, wrapper)
 
 
-def measure(model: str, k: int, prompts: list[str], max_tokens: int, enforce_eager: bool = False) -> dict:
+def measure(model: str, k: int, prompts: list[str], max_tokens: int, enforce_eager: bool = False,
+            dtype: str = "float32") -> dict:
     from serving.llm import LLM
     from runtime.sampler import SamplingParams
-    llm = LLM(model, dtype="float32", spec="mtp" if k else "none", num_drafts=max(k, 1), draft_policy="fixed",
+    llm = LLM(model, dtype=dtype, spec="mtp" if k else "none", num_drafts=max(k, 1), draft_policy="fixed",
               kv_cache_tokens=8192, enforce_eager=enforce_eager)
     engine = llm.engine
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
@@ -60,18 +61,19 @@ def main() -> None:
     ap.add_argument("--num-drafts", default="1,2,3")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--enforce-eager", action="store_true", help="run the eager step (no compile: a quick check; the speeds are not the served ones)")
     args = ap.parse_args()
     path = Path(args.model) / "heldout_prompts.jsonl"
     prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()][:args.prompts]
-    rows = [measure(args.model, k, prompts, args.max_tokens, args.enforce_eager) for k in [0, *map(int, args.num_drafts.split(","))]]
+    rows = [measure(args.model, k, prompts, args.max_tokens, args.enforce_eager, args.dtype) for k in [0, *map(int, args.num_drafts.split(","))]]
     cols = list(rows[0])
     print("  ".join(f"{c:>15}" for c in cols))
     for r in rows:
         print("  ".join(f"{r[c]!s:>15}" for c in cols))
     if args.json_out:
-        args.json_out.write_text(json.dumps({"model": args.model, "rows": rows}, indent=1) + "\n")
+        args.json_out.write_text(json.dumps({"model": args.model, "dtype": args.dtype, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
