@@ -24,7 +24,7 @@ import struct
 
 import torch
 
-from runtime.attention import PagedAttention, SeqChunk, build_plan
+from runtime.attention import ContextAttention, PagedAttention, SeqChunk, build_plan, forward_context
 from runtime.grammar import GrammarMatcher
 from runtime.kv_cache import PagedKVCache
 from runtime.model import CausalLM
@@ -62,6 +62,9 @@ def grammar_masked(logits: torch.Tensor, grammars: list[GrammarMatcher | None],
     return logits.masked_fill(refused, float("-inf"))
 
 
+_CONTEXT_ATTENTION = ContextAttention()   # a compiled drafter step's attention: the forward context's cache
+
+
 class MTPProposer(DraftProposer):
     writes_cache_rows = True
     # Whether the spine is picked from the grammar-masked logits. The sharded drafter (ep.driver)
@@ -69,11 +72,15 @@ class MTPProposer(DraftProposer):
     masks_spine = True
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, confidence_stop: float | None = None,
-                 knobs: DrafterKnobs | None = None, static_steps: bool = False, cuda_graphs: bool = False) -> None:
+                 knobs: DrafterKnobs | None = None, static_steps: bool = False, cuda_graphs: bool = False,
+                 compiled: bool = False) -> None:
         """`confidence_stop`: TAU of the confidence stop (None: chains are never stopped early);
         `knobs`: the debugging knobs of docs/design.md §5.7, resolved once. `static_steps` /
         `cuda_graphs`: the drafter's short steps padded to buckets and, on CUDA, captured
-        (runtime.static_step), as the target's are."""
+        (runtime.static_step), as the target's are. `compiled`: the drafter's forward runs
+        through `torch.compile` (inductor, dynamic shapes) as the target's does (not in float64,
+        not in batch-invariant mode, not with static steps): eager, its ~70 small ops a step cost
+        more host time than a third of the whole compiled target step (tools/step_split.py)."""
         if model.mtp is None:
             raise ValueError("this checkpoint has no MTP layer (no model.layers.{num_hidden_layers}.* tensors): "
                              "MTP speculation needs one")
@@ -86,6 +93,10 @@ class MTPProposer(DraftProposer):
             self.graphs = StepGraphs(model.mtp_forward, cache, max_keys,
                                      capture=cuda_graphs and model.dtype != torch.float64,
                                      hidden=(model.config.hidden_size, model.dtype))
+        self._compiled_forward = None
+        if compiled and self.graphs is None and model.dtype != torch.float64 and not (
+                model.mtp is not None and getattr(model.mtp, "batch_invariant", False)):
+            self._compiled_forward = torch.compile(model.mtp_forward, dynamic=True, options={"size_asserts": False})
         tau = confidence_stop
         # Rounded to float32: the value EP workers receive on the wire, so every rank decides alike.
         self.confidence_stop = None if tau is None else struct.unpack("<f", struct.pack("<f", tau))[0]
@@ -201,7 +212,12 @@ class MTPProposer(DraftProposer):
             return h, torch.tensor([e - 1 for e in ends], dtype=torch.long, device=self.cache.device)
         plan = build_plan(self.cache, chunks)
         token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
-        h = self.model.mtp_forward(token_tensor, prev_hidden, plan.positions, PagedAttention(self.cache, plan))
+        paged = PagedAttention(self.cache, plan)
+        if self._compiled_forward is not None:
+            with forward_context(paged, self.model):
+                h = self._compiled_forward(token_tensor, prev_hidden, plan.positions, _CONTEXT_ATTENTION)
+        else:
+            h = self.model.mtp_forward(token_tensor, prev_hidden, plan.positions, paged)
         return h, plan.last_rows
 
     def num_final(self, state: ProposerState, num_computed: int) -> int:
