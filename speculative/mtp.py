@@ -63,6 +63,10 @@ def grammar_masked(logits: torch.Tensor, grammars: list[GrammarMatcher | None],
 
 
 _CONTEXT_ATTENTION = ContextAttention()   # a compiled drafter step's attention: the forward context's cache
+# Eager drafter forwards before the drafter compiles (`MTPProposer`): ~1 ms saved a forward against
+# a compile of ~2 s with a warm inductor cache (a fresh clone's test suite, compiling every small
+# model's drafter at once, took 14:22 against 10:09).
+COMPILE_AFTER = 1000
 
 
 class MTPProposer(DraftProposer):
@@ -77,10 +81,12 @@ class MTPProposer(DraftProposer):
         """`confidence_stop`: TAU of the confidence stop (None: chains are never stopped early);
         `knobs`: the debugging knobs of docs/design.md §5.7, resolved once. `static_steps` /
         `cuda_graphs`: the drafter's short steps padded to buckets and, on CUDA, captured
-        (runtime.static_step), as the target's are. `compiled`: the drafter's forward runs
-        through `torch.compile` (inductor, dynamic shapes) as the target's does (not in float64,
-        not in batch-invariant mode, not with static steps): eager, its ~70 small ops a step cost
-        more host time than a third of the whole compiled target step (tools/step_split.py)."""
+        (runtime.static_step), as the target's are. `compiled`: after `COMPILE_AFTER` eager
+        forwards the drafter's forward runs through `torch.compile` (inductor, dynamic shapes) as
+        the target's does (not in float64, not in batch-invariant mode, not with static steps):
+        eager, its ~70 small ops cost ~1 ms of host time a draft, a third of the compiled target
+        step (tools/step_split.py); compiling costs seconds (tens with a cold inductor cache), so
+        it waits until the drafter has shown it will run long enough to repay them."""
         if model.mtp is None:
             raise ValueError("this checkpoint has no MTP layer (no model.layers.{num_hidden_layers}.* tensors): "
                              "MTP speculation needs one")
@@ -94,9 +100,9 @@ class MTPProposer(DraftProposer):
                                      capture=cuda_graphs and model.dtype != torch.float64,
                                      hidden=(model.config.hidden_size, model.dtype))
         self._compiled_forward = None
-        if compiled and self.graphs is None and model.dtype != torch.float64 and not (
-                model.mtp is not None and getattr(model.mtp, "batch_invariant", False)):
-            self._compiled_forward = torch.compile(model.mtp_forward, dynamic=True, options={"size_asserts": False})
+        self._eager_forwards = 0   # drafter forwards run eagerly so far (`COMPILE_AFTER`)
+        self._compile = compiled and self.graphs is None and model.dtype != torch.float64 and not (
+            model.mtp is not None and getattr(model.mtp, "batch_invariant", False))
         tau = confidence_stop
         # Rounded to float32: the value EP workers receive on the wire, so every rank decides alike.
         self.confidence_stop = None if tau is None else struct.unpack("<f", struct.pack("<f", tau))[0]
@@ -213,6 +219,11 @@ class MTPProposer(DraftProposer):
         plan = build_plan(self.cache, chunks)
         token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
         paged = PagedAttention(self.cache, plan)
+        if self._compile and self._compiled_forward is None:
+            self._eager_forwards += 1
+            if self._eager_forwards > COMPILE_AFTER:
+                self._compiled_forward = torch.compile(self.model.mtp_forward, dynamic=True,
+                                                       options={"size_asserts": False})
         if self._compiled_forward is not None:
             with forward_context(paged, self.model):
                 h = self._compiled_forward(token_tensor, prev_hidden, plan.positions, _CONTEXT_ATTENTION)
