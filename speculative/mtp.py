@@ -24,10 +24,11 @@ import struct
 
 import torch
 
-from runtime.attention import ContextAttention, PagedAttention, SeqChunk, build_plan, forward_context
+from runtime.attention import PagedAttention, SeqChunk, build_plan, forward_context
 from runtime.grammar import GrammarMatcher
 from runtime.kv_cache import PagedKVCache
 from runtime.model import CausalLM
+from runtime.model_runner import CONTEXT_ATTENTION
 from runtime.static_step import StepGraphs
 from speculative.draft_stop import chain_depth
 from speculative.fingerprint import hidden_fingerprint
@@ -62,10 +63,8 @@ def grammar_masked(logits: torch.Tensor, grammars: list[GrammarMatcher | None],
     return logits.masked_fill(refused, float("-inf"))
 
 
-_CONTEXT_ATTENTION = ContextAttention()   # a compiled drafter step's attention: the forward context's cache
 # Eager drafter forwards before the drafter compiles (`MTPProposer`): ~1 ms saved a forward against
-# a compile of ~2 s with a warm inductor cache (a fresh clone's test suite, compiling every small
-# model's drafter at once, took 14:22 against 10:09).
+# a compile of ~2 s with a warm inductor cache, tens of seconds with a cold one.
 COMPILE_AFTER = 1000
 
 
@@ -226,7 +225,7 @@ class MTPProposer(DraftProposer):
                                                        options={"size_asserts": False})
         if self._compiled_forward is not None:
             with forward_context(paged, self.model):
-                h = self._compiled_forward(token_tensor, prev_hidden, plan.positions, _CONTEXT_ATTENTION)
+                h = self._compiled_forward(token_tensor, prev_hidden, plan.positions, CONTEXT_ATTENTION)
         else:
             h = self.model.mtp_forward(token_tensor, prev_hidden, plan.positions, paged)
         return h, plan.last_rows
