@@ -319,6 +319,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if verifies:
             line += f", accept_len {1 + sum(o.accepted_tokens for o in outputs) / verifies:.2f}"
         print(line + "]", file=sys.stderr)
+    if llm.deployment.compile_report is not None:
+        print(f"[{llm.deployment.compile_report}]", file=sys.stderr)
     graphs = getattr(llm.deployment.runner, "graphs", None)
     if graphs is not None and graphs.capture:
         s = graphs.summary()
@@ -347,6 +349,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = make_llm(args)
     if llm is None:
         return 0
+    llm.deployment.warm_up()   # compiled steps compile now, not in the first requests
+    if llm.deployment.compile_report is not None:
+        print(f"metrale serve: {llm.deployment.compile_report}", file=sys.stderr, flush=True)
     print(f"metrale serve: {name} on http://{args.host}:{args.port} (spec {args.spec})", file=sys.stderr, flush=True)
     try:
         drain = serve(llm, host=args.host, port=args.port, config=config)

@@ -148,6 +148,18 @@ class CausalLM(nn.Module):
         x = mtp.eh_proj(torch.cat((mtp.enorm(embed(tokens)), mtp.hnorm(prev_hidden)), dim=-1))
         return mtp.block(x, self.rotary(positions, x.dtype), ctx)
 
+    def mtp_draft(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
+                  ctx: AttentionContext, last_rows: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One MTP step and the distributions it drafts from, as one function (a compiled drafter
+        runs it as one graph): `mtp_forward`, then for the rows `last_rows` [B] the draft logits in
+        float32 [B, V], their arg-max [B] and its probability [B]. Returns (the step's pre-norm
+        output [T, H], logits, arg-max, probability)."""
+        hidden = self.mtp_forward(tokens, prev_hidden, positions, ctx)
+        logits = self.mtp_logits(hidden[last_rows]).float()
+        top_l, top_t = logits.max(dim=-1)
+        return hidden, logits, top_t, torch.exp(top_l - torch.logsumexp(logits, dim=-1))
+
     def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         """MTP pre-norm output [N, H] -> draft logits [N, V]."""
         head = self.mtp.shared_head

@@ -8,13 +8,13 @@ import torch
 
 from runtime.attention import ContextAttention, PagedAttention, SeqChunk, StepPlan, build_plan, forward_context
 from runtime.batch_invariant import set_batch_invariant
+from runtime.compiled import compile_step
 from runtime.device import kv_tokens_for_memory
 from runtime.kv_cache import PagedKVCache
 from runtime.model import CausalLM, RowTwice
 from runtime.static_step import StepGraphs
 
 CONTEXT_ATTENTION = ContextAttention()
-RECOMPILE_LIMIT = 128
 
 
 def cache_layers(model: CausalLM) -> int:
@@ -64,12 +64,8 @@ class ModelRunner:
         # is specialised to one row. It rounds otherwise than the eager step (both invariant), so
         # every EP rank compiles or none does (the handshake's COMPILED_BIT).
         self.compiled = compiled and model.dtype != torch.float64
-        # No size and stride asserts around every extern kernel: 111 of them per step, 4% of its CPU time.
-        if self.compiled:
-            # Every runner's model shares one code object (`CausalLM.forward`), so each model or
-            # mode built in a process (tests, bench arms, EP shards) adds a recompile to it; past
-            # Dynamo's limit (8) a step would silently run eager.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        # The step's graphs and guards are this model's own (runtime.compiled). No size and stride
+        # asserts around every extern kernel: 111 of them per step, 4% of its CPU time.
         options = {"size_asserts": False}
         if self.batch_invariant:
             # Fused kernels keep 16-bit intermediates in float32 unless told to round them as
@@ -79,8 +75,7 @@ class ModelRunner:
             # A GEMM the graph calls itself (`bi.linear`'s rows) must stay that call: the
             # pattern matcher would fold a residual add into it (addmm, which rounds otherwise).
             options["pattern_matcher"] = False
-        self._compiled_forward = (torch.compile(model.forward, dynamic=True, options=options)
-                                  if self.compiled else None)
+        self._compiled_forward = compile_step(model.forward, options) if self.compiled else None
         self.config = cfg
         self.device = model.device
         if gpu_memory_utilization is not None:

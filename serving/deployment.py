@@ -21,14 +21,17 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from tqdm import tqdm
 
 from engine.engine import Engine
 from ep.channel import (CommandRefused, driver_handshake, gather_rank_info, gather_weight_bytes, load_shard,
                         load_shard_model)
 from ep.comm import CommError, Communicator
 from ep.driver import DriverRunner, ShardedMTPProposer
+from ep.protocol import MAX_SLOT
 from ep.local_drafter import load_local_drafter
 from runtime.model import CausalLM
+from runtime.attention import SeqChunk
 from runtime.model_runner import ModelRunner
 from runtime.sequence import Sequence
 from runtime.static_step import MIN_KEYS, ROW_BUCKETS, StaticShape, bucket
@@ -39,6 +42,10 @@ from speculative.proposer import DraftProposer
 from speculative.settings import SpecSettings
 
 log = logging.getLogger("metrale.deployment")
+
+# The sequence ids of the compile warm-up's scratch rows (`Deployment.warm_up`), the last ones the
+# EP wire carries: the engine numbers requests from 0, and the warm-up frees them before its step.
+WARMUP_SEQS = (MAX_SLOT - 1, MAX_SLOT - 2)
 
 DEFAULT_MAX_RESTARTS = 3
 
@@ -144,6 +151,7 @@ class Deployment:
         self.rank_info: list[dict] = [local_rank_info(0)]
         self.rank_weight_bytes: list[int] = []
         self.restarts = 0
+        self.compile_report: str | None = None   # what `warm_up` compiled, and its seconds
         self.last_recovery_s: float | None = None
         # Rank 0's shard and the communicator its parallel layers use: a launcher that keeps that
         # object across restarts (it joins each fresh group) gets the shard back without a reload.
@@ -187,6 +195,7 @@ class Deployment:
                 runner.shutdown()
             raise
         self._capture_at_start(runner, proposer)
+        self.warm = False   # the compiled step's graphs are not built yet (`warm_up`)
         drafter = getattr(proposer, "model", None)
         if drafter is not None and drafter is not runner.model and self.rank_weight_bytes:  # rank 0's own drafter
             self.rank_weight_bytes[0] += sum(p.numel() * p.element_size() for p in drafter.parameters())
@@ -207,6 +216,57 @@ class Deployment:
         pool = graphs.pool_bytes + (drafter.pool_bytes if drafter is not None else 0)
         log.warning("CUDA graphs at start: %d captured, pool %.1f MiB (more buckets are captured when first met)",
                     len(graphs.entries) + (len(drafter.entries) if drafter is not None else 0), pool / 2**20)
+
+    def warm_up(self) -> None:
+        """With compiled steps, compile every graph the steps use, once per runner: the target's
+        (one row, and several rows: prefill, verify, batched decode; dynamic shapes make those two
+        graphs cover every row count) on every EP rank, and the drafter's when it compiles.
+        Otherwise a request would wait for a compile the first time a step meets a new row count
+        (a one-row step comes only when a speculative step drafts nothing): ~1 s with a warm
+        inductor cache, tens of seconds with a cold one. The server warms up before it listens;
+        otherwise the first step does (after its requests were checked, so a bad one is refused
+        without a compile), and a restarted group before it serves again. A progress bar shows on
+        a terminal; `compile_report` says what compiled and in how many seconds. Inductor keeps
+        its cache on disk (TORCHINDUCTOR_CACHE_DIR, by default under /tmp), so a restart or a
+        restarted EP group compiles from it in seconds."""
+        if self.warm:
+            return
+        runner, proposer = self.runner, self.proposer
+        self.warm = True
+        if not runner.compiled:
+            return
+        drafter = proposer if isinstance(proposer, MTPProposer) and proposer.compiles else None
+        one, two = WARMUP_SEQS
+        # (what, its chunks): the target's rows go to one graph whatever the sequences; the
+        # drafter's step also takes each sequence's last row, so one sequence is a graph apart.
+        graphs = [("target", [SeqChunk(one, 0, 2)]), ("target", [SeqChunk(one, 0, 1)])]
+        if drafter is not None:
+            graphs += [("drafter", [SeqChunk(one, 0, 2)]), ("drafter", [SeqChunk(one, 0, 1)]),
+                       ("drafter", [SeqChunk(one, 0, 1), SeqChunk(two, 0, 1)])]
+        names = [f"{what} {sum(c.num_tokens for c in chunks)} row{'s' if sum(c.num_tokens for c in chunks) > 1 else ''}"
+                 + (f" of {len(chunks)} sequences" if len(chunks) > 1 else "") for what, chunks in graphs]
+        t0 = time.perf_counter()
+        runner.cache.reserve(one, 2)
+        runner.cache.reserve(two, 1)
+        try:
+            with tqdm(graphs, desc="compiling the step", unit="graph", disable=None, leave=False) as bar:
+                for (what, chunks), name in zip(bar, names):
+                    bar.set_postfix_str(name)
+                    if what == "target":
+                        rows = chunks[0].num_tokens
+                        hidden, _ = runner.forward([0] * rows, chunks)
+                        runner.logits(hidden, [rows - 1])
+                    else:
+                        drafter.warm_up(chunks)
+        except BaseException:
+            self.warm = False
+            raise
+        finally:
+            runner.cache.free(one)
+            runner.cache.free(two)
+        self.compile_report = (f"compiled the step in {time.perf_counter() - t0:.1f} s: {len(graphs)} graphs "
+                               f"({', '.join(names)})")
+        log.info("%s", self.compile_report)
 
     def _join_group(self, comm: Communicator) -> DriverRunner:
         """Rank 0's part of starting a group: handshake, its shard, every rank's pid and node."""
@@ -279,6 +339,7 @@ class Deployment:
         if not engine.has_unfinished():
             return StepOutcome([])
         try:
+            self.warm_up()
             return StepOutcome(engine.step())
         except Exception as exc:
             if not self.handles(exc):
@@ -303,6 +364,7 @@ class Deployment:
                 self.group.start()
                 self.comm = self.group.comm
                 self.runner, self.proposer = self._build()
+                self.warm_up()
                 break
             except Exception as exc:
                 why = f"restart {self.restarts} failed: {type(exc).__name__}: {exc}"

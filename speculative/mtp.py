@@ -25,6 +25,7 @@ import struct
 import torch
 
 from runtime.attention import PagedAttention, SeqChunk, build_plan, forward_context
+from runtime.compiled import compile_step
 from runtime.grammar import GrammarMatcher
 from runtime.kv_cache import PagedKVCache
 from runtime.model import CausalLM
@@ -63,11 +64,6 @@ def grammar_masked(logits: torch.Tensor, grammars: list[GrammarMatcher | None],
     return logits.masked_fill(refused, float("-inf"))
 
 
-# Eager drafter forwards before the drafter compiles (`MTPProposer`): ~1 ms saved a forward against
-# a compile of ~2 s with a warm inductor cache, tens of seconds with a cold one.
-COMPILE_AFTER = 1000
-
-
 class MTPProposer(DraftProposer):
     writes_cache_rows = True
     # Whether the spine is picked from the grammar-masked logits. The sharded drafter (ep.driver)
@@ -80,12 +76,11 @@ class MTPProposer(DraftProposer):
         """`confidence_stop`: TAU of the confidence stop (None: chains are never stopped early);
         `knobs`: the debugging knobs of docs/design.md §5.7, resolved once. `static_steps` /
         `cuda_graphs`: the drafter's short steps padded to buckets and, on CUDA, captured
-        (runtime.static_step), as the target's are. `compiled`: after `COMPILE_AFTER` eager
-        forwards the drafter's forward runs through `torch.compile` (inductor, dynamic shapes) as
-        the target's does (not in float64, not in batch-invariant mode, not with static steps):
-        eager, its ~70 small ops cost ~1 ms of host time a draft, a third of the compiled target
-        step (tools/step_split.py); compiling costs seconds (tens with a cold inductor cache), so
-        it waits until the drafter has shown it will run long enough to repay them."""
+        (runtime.static_step), as the target's are. `compiled`: the drafter's forward runs
+        through `torch.compile` (inductor, dynamic shapes) as the target's does (not in float64,
+        not in batch-invariant mode, not with static steps): eager, its ~70 small ops cost ~1 ms
+        of host time a draft, a third of the compiled target step (tools/step_split.py). It
+        compiles at its first forward, or before serving in `warm_up`."""
         if model.mtp is None:
             raise ValueError("this checkpoint has no MTP layer (no model.layers.{num_hidden_layers}.* tensors): "
                              "MTP speculation needs one")
@@ -99,7 +94,6 @@ class MTPProposer(DraftProposer):
                                      capture=cuda_graphs and model.dtype != torch.float64,
                                      hidden=(model.config.hidden_size, model.dtype))
         self._compiled_forward = None
-        self._eager_forwards = 0   # drafter forwards run eagerly so far (`COMPILE_AFTER`)
         self._compile = compiled and self.graphs is None and model.dtype != torch.float64 and not (
             model.mtp is not None and getattr(model.mtp, "batch_invariant", False))
         tau = confidence_stop
@@ -170,18 +164,22 @@ class MTPProposer(DraftProposer):
             hiddens.append(feed)
             st.fed_upto += m
             st.pending_hidden.clear()
-        hidden, last = self._forward(tokens, torch.cat(hiddens), chunks)
+        hidden, last, dist = self._forward(tokens, torch.cat(hiddens), chunks)
         keep = [j for j in live if num_drafts[j] > 0]          # the rest were only fed
         active = [live[j] for j in keep]
         positions = [chunks[j].end - 1 for j in keep]
-        last = last[keep] if len(keep) < len(live) else last
+        if len(keep) < len(live):
+            last = last[keep]
+            dist = None if dist is None else tuple(x[keep] for x in dist)
         for _ in range(max(num_drafts)):
-            logits = self.model.mtp_logits(hidden[last]).float()                 # [B, V]
+            # The logits [B, V], their arg-max and its probability: from the compiled step's
+            # graph, or computed here.
+            logits, top_t, top_p = dist if dist is not None else self._distribution(hidden[last])
             masked = logits if grammars is None else grammar_masked(
                 logits, [grammars[i] for i in active], [out[i].tokens for i in active])
             spine = masked if self.masks_spine else logits
-            top_l, top_t = spine.max(dim=-1)
-            top_p = torch.exp(top_l - torch.logsumexp(spine, dim=-1))            # top-1 probability
+            if spine is not logits:
+                _, top_t, top_p = self._distribution(None, spine)
             if self.knobs.shadow_topk:
                 cand_p, cand_t = torch.softmax(logits, dim=-1).topk(self.knobs.shadow_topk, dim=-1)
                 for j, i in enumerate(active):
@@ -206,29 +204,53 @@ class MTPProposer(DraftProposer):
             active = [active[j] for j in keep]
             positions = [positions[j] + 1 for j in keep]
             chunks = [SeqChunk(states[i].seq_id, p, 1) for i, p in zip(active, positions)]
-            hidden, last = self._forward([out[i].tokens[-1] for i in active], prev, chunks)
+            hidden, last, dist = self._forward([out[i].tokens[-1] for i in active], prev, chunks)
         return out
 
+    def _distribution(self, hidden: torch.Tensor | None, logits: torch.Tensor | None = None):
+        """Draft logits of the rows `hidden` [B, H] (or the `logits` given) -> (logits in float32
+        [B, V], arg-max [B], its probability [B]), as `CausalLM.mtp_draft` computes them."""
+        if logits is None:
+            logits = self.model.mtp_logits(hidden).float()
+        top_l, top_t = logits.max(dim=-1)
+        return logits, top_t, torch.exp(top_l - torch.logsumexp(logits, dim=-1))
+
     def _forward(self, tokens: list[int], prev_hidden: torch.Tensor, chunks: list[SeqChunk]):
+        """One drafter step over `chunks` -> (its output [T, H], each chunk's last row [B], and
+        when compiled the distribution of those rows (`_distribution`), else None)."""
         shape = self.graphs.shape_of(chunks) if self.graphs is not None else None
         if shape is not None:
             h, _ = self.graphs.run(tokens, chunks, shape, prev_hidden)
             ends = list(itertools.accumulate(c.num_tokens for c in chunks))
-            return h, torch.tensor([e - 1 for e in ends], dtype=torch.long, device=self.cache.device)
+            return h, torch.tensor([e - 1 for e in ends], dtype=torch.long, device=self.cache.device), None
         plan = build_plan(self.cache, chunks)
         token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
         paged = PagedAttention(self.cache, plan)
         if self._compile and self._compiled_forward is None:
-            self._eager_forwards += 1
-            if self._eager_forwards > COMPILE_AFTER:
-                self._compiled_forward = torch.compile(self.model.mtp_forward, dynamic=True,
-                                                       options={"size_asserts": False})
-        if self._compiled_forward is not None:
+            self._compiled_forward = compile_step(self.model.mtp_draft)
+        if self._compiled_forward is not None:   # the step and its distribution in one graph
             with forward_context(paged, self.model):
-                h = self._compiled_forward(token_tensor, prev_hidden, plan.positions, CONTEXT_ATTENTION)
-        else:
-            h = self.model.mtp_forward(token_tensor, prev_hidden, plan.positions, paged)
-        return h, plan.last_rows
+                h, *dist = self._compiled_forward(token_tensor, prev_hidden, plan.positions, CONTEXT_ATTENTION,
+                                                  plan.last_rows)
+            return h, plan.last_rows, tuple(dist)
+        return self.model.mtp_forward(token_tensor, prev_hidden, plan.positions, paged), plan.last_rows, None
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the drafter's forward runs compiled (`compiled` above)."""
+        return self._compile
+
+    @torch.inference_mode()
+    def warm_up(self, chunks: list[SeqChunk]) -> None:
+        """One drafter step over `chunks` (their positions reserved by the caller, whose drafter
+        cells it overwrites) and its drafts' distribution: a compiled drafter builds the graph of
+        that shape now rather than in a request. The graphs differ by row count (one, several)
+        and by sequence count (one, several), dynamic otherwise."""
+        rows = sum(c.num_tokens for c in chunks)
+        hidden = torch.zeros(rows, self.model.config.hidden_size, dtype=self.model.dtype, device=self.cache.device)
+        out, last, dist = self._forward([0] * rows, hidden, chunks)
+        if dist is None:
+            self._distribution(out[last])
 
     def num_final(self, state: ProposerState, num_computed: int) -> int:
         """Only rows already fed are final: row i is written when the token at i + 1 is fed with it."""

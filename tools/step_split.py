@@ -33,8 +33,6 @@ def measure(model: str, k: int, prompts: list[str], max_tokens: int, enforce_eag
             dtype: str = "float32") -> dict:
     from serving.llm import LLM
     from runtime.sampler import SamplingParams
-    from speculative import mtp
-    mtp.COMPILE_AFTER = 0   # a long-running server's drafter: compiled from its first forward
     llm = LLM(model, dtype=dtype, spec="mtp" if k else "none", num_drafts=max(k, 1), draft_policy="fixed",
               kv_cache_tokens=8192, enforce_eager=enforce_eager)
     engine = llm.engine

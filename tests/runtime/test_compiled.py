@@ -1,10 +1,12 @@
 """The compiled target step (torch.compile, paged attention and experts opaque) gives the tokens
-the eager step gives, and never runs where it must not (float64, --enforce-eager)."""
+the eager step gives, compiles its graphs before serving, and never runs where it must not (float64,
+--enforce-eager)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 from runtime.sampler import SamplingParams
 from serving.llm import LLM
@@ -13,6 +15,9 @@ MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
 
 
 def test_compiled_float32_equals_eager_on_the_embedded_model():
+    """Compiled and eager greedy tokens agree; the step compiles when the LLM is built (the
+    target's one-row and several-row graphs, and with MTP the drafter's), so serving compiles
+    nothing more, one-row steps (a verify with no drafts) included."""
     prompts = [[5, 17, 200, 3], [9, 9, 9, 100, 250], [300, 4], [1, 2, 3, 4, 5, 6, 7, 8]]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     eager = LLM(MODEL, dtype="float32", kv_cache_tokens=2048, enforce_eager=True)
@@ -24,8 +29,25 @@ def test_compiled_float32_equals_eager_on_the_embedded_model():
     assert same == sum(len(w) for w in want)       # every token (the probe record says the same)
     # One prompt at a time (other row counts, the same compiled graph) and MTP on top of it.
     mtp = LLM(MODEL, dtype="float32", kv_cache_tokens=2048, spec="mtp", num_drafts=3, enforce_eager=False)
-    assert mtp.engine.runner.compiled
+    assert mtp.engine.runner.compiled and mtp.engine.proposer.compiles
+    graphs = counters["stats"]["unique_graphs"]
+    mtp.deployment.warm_up()   # as the server does before it listens (else the first step does)
+    assert counters["stats"]["unique_graphs"] == graphs + 5
+    assert ("5 graphs (target 2 rows, target 1 row, drafter 2 rows, drafter 1 row, drafter 2 rows of 2 sequences)"
+            in mtp.deployment.compile_report)
+    cache = mtp.engine.runner.cache
+    assert cache.num_free_blocks == cache.num_blocks         # the warm-up's rows are given back
+    graphs = counters["stats"]["unique_graphs"]
     assert [o.token_ids for o in mtp.generate(prompts[:1], params)] == want[:1]
+    # Several sequences at once, and one-row steps: a verify that drafts nothing (the last
+    # token of a request has no room for drafts).
+    runner, rows = mtp.engine.runner, []
+    forward = runner.forward
+    runner.forward = lambda tokens, chunks: rows.append(len(tokens)) or forward(tokens, chunks)
+    mtp.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+    mtp.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert 1 in rows and max(rows) > 4
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_float64_and_enforce_eager_stay_eager(monkeypatch):
