@@ -43,9 +43,9 @@ from speculative.settings import SpecSettings
 
 log = logging.getLogger("metrale.deployment")
 
-# The sequence ids of the compile warm-up's scratch rows (`Deployment.warm_up`), the last ones the
-# EP wire carries: the engine numbers requests from 0, and the warm-up frees them before its step.
-WARMUP_SEQS = (MAX_SLOT - 1, MAX_SLOT - 2)
+# The sequence id of the compile warm-up's scratch rows (`Deployment.warm_up`), the last one the EP
+# wire carries: the engine numbers requests from 0, and the warm-up frees it before its step.
+WARMUP_SEQ = MAX_SLOT - 1
 
 DEFAULT_MAX_RESTARTS = 3
 
@@ -236,18 +236,18 @@ class Deployment:
         if not runner.compiled:
             return
         drafter = proposer if isinstance(proposer, MTPProposer) and proposer.compiles else None
-        one, two = WARMUP_SEQS
+        seq = WARMUP_SEQ
         # (what, its chunks): the target's rows go to one graph whatever the sequences; the
-        # drafter's step also takes each sequence's last row, so one sequence is a graph apart.
-        graphs = [("target", [SeqChunk(one, 0, 2)]), ("target", [SeqChunk(one, 0, 1)])]
+        # drafter's step also takes each chunk's last row, so one chunk is a graph apart (two
+        # chunks of the scratch sequence stand for two sequences: one block serves every shape).
+        graphs = [("target", [SeqChunk(seq, 0, 2)]), ("target", [SeqChunk(seq, 0, 1)])]
         if drafter is not None:
-            graphs += [("drafter", [SeqChunk(one, 0, 2)]), ("drafter", [SeqChunk(one, 0, 1)]),
-                       ("drafter", [SeqChunk(one, 0, 1), SeqChunk(two, 0, 1)])]
+            graphs += [("drafter", [SeqChunk(seq, 0, 2)]), ("drafter", [SeqChunk(seq, 0, 1)]),
+                       ("drafter", [SeqChunk(seq, 0, 1), SeqChunk(seq, 1, 1)])]
         names = [f"{what} {sum(c.num_tokens for c in chunks)} row{'s' if sum(c.num_tokens for c in chunks) > 1 else ''}"
                  + (f" of {len(chunks)} sequences" if len(chunks) > 1 else "") for what, chunks in graphs]
         t0 = time.perf_counter()
-        runner.cache.reserve(one, 2)
-        runner.cache.reserve(two, 1)
+        runner.cache.reserve(seq, 2)
         try:
             with tqdm(graphs, desc="compiling the step", unit="graph", disable=None, leave=False) as bar:
                 for (what, chunks), name in zip(bar, names):
@@ -262,8 +262,7 @@ class Deployment:
             self.warm = False
             raise
         finally:
-            runner.cache.free(one)
-            runner.cache.free(two)
+            runner.cache.free(seq)
         self.compile_report = (f"compiled the step in {time.perf_counter() - t0:.1f} s: {len(graphs)} graphs "
                                f"({', '.join(names)})")
         log.info("%s", self.compile_report)
