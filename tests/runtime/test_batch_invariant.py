@@ -349,8 +349,10 @@ def outputs(request):
     greedy = SamplingParams(max_tokens=32, ignore_eos=True)
     seeded = [SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, seed=100 + i) for i in range(16)]
     runs: dict[str, list[list[int]]] = {}
-    arms = {"none": {}, "k1": dict(spec="mtp", num_drafts=1), "k3": dict(spec="mtp", num_drafts=3),
-            "tree": dict(spec="mtp", num_drafts=3, tree_shape="2,2,1"), "ngram": dict(spec="ngram", num_drafts=3)}
+    # Every speculating arm drafts at all 16 sequences (the model folder's width cap is lower).
+    wide = dict(mtp_max_seqs=16)
+    arms = {"none": {}, "k1": dict(spec="mtp", num_drafts=1, **wide), "k3": dict(spec="mtp", num_drafts=3, **wide),
+            "tree": dict(spec="mtp", num_drafts=3, tree_shape="2,2,1", **wide), "ngram": dict(spec="ngram", num_drafts=3)}
     for arm, spec in arms.items():
         llm = LLM(MODEL, dtype, kv_cache_tokens=16384, batch_invariant=True, enforce_eager=False, **spec)
         runs[arm] = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
@@ -361,14 +363,14 @@ def outputs(request):
         llm.shutdown()
     # The eager step (`enforce_eager`) is invariant too (it rounds otherwise than the compiled one).
     eager = LLM(MODEL, dtype, kv_cache_tokens=16384, batch_invariant=True, enforce_eager=True, spec="mtp",
-                num_drafts=3)
+                num_drafts=3, **wide)
     runs["eager-k3"] = [o.token_ids for o in eager.generate(PROMPTS, greedy)]
     runs["eager-alone"] = [eager.generate([p], greedy)[0].token_ids for p in PROMPTS[:6]]
     eager.shutdown()
     # A cache a third the batch's size: sequences are preempted and recomputed (prefix cache off,
     # so the recompute really computes), MTP on.
     small = LLM(MODEL, dtype, kv_cache_tokens=768, batch_invariant=True, prefix_cache=False, spec="mtp", num_drafts=3,
-                enforce_eager=False)
+                enforce_eager=False, **wide)
     runs["preempted"] = [o.token_ids for o in small.generate(PROMPTS, greedy)]
     runs["num_preemptions"] = small.engine.scheduler.num_preemptions
     small.shutdown()
