@@ -18,6 +18,12 @@ from runtime.mla import MLAttention
 from runtime.rotary import RotaryEmbedding
 
 
+def top_one(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [B, V] -> (arg-max [B], its probability [B]): a draft and its confidence."""
+    top_l, top_t = logits.max(dim=-1)
+    return top_t, torch.exp(top_l - torch.logsumexp(logits, dim=-1))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -157,8 +163,7 @@ class CausalLM(nn.Module):
         output [T, H], logits, arg-max, probability)."""
         hidden = self.mtp_forward(tokens, prev_hidden, positions, ctx)
         logits = self.mtp_logits(hidden[last_rows]).float()
-        top_l, top_t = logits.max(dim=-1)
-        return hidden, logits, top_t, torch.exp(top_l - torch.logsumexp(logits, dim=-1))
+        return hidden, logits, *top_one(logits)
 
     def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         """MTP pre-norm output [N, H] -> draft logits [N, V]."""

@@ -244,8 +244,10 @@ class Deployment:
         if drafter is not None:
             graphs += [("drafter", [SeqChunk(seq, 0, 2)]), ("drafter", [SeqChunk(seq, 0, 1)]),
                        ("drafter", [SeqChunk(seq, 0, 1), SeqChunk(seq, 1, 1)])]
-        names = [f"{what} {sum(c.num_tokens for c in chunks)} row{'s' if sum(c.num_tokens for c in chunks) > 1 else ''}"
-                 + (f" of {len(chunks)} sequences" if len(chunks) > 1 else "") for what, chunks in graphs]
+        def name(what: str, chunks: list[SeqChunk]) -> str:
+            rows = sum(c.num_tokens for c in chunks)
+            return f"{what} {rows} row{'s' if rows > 1 else ''}" + (f" of {len(chunks)} sequences" if len(chunks) > 1 else "")
+        names = [name(what, chunks) for what, chunks in graphs]
         t0 = time.perf_counter()
         runner.cache.reserve(seq, 2)
         try:

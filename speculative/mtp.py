@@ -28,7 +28,7 @@ from runtime.attention import PagedAttention, SeqChunk, build_plan, forward_cont
 from runtime.compiled import compile_step
 from runtime.grammar import GrammarMatcher
 from runtime.kv_cache import PagedKVCache
-from runtime.model import CausalLM
+from runtime.model import CausalLM, top_one
 from runtime.model_runner import CONTEXT_ATTENTION
 from runtime.static_step import StepGraphs
 from speculative.draft_stop import chain_depth
@@ -179,7 +179,7 @@ class MTPProposer(DraftProposer):
                 logits, [grammars[i] for i in active], [out[i].tokens for i in active])
             spine = masked if self.masks_spine else logits
             if spine is not logits:
-                _, top_t, top_p = self._distribution(None, spine)
+                top_t, top_p = top_one(spine)
             if self.knobs.shadow_topk:
                 cand_p, cand_t = torch.softmax(logits, dim=-1).topk(self.knobs.shadow_topk, dim=-1)
                 for j, i in enumerate(active):
@@ -207,13 +207,11 @@ class MTPProposer(DraftProposer):
             hidden, last, dist = self._forward([out[i].tokens[-1] for i in active], prev, chunks)
         return out
 
-    def _distribution(self, hidden: torch.Tensor | None, logits: torch.Tensor | None = None):
-        """Draft logits of the rows `hidden` [B, H] (or the `logits` given) -> (logits in float32
-        [B, V], arg-max [B], its probability [B]), as `CausalLM.mtp_draft` computes them."""
-        if logits is None:
-            logits = self.model.mtp_logits(hidden).float()
-        top_l, top_t = logits.max(dim=-1)
-        return logits, top_t, torch.exp(top_l - torch.logsumexp(logits, dim=-1))
+    def _distribution(self, hidden: torch.Tensor):
+        """Draft logits of the rows `hidden` [B, H] -> (logits in float32 [B, V], arg-max [B], its
+        probability [B]), as `CausalLM.mtp_draft` computes them."""
+        logits = self.model.mtp_logits(hidden).float()
+        return logits, *top_one(logits)
 
     def _forward(self, tokens: list[int], prev_hidden: torch.Tensor, chunks: list[SeqChunk]):
         """One drafter step over `chunks` -> (its output [T, H], each chunk's last row [B], and
