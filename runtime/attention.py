@@ -173,22 +173,37 @@ def _single_plan(chunk: SeqChunk, positions: torch.Tensor, cell_mapping: torch.T
                     mask=mask, last_rows=last_rows, mask_mode=mode)
 
 
-class PagedAttention:
-    """`AttentionContext` over a paged cache: writes this step's k/v, then attends over the context."""
+def last_row_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
+    """The query plan of each chunk's last row alone (one row at position end - 1, seeing its
+    whole context), for a step whose other rows only write their keys and values
+    (`PagedAttention(queries=...)`)."""
+    return build_plan(cache, [SeqChunk(c.seq_id, c.end - 1, 1) for c in chunks])
 
-    def __init__(self, cache: PagedKVCache, plan: StepPlan) -> None:
+
+class PagedAttention:
+    """`AttentionContext` over a paged cache: writes this step's k/v, then attends over the context.
+
+    `queries`, when given, is the plan of the query rows (`last_row_plan`): the k/v of every row
+    of `plan` are written, and q holds only those rows (the layer computes nothing else for the
+    others: a drafter's fed rows need only their keys and values)."""
+
+    def __init__(self, cache: PagedKVCache, plan: StepPlan, queries: StepPlan | None = None) -> None:
+        if queries is not None and (plan.tiles is not None or queries.tiles is not None):
+            raise ValueError("batch-invariant attention has no separate query rows")
         self.cache = cache
         self.plan = plan
+        self.queries = queries
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
-        p = self.plan
+        writes = self.plan
+        p = self.queries if self.queries is not None else writes
         if p.tiles is None and q.device.type == "cpu" and cpu_ops.load():   # the same calls, natively
             cache = self.cache
             return torch.ops.metrale_cpu.paged_attention(
-                q, k, v, cache.k[layer_idx], cache.v[layer_idx], cache.latent_dim is None, p.cell_mapping, p.gather,
-                p.q_index, p.valid, p.mask, p.mask_mode, scale)
-        self.cache.write(layer_idx, p.cell_mapping, k, v)
+                q, k, v, cache.k[layer_idx], cache.v[layer_idx], cache.latent_dim is None, writes.cell_mapping,
+                p.gather, p.q_index, p.valid, p.mask, p.mask_mode, scale)
+        self.cache.write(layer_idx, writes.cell_mapping, k, v)
         if p.tiles is not None:
             return ia.attention(q, self.cache.k[layer_idx], self.cache.v[layer_idx], p.tiles, scale)
         keys = self.cache.gather(self.cache.k[layer_idx], p.gather).transpose(1, 2)    # [B, nkv, K, D]

@@ -166,7 +166,9 @@ class Attention(nn.Module):
         self.qkv: FusedProjection | None = None   # set by `pack_for_inference`
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                ctx: AttentionContext) -> torch.Tensor:
+                ctx: AttentionContext, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; with `rows` [B], every row's keys and values but only those rows'
+        queries and output [B, H] (`ctx` attends for them alone)."""
         t = x.shape[0]
         if self.qkv is not None:
             q, k, v = self.qkv(x)
@@ -175,12 +177,16 @@ class Attention(nn.Module):
         q = q.view(t, -1, self.head_dim)  # [T, nh, D]
         k = k.view(t, -1, self.head_dim)  # [T, nkv, D]
         v = v.view(t, -1, self.head_dim)
+        cos, sin = rope
+        if rows is not None:
+            q, q_cos, q_sin = q[rows], cos[rows], sin[rows]
+        else:
+            q_cos, q_sin = cos, sin
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin, self.interleaved), apply_rotary(k, cos, sin, self.interleaved)
-        out = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [T, nh, D]
-        return self.o_proj(out.reshape(t, -1))
+        q, k = apply_rotary(q, q_cos, q_sin, self.interleaved), apply_rotary(k, cos, sin, self.interleaved)
+        out = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [T or B, nh, D]
+        return self.o_proj(out.reshape(q.shape[0], -1))
 
 
 class MLP(nn.Module):

@@ -70,15 +70,18 @@ class MLAttention(nn.Module):
         return 1
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                ctx: AttentionContext) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.has_q_lora else self.q_proj(x)
+                ctx: AttentionContext, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; with `rows` [B], every row's latent keys but only those rows'
+        queries and output [B, H] (`ctx` attends for them alone)."""
+        cos, sin = rope
+        xq, q_cos, q_sin = (x, cos, sin) if rows is None else (x[rows], cos[rows], sin[rows])
+        t = xq.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(xq))) if self.has_q_lora else self.q_proj(xq)
         q = q.view(t, -1, self.nope + self.rope)                                   # [T, nh, Dn + Dr]
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)                                       # [T, C]
-        cos, sin = rope
-        q_rope = apply_rotary(q_rope, cos, sin, self.interleaved)
+        q_rope = apply_rotary(q_rope, q_cos, q_sin, self.interleaved)
         k_rope = apply_rotary(k_rope[:, None], cos, sin, self.interleaved)         # [T, 1, Dr]
         w = self.kv_b_proj.weight.view(-1, self.nope + self.v_dim, self.kv_lora_rank)   # [nh, Dn + Dv, C]
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]

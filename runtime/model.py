@@ -34,8 +34,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
+                ctx: AttentionContext, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; with `rows` [B], every row's keys and values are written but only
+        those rows go on past attention ([B, H]: a fed row that drafts nothing needs no more)."""
+        attn = self.self_attn(self.input_layernorm(x), rope, ctx, rows)
+        x = (x if rows is None else x[rows]) + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -141,28 +144,31 @@ class CausalLM(nn.Module):
         return self.lm_head(self.norm(hidden))
 
     def mtp_forward(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
-                    ctx: AttentionContext) -> torch.Tensor:
+                    ctx: AttentionContext, rows: torch.Tensor | None = None) -> torch.Tensor:
         """One MTP step: tokens [T] at `positions`, the previous position's hidden [T, H] ->
-        the MTP layer's pre-norm output [T, H] (the input hidden of the next draft step)."""
+        the MTP layer's pre-norm output [T, H] (the input hidden of the next draft step). With
+        `rows` [B] (and `ctx` attending for those rows alone), the output of those rows [B, H]:
+        every row's keys and values are still written, and nothing else is computed for the rest."""
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers is 0)")
-        if self.mtp.batch_invariant and self._twice(tokens):
+        if self.mtp.batch_invariant and self._twice(tokens):   # one row: `rows` can only be [0]
             return self.mtp_forward(tokens.expand(2), prev_hidden.expand(2, -1), positions.expand(2),
                                     RowTwice(ctx))[:1]
         mtp = self.mtp
         embed = mtp.embed_tokens if mtp.embed_tokens is not None else self.embed_tokens
         x = mtp.eh_proj(torch.cat((mtp.enorm(embed(tokens)), mtp.hnorm(prev_hidden)), dim=-1))
-        return mtp.block(x, self.rotary(positions, x.dtype), ctx)
+        return mtp.block(x, self.rotary(positions, x.dtype), ctx, rows)
 
     def mtp_draft(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
-                  ctx: AttentionContext, last_rows: torch.Tensor
+                  ctx: AttentionContext, rows: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One MTP step and the distributions it drafts from, as one function (a compiled drafter
-        runs it as one graph): `mtp_forward`, then for the rows `last_rows` [B] the draft logits in
-        float32 [B, V], their arg-max [B] and its probability [B]. Returns (the step's pre-norm
-        output [T, H], logits, arg-max, probability)."""
-        hidden = self.mtp_forward(tokens, prev_hidden, positions, ctx)
-        logits = self.mtp_logits(hidden[last_rows]).float()
+        runs it as one graph): `mtp_forward` for the rows `rows` [B] (each drafting sequence's last
+        row; `ctx` attends for them alone), then their draft logits in float32 [B, V], arg-max [B]
+        and its probability [B]. Returns (those rows' pre-norm output [B, H], logits, arg-max,
+        probability)."""
+        hidden = self.mtp_forward(tokens, prev_hidden, positions, ctx, rows)
+        logits = self.mtp_logits(hidden).float()
         return hidden, logits, *top_one(logits)
 
     def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:

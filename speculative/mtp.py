@@ -24,7 +24,7 @@ import struct
 
 import torch
 
-from runtime.attention import PagedAttention, SeqChunk, build_plan, forward_context
+from runtime.attention import PagedAttention, SeqChunk, build_plan, forward_context, last_row_plan
 from runtime.compiled import compile_step
 from runtime.grammar import GrammarMatcher
 from runtime.kv_cache import PagedKVCache
@@ -164,17 +164,18 @@ class MTPProposer(DraftProposer):
             hiddens.append(feed)
             st.fed_upto += m
             st.pending_hidden.clear()
-        hidden, last, dist = self._forward(tokens, torch.cat(hiddens), chunks)
-        keep = [j for j in live if num_drafts[j] > 0]          # the rest were only fed
+        keep = [j for j in live if num_drafts[j] > 0]          # the rest are only fed
+        # Only drafting sequences' last rows go past the drafter's attention (the others only
+        # write keys and values); a call that drafts nothing still takes one row through.
+        hidden, dist = self._forward(tokens, torch.cat(hiddens), chunks, keep or [len(chunks) - 1])
+        if not keep:
+            return out
         active = [live[j] for j in keep]
         positions = [chunks[j].end - 1 for j in keep]
-        if len(keep) < len(live):
-            last = last[keep]
-            dist = None if dist is None else tuple(x[keep] for x in dist)
         for _ in range(max(num_drafts)):
             # The logits [B, V], their arg-max and its probability: from the compiled step's
             # graph, or computed here.
-            logits, top_t, top_p = dist if dist is not None else self._distribution(hidden[last])
+            logits, top_t, top_p = dist if dist is not None else self._distribution(hidden)
             masked = logits if grammars is None else grammar_masked(
                 logits, [grammars[i] for i in active], [out[i].tokens for i in active])
             spine = masked if self.masks_spine else logits
@@ -200,11 +201,11 @@ class MTPProposer(DraftProposer):
                     and (ln_tau is None or extends(out[i].probs, ln_tau))]
             if not keep:
                 break
-            prev = hidden[last[keep]]
+            prev = hidden if len(keep) == len(active) else hidden[keep]
             active = [active[j] for j in keep]
             positions = [positions[j] + 1 for j in keep]
             chunks = [SeqChunk(states[i].seq_id, p, 1) for i, p in zip(active, positions)]
-            hidden, last, dist = self._forward([out[i].tokens[-1] for i in active], prev, chunks)
+            hidden, dist = self._forward([out[i].tokens[-1] for i in active], prev, chunks)
         return out
 
     def _distribution(self, hidden: torch.Tensor):
@@ -213,25 +214,33 @@ class MTPProposer(DraftProposer):
         logits = self.model.mtp_logits(hidden).float()
         return logits, *top_one(logits)
 
-    def _forward(self, tokens: list[int], prev_hidden: torch.Tensor, chunks: list[SeqChunk]):
-        """One drafter step over `chunks` -> (its output [T, H], each chunk's last row [B], and
-        when compiled the distribution of those rows (`_distribution`), else None)."""
+    def _forward(self, tokens: list[int], prev_hidden: torch.Tensor, chunks: list[SeqChunk],
+                 query: list[int] | None = None):
+        """One drafter step over `chunks` -> (the output [B, H] of the last rows of the chunks
+        `query` (default: all), and when compiled the distribution of those rows
+        (`_distribution`), else None). Every row writes its keys and values; only those last rows
+        go on through attention, the MLP and the head."""
+        ends = list(itertools.accumulate(c.num_tokens for c in chunks))
+        query = list(range(len(chunks))) if query is None else query
         shape = self.graphs.shape_of(chunks) if self.graphs is not None else None
         if shape is not None:
             h, _ = self.graphs.run(tokens, chunks, shape, prev_hidden)
-            ends = list(itertools.accumulate(c.num_tokens for c in chunks))
-            return h, torch.tensor([e - 1 for e in ends], dtype=torch.long, device=self.cache.device), None
+            return h[torch.tensor([ends[j] - 1 for j in query], dtype=torch.long, device=self.cache.device)], None
         plan = build_plan(self.cache, chunks)
+        # One row per chunk, every chunk asked: the step's own plan already attends for those rows.
+        own = len(query) == len(chunks) and ends[-1] == len(chunks)
+        queries = None if own else last_row_plan(self.cache, [chunks[j] for j in query])
+        rows = plan.last_rows if own else torch.tensor([ends[j] - 1 for j in query], dtype=torch.long,
+                                                        device=self.cache.device)
         token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
-        paged = PagedAttention(self.cache, plan)
+        paged = PagedAttention(self.cache, plan, queries)
         if self._compile and self._compiled_forward is None:
             self._compiled_forward = compile_step(self.model.mtp_draft)
         if self._compiled_forward is not None:   # the step and its distribution in one graph
             with forward_context(paged, self.model):
-                h, *dist = self._compiled_forward(token_tensor, prev_hidden, plan.positions, CONTEXT_ATTENTION,
-                                                  plan.last_rows)
-            return h, plan.last_rows, tuple(dist)
-        return self.model.mtp_forward(token_tensor, prev_hidden, plan.positions, paged), plan.last_rows, None
+                h, *dist = self._compiled_forward(token_tensor, prev_hidden, plan.positions, CONTEXT_ATTENTION, rows)
+            return h, tuple(dist)
+        return self.model.mtp_forward(token_tensor, prev_hidden, plan.positions, paged, rows), None
 
     @property
     def compiles(self) -> bool:
@@ -246,9 +255,9 @@ class MTPProposer(DraftProposer):
         and by sequence count (one, several), dynamic otherwise."""
         rows = sum(c.num_tokens for c in chunks)
         hidden = torch.zeros(rows, self.model.config.hidden_size, dtype=self.model.dtype, device=self.cache.device)
-        out, last, dist = self._forward([0] * rows, hidden, chunks)
+        out, dist = self._forward([0] * rows, hidden, chunks)
         if dist is None:
-            self._distribution(out[last])
+            self._distribution(out)
 
     def num_final(self, state: ProposerState, num_computed: int) -> int:
         """Only rows already fed are final: row i is written when the token at i + 1 is fed with it."""

@@ -1,0 +1,103 @@
+"""The drafter's fed rows (float64): a row that drafts nothing writes its keys and values and
+stops there, which changes no output; and a sequence that does not draft feeds the drafter in
+batches, yet its blocks, generated ones included, reach the prefix cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.engine as engine_module
+from runtime.attention import PagedAttention, SeqChunk, build_plan, last_row_plan
+from runtime.sampler import SamplingParams
+from serving.llm import LLM
+
+
+@pytest.mark.parametrize("case", ["grouped", "deepseek_plain"])
+def test_last_rows_alone_equal_the_full_drafter_step(ckpt_mtp, family_ckpt, case):
+    """`mtp_forward` with `rows` gives those rows of the full step and writes the same keys and
+    values (grouped-query and latent attention), for every chunk's last row or a subset."""
+    path = ckpt_mtp if case == "grouped" else family_ckpt(case)
+    llm = LLM(path, dtype="float64", kv_cache_tokens=256, spec="mtp")
+    model, cache = llm.engine.runner.model, llm.engine.runner.cache
+    layer = model.config.num_hidden_layers
+    gen = torch.Generator().manual_seed(0)
+    # Two sequences with a committed context (5 and 9 cells) and a chunk of rows after it each.
+    chunks = [SeqChunk(1, 5, 4), SeqChunk(2, 9, 3), SeqChunk(3, 0, 1)]
+    for c in chunks:
+        cache.reserve(c.seq_id, c.end)
+    rows = sum(c.num_tokens for c in chunks)
+    tokens = torch.randint(0, model.config.vocab_size, (rows,), generator=gen)
+    prev = torch.randn(rows, model.config.hidden_size, generator=gen, dtype=torch.float64)
+    context = torch.randn(cache.k[layer].shape, generator=gen, dtype=torch.float64)
+    plan = build_plan(cache, chunks)
+    cells = torch.cat([cache.cells(c.seq_id, 0, c.end) for c in chunks])
+
+    def run(query: list[int] | None):
+        cache.k[layer].copy_(context)
+        if cache.latent_dim is None:
+            cache.v[layer].copy_(context)
+        if query is None:
+            return model.mtp_forward(tokens, prev, plan.positions, PagedAttention(cache, plan)), cache.k[layer][cells].clone()
+        picked = [chunks[j] for j in query]
+        at = torch.tensor([sum(c.num_tokens for c in chunks[:j + 1]) - 1 for j in query])
+        out = model.mtp_forward(tokens, prev, plan.positions, PagedAttention(cache, plan, last_row_plan(cache, picked)), at)
+        return out, cache.k[layer][cells].clone()
+
+    full, keys = run(None)
+    for query in ([0, 1, 2], [1], [0, 2]):
+        at = [sum(c.num_tokens for c in chunks[:j + 1]) - 1 for j in query]
+        out, got_keys = run(query)
+        assert out.shape == (len(query), model.config.hidden_size)
+        torch.testing.assert_close(out, full[at], rtol=0, atol=1e-12)
+        torch.testing.assert_close(got_keys, keys, rtol=0, atol=0)
+
+
+def test_capped_sequences_feed_in_batches_and_cache_their_output(ckpt_mtp, monkeypatch):
+    """Above the width cap nobody drafts: a prompt's whole blocks are fed at once, the generated
+    rows wait (below FEED_BATCH_ROWS) and are fed when their sequence ends, in one call for the
+    sequences that end together; then a request that continues one of them (a conversation's
+    next turn) finds the generated blocks too, with the drafter rows a computed run writes."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = [[(i * 37 + s) % 300 + 1 for i in range(20)] for s in (0, 1)]
+    capped = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, spec="mtp", num_drafts=3, mtp_max_seqs=1)
+    engine = capped.engine
+    calls = []
+    propose = engine.proposer.propose_batch
+
+    def counted(reqs):
+        calls.append((engine.num_steps, len(reqs), sorted({r.num_drafts for r in reqs})))
+        return propose(reqs)
+    monkeypatch.setattr(engine.proposer, "propose_batch", counted)
+    outs = capped.generate(prompts, params)
+    assert engine.metrics.verifies == 0                      # two sequences, cap one: no drafts
+    # The prompts' first blocks, together, after the prefill; the rest when both end.
+    assert [(n, d) for _, n, d in calls] == [(2, [0]), (2, [0])]
+    assert [step for step, _, _ in calls] == [1, engine.num_steps] and engine.num_steps == 40
+    # 20 + 40 tokens: the cache holds the last computed position 58, so blocks 0..2 are final.
+    follow = prompts[0] + outs[0].token_ids + [7, 8]
+    off = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, prefix_cache=False, spec="mtp", num_drafts=3)
+    again, fresh = capped.generate([follow], params)[0], off.generate([follow], params)[0]
+    assert again.cached_tokens == 48
+    assert (again.token_ids, again.drafted_tokens, again.accepted_tokens) == \
+        (fresh.token_ids, fresh.drafted_tokens, fresh.accepted_tokens)
+
+
+def test_generated_rows_are_fed_once_a_batch_is_due(ckpt_mtp, monkeypatch):
+    """Once the sequences with a complete unfed block hold FEED_BATCH_ROWS unfed rows between
+    them, the engine feeds them all in one call, before the sequences end."""
+    monkeypatch.setattr(engine_module, "FEED_BATCH_ROWS", 32)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = [[(i * 37 + s) % 300 + 1 for i in range(20)] for s in (0, 1)]
+    capped = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, spec="mtp", num_drafts=3, mtp_max_seqs=1)
+    engine = capped.engine
+    steps = []
+    propose = engine.proposer.propose_batch
+    monkeypatch.setattr(engine.proposer, "propose_batch", lambda reqs: (steps.append(engine.num_steps), propose(reqs))[1])
+    capped.generate(prompts, params)
+    # The prefill computes positions 0..19; decode step k computes position 19 + k, and the
+    # propose after it sees num_steps k + 1. The prompt's call feeds rows 0..19. Block 1 is
+    # complete from position 31 on, with 12 rows pending each (24 < 32); at position 35, 16 each:
+    # fed together (step 17). Likewise block 2 at position 51 (step 33). Rows 52..58 complete no
+    # block: no call at the end.
+    assert engine.num_steps == 40
+    assert steps == [1, 17, 33]
