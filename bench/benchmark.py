@@ -402,7 +402,9 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
     for p in peers:
         print(f"vs vLLM c={p['concurrency']} {p['pair']}: {p['ours']} {p['ours_tok_s']:.1f} / {p['vllm']} "
               f"{p['vllm_tok_s']:.1f} = {'tie' if p['tie'] else format(p['ratio'], '.3f')} "
-              f"(accept_len {p['ours_accept_len']} / {p['vllm_accept_len']})")
+              f"(accept_len {p['ours_accept_len']} / {p['vllm_accept_len']})"
+              + (f", paired {p['paired']['median']:.3f} [{p['paired']['range'][0]:.2f}-{p['paired']['range'][1]:.2f}]"
+                 if p.get("paired") else ""))
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(record, indent=2) + "\n")

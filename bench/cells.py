@@ -4,6 +4,12 @@ A cell (one arm at one concurrency) is its median run (by tokens/s; the lower mi
 even count) with the min / median / max tokens/s of every run beside it. A ratio between two
 cells comes with its range (worst run against best run and back); when the two cells' runs
 overlap, the ratio is a tie: the noise between runs is as large as the difference.
+
+The arms take turns within each repeat, so a run of one arm and the same repeat's run of
+another are minutes apart at most; a shared host's speed drifts over longer spans (the same arm's
+runs spread up to 1.5x on the suite's 2-core machine). The paired ratio divides them repeat by
+repeat, so that drift touches both sides alike: its median and range, and whether every repeat
+put the same arm ahead.
 """
 from __future__ import annotations
 
@@ -38,6 +44,18 @@ def ratio(a: dict, b: dict) -> dict:
             "tie": overlaps(a, b)}
 
 
+def paired(a: dict, b: dict) -> dict | None:
+    """a's runs over b's, repeat by repeat (`tok_s_runs` keep the repeats' order): the median and
+    range of those ratios, and `consistent` when every repeat puts the same arm ahead. None when
+    either cell lacks its runs or their counts differ."""
+    ra, rb = a.get("tok_s_runs"), b.get("tok_s_runs")
+    if not ra or not rb or len(ra) != len(rb):
+        return None
+    rs = sorted(x / y for x, y in zip(ra, rb))
+    return {"median": round(median(rs), 3), "range": [round(rs[0], 3), round(rs[-1], 3)],
+            "consistent": rs[0] > 1 or rs[-1] < 1}
+
+
 def add_ratios(cells: list[dict], first_arm: str) -> None:
     """Per concurrency: every cell's ratio to the first arm's cell, and every cell's ratio to the
     best fixed-depth arm present of the same request kind (none, k1, k2, ...: the highest median
@@ -51,6 +69,8 @@ def add_ratios(cells: list[dict], first_arm: str) -> None:
             r = ratio(cell, base)
             cell[f"tok_s_ratio_vs_{first_arm}"] = r["ratio"]
             cell[f"tok_s_ratio_vs_{first_arm}_range"] = r["range"]
+            if (p := paired(cell, base)) is not None:
+                cell[f"tok_s_paired_vs_{first_arm}"] = p
             others = [x for x in fixed if x is not cell]
             if not others:
                 continue
@@ -60,6 +80,8 @@ def add_ratios(cells: list[dict], first_arm: str) -> None:
             cell["tok_s_ratio_vs_best_fixed"] = r["ratio"]
             cell["tok_s_ratio_vs_best_fixed_range"] = r["range"]
             cell["tie_with_best_fixed"] = r["tie"]
+            if (p := paired(cell, best)) is not None:
+                cell["tok_s_paired_vs_best_fixed"] = p
 
 
 def ratio_text(cell: dict) -> str:
@@ -68,3 +90,12 @@ def ratio_text(cell: dict) -> str:
         return "-"
     word = "tie" if cell["tie_with_best_fixed"] else f"{cell['tok_s_ratio_vs_best_fixed']:.3f}"
     return f"{word} vs {cell['best_fixed_arm']}"
+
+
+def paired_text(cell: dict) -> str:
+    """'1.062 [1.01-1.12]' (the paired ratio to the best fixed arm, its range over the repeats;
+    '*' when every repeat put the same arm ahead), or '-'."""
+    p = cell.get("tok_s_paired_vs_best_fixed")
+    if p is None:
+        return "-"
+    return f"{p['median']:.3f} [{p['range'][0]:.2f}-{p['range'][1]:.2f}]{'*' if p['consistent'] else ''}"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from bench.cells import ratio_text
+from bench.cells import paired_text, ratio_text
 
 
 def _git(*args: str) -> str | None:
@@ -57,14 +57,15 @@ def verify_key_settings() -> dict:
 
 
 def print_table(cells: list[dict]) -> None:
-    """One row per cell: the median run's tokens/s with the [min - max] of its repeats, and the
-    ratio to the best fixed arm ("tie" when their runs overlap)."""
-    cols = ["arm", "conc", "tok_s", "tok_s [min - max]", "vs best fixed", "accept_len", "drafts/verify",
+    """One row per cell: the median run's tokens/s with the [min - max] of its repeats, the
+    ratio to the best fixed arm ("tie" when their runs overlap) and the paired one (repeat by
+    repeat: `bench.cells.paired`)."""
+    cols = ["arm", "conc", "tok_s", "tok_s [min - max]", "vs best fixed", "paired", "accept_len", "drafts/verify",
             "cap", "p1", "p2_uncond", "requests", "ttft_p50_ms", "tpot_p50_ms", "grammar_ms/step"]
 
     def row(c: dict) -> list[str]:
         spread = f"[{c['tok_s_min']:.1f} - {c['tok_s_max']:.1f}]" if "tok_s_min" in c else "-"
-        vals = [c["arm"], c["concurrency"], f"{c['tok_s']:.1f}", spread, ratio_text(c), c.get("accept_len"),
+        vals = [c["arm"], c["concurrency"], f"{c['tok_s']:.1f}", spread, ratio_text(c), paired_text(c), c.get("accept_len"),
                 c.get("drafts_per_verify"), c.get("width_cap"), c.get("p1"), c.get("p2_uncond"), c.get("requests"),
                 c.get("ttft_p50_ms"), c.get("tpot_p50_ms"), c.get("grammar_ms_per_step")]
         return ["-" if v is None else str(v) for v in vals]

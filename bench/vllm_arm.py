@@ -98,7 +98,7 @@ class VLLMArm:
 def peer_ratios(cells: list[dict]) -> list[dict]:
     """Ours against vLLM at each concurrency: none against vllm, and our best MTP arm (k1..k4, the
     fixed depths) against vLLM's best MTP arm, each with its range over the runs."""
-    from bench.cells import ratio
+    from bench.cells import paired, ratio
     out = []
     for c in sorted({x["concurrency"] for x in cells}):
         level = [x for x in cells if x["concurrency"] == c]
@@ -114,5 +114,6 @@ def peer_ratios(cells: list[dict]) -> list[dict]:
                 out.append({"concurrency": c, "pair": label, "ours": best_a["arm"], "vllm": best_b["arm"],
                             "ours_tok_s": best_a["tok_s"], "vllm_tok_s": best_b["tok_s"],
                             "ours_accept_len": best_a.get("accept_len"), "vllm_accept_len": best_b.get("accept_len"),
-                            "ratio": r["ratio"], "range": r["range"], "tie": r["tie"]})
+                            "ratio": r["ratio"], "range": r["range"], "tie": r["tie"],
+                            "paired": paired(best_a, best_b)})
     return out

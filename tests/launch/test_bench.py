@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.cells import add_ratios, ratio_text, summarize
+from bench.cells import add_ratios, paired_text, ratio_text, summarize
 from tests.conftest import metrale_cmd, run_env
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
@@ -39,6 +39,25 @@ def test_ratios_against_every_fixed_arm_with_ties():
     assert by["k4", 1]["best_fixed_arm"] == "k1"          # a fixed arm against the best of the others
     assert by["k2", 1]["tok_s_ratio_vs_none"] == 1.1 and by["none", 1]["tok_s_ratio_vs_none"] == 1.0
     assert by["ladder", 4]["tok_s_ratio_vs_best_fixed"] == 0.8 and "best_fixed_arm" not in by["none", 4]
+
+
+def test_paired_ratios_divide_runs_of_the_same_repeat():
+    """The machine slows down between repeats: every run of k1 beats the same repeat's run of none,
+    yet their ranges overlap (a tie by ranges); the paired ratio sees k1 ahead in every repeat."""
+    cells = [summarize([{"arm": "none", "concurrency": 1, "tok_s": t} for t in (100.0, 70.0, 90.0)]),
+             summarize([{"arm": "k1", "concurrency": 1, "tok_s": t} for t in (110.0, 77.0, 95.0)]),
+             summarize([{"arm": "ladder", "concurrency": 1, "tok_s": t} for t in (90.0, 80.0)])]
+    add_ratios(cells, "none")
+    none, k1, ladder = cells
+    assert k1["tie_with_best_fixed"] is True
+    assert k1["tok_s_paired_vs_best_fixed"] == {"median": 1.1, "range": [round(95 / 90, 3), 1.1], "consistent": True}
+    assert paired_text(k1) == "1.100 [1.06-1.10]*"
+    assert none["tok_s_paired_vs_best_fixed"]["range"] == [round(100 / 110, 3), round(90 / 95, 3)]
+    # Runs that straddle 1 are not consistent; a cell with another count of repeats has no pairing.
+    mixed = summarize([{"arm": "k2", "concurrency": 1, "tok_s": t} for t in (105.0, 65.0, 91.0)])
+    add_ratios(cells + [mixed], "none")
+    assert mixed["tok_s_paired_vs_none"]["consistent"] is False
+    assert "tok_s_paired_vs_best_fixed" not in ladder and paired_text(ladder) == "-"
 
 
 def test_bench_writes_record_and_plot(tmp_path):
