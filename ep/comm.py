@@ -65,6 +65,7 @@ class Communicator:
             # Ranks share the host's cores: more threads than cores per rank only adds contention.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         self.comm_seconds = 0.0  # wall time spent inside collectives (for the step split)
+        self._listening = None   # rank 0's rendezvous store opened by `listen`, until `join` takes it
         if init_method is not None:
             self.join(init_method)
 
@@ -83,9 +84,23 @@ class Communicator:
             dist.init_process_group(self.backend, init_method=init_method, rank=self.rank,
                                     world_size=self.world_size, timeout=timeout)
             return
-        store = dist.TCPStore(host, int(port), self.world_size, is_master=self.rank == 0, timeout=timeout)
+        store, self._listening = self._listening, None
+        if store is None or f"tcp://{host}:{store.port}" != init_method:
+            store = dist.TCPStore(host, int(port), self.world_size, is_master=self.rank == 0, timeout=timeout)
         dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
                                 timeout=timeout)
+
+    def listen(self, host: str) -> str:
+        """Rank 0 of a launcher: open the rendezvous store on a port the system picks, and return
+        its `tcp://host:port` for the workers and for `join`. The port is held from now on, so no
+        other process takes it while the workers start (a port merely found free can be, and was,
+        taken in those seconds: EADDRINUSE at `join`)."""
+        if self.rank != 0:
+            raise ValueError(f"rank {self.rank}: only rank 0 opens the rendezvous")
+        timeout = dt.timedelta(seconds=max(START_TIMEOUT_S, self.timeout_s))
+        self._listening = dist.TCPStore(host, 0, self.world_size, is_master=True, timeout=timeout,
+                                        wait_for_workers=False)
+        return f"tcp://{host}:{self._listening.port}"
 
     def started(self) -> None:
         """The group has started: every collective from now on times out after `timeout_s`."""

@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from ep.channel import load_shard_model
-from ep.comm import START_TIMEOUT_S, Communicator, free_port
+from ep.comm import START_TIMEOUT_S, Communicator
 from ep.worker import serve_rank
 from runtime.device import check_local_gpus, rank_device
 from serving.deployment import GroupConfig, GroupStartError
@@ -114,7 +114,7 @@ class MPGroup:
         """A fresh group: the next generation at a new address, each rank from its standby when
         one is alive (else spawned cold)."""
         self.generation += 1
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        init_method = self._comm.listen("127.0.0.1")
         self.workers = []
         for rank in range(1, self.cfg.ep):
             proc = self.standby.pop(rank, None)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ep.channel import load_shard_model
-from ep.comm import Communicator, free_port
+from ep.comm import Communicator
 from ep.worker import serve_rank
 from serving.deployment import GroupConfig, GroupStartError
 
@@ -156,14 +156,14 @@ class RayGroup:
         except Exception as exc:
             raise GroupStartError(f"Ray could not start the worker ranks: {type(exc).__name__}: "
                                f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
-        init_method = f"tcp://{self.driver_ip}:{free_port()}"
+        if self._rank0_comm is None:
+            self._rank0_comm = Communicator(rank=0, world_size=self.cfg.ep, init_method=None,
+                                            timeout_s=self.cfg.timeout_s, device=self.cfg.device)
+        init_method = self._rank0_comm.listen(self.driver_ip)
         self.calls = [actor.serve.remote(rank, init_method, self._rank_cfg(rank), self.generation)
                       for rank, actor in enumerate(self.actors, 1)]
         threading.Thread(target=self._watch, args=(self.calls,), name="metrale-ray-watchdog",
                          daemon=True).start()
-        if self._rank0_comm is None:
-            self._rank0_comm = Communicator(rank=0, world_size=self.cfg.ep, init_method=None,
-                                            timeout_s=self.cfg.timeout_s, device=self.cfg.device)
         self._rank0_comm.join(init_method)
         self.comm = self._rank0_comm
 
