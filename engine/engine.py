@@ -261,7 +261,7 @@ class Engine:
             state = self.states.get(seq.seq_id)
             if seq.seq_id in drafting or state is None or not state.pending_hidden:
                 continue
-            end = state.fed_upto + sum(h.shape[0] for h in state.pending_hidden)
+            end = state.pending_end
             if end // size > state.fed_upto // size:
                 out.append(ProposeRequest(state, seq.token_ids, 0, grammar=seq.grammar))
                 rows += end - state.fed_upto
@@ -287,7 +287,7 @@ class Engine:
                 # Row i pairs with token i + 1: the rows past the last committed token's
                 # predecessor (verify rows past a stop, the last token's own row) have none.
                 known = len(seq.token_ids) - 1 - state.fed_upto
-                if sum(h.shape[0] for h in state.pending_hidden) > known:
+                if state.pending_end - state.fed_upto > known:
                     state.pending_hidden[:] = [torch.cat(state.pending_hidden)[:known]] if known > 0 else []
                 if known > 0 and (state.fed_upto + known) // size > state.fed_upto // size:
                     feeds.append(ProposeRequest(state, seq.token_ids, 0, grammar=seq.grammar))

@@ -64,7 +64,7 @@ class DrafterMirror:
         st = self.states.get(slot)
         if st is None:
             return self.cache.num_attached_tokens(slot)
-        return st.fed_upto + sum(h.shape[0] for h in st.pending_hidden)
+        return st.pending_end
 
 
 class Worker:

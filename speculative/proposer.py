@@ -30,6 +30,11 @@ class ProposerState:
     pending_hidden: list[torch.Tensor] = field(default_factory=list)
     fed_upto: int = 0          # drafter rows 0..fed_upto-1 hold true (committed) inputs
 
+    @property
+    def pending_end(self) -> int:
+        """The position after the last observed row: fed_upto plus the unfed rows."""
+        return self.fed_upto + sum(h.shape[0] for h in self.pending_hidden)
+
 
 @dataclass(frozen=True, slots=True)
 class Drafts:
@@ -81,9 +86,8 @@ class DraftProposer(ABC):
     def observe_target(self, state: ProposerState, hidden: torch.Tensor, rows: range, start: int) -> None:
         """Rows `rows` of a target forward's pre-norm hidden [T, H] belong to committed positions
         start..start+len(rows)-1 of `state`'s sequence."""
-        pending_end = state.fed_upto + sum(h.shape[0] for h in state.pending_hidden)
-        if start != pending_end:
-            raise ValueError(f"sequence {state.seq_id}: hidden rows from {start}, expected {pending_end}")
+        if start != state.pending_end:
+            raise ValueError(f"sequence {state.seq_id}: hidden rows from {start}, expected {state.pending_end}")
         state.pending_hidden.append(hidden[rows.start:rows.stop])
 
     @abstractmethod

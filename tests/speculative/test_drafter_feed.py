@@ -52,23 +52,32 @@ def test_last_rows_alone_equal_the_full_drafter_step(ckpt_mtp, family_ckpt, case
         torch.testing.assert_close(got_keys, keys, rtol=0, atol=0)
 
 
-def test_capped_sequences_feed_in_batches_and_cache_their_output(ckpt_mtp, monkeypatch):
-    """Above the width cap nobody drafts: a prompt's whole blocks are fed at once, the generated
-    rows wait (below FEED_BATCH_ROWS) and are fed when their sequence ends, in one call for the
-    sequences that end together; then a request that continues one of them (a conversation's
-    next turn) finds the generated blocks too, with the drafter rows a computed run writes."""
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+def capped_run(ckpt, monkeypatch):
+    """Two 20-token prompts, 40 tokens each, with a width cap of one (so nobody drafts), every
+    propose call recorded as (num_steps, requests, their draft counts). Returns (the LLM, the
+    prompts, their outputs, the calls)."""
     prompts = [[(i * 37 + s) % 300 + 1 for i in range(20)] for s in (0, 1)]
-    capped = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, spec="mtp", num_drafts=3, mtp_max_seqs=1)
-    engine = capped.engine
-    calls = []
+    capped = LLM(ckpt, dtype="float64", kv_cache_tokens=2048, spec="mtp", num_drafts=3, mtp_max_seqs=1)
+    engine, calls = capped.engine, []
     propose = engine.proposer.propose_batch
 
     def counted(reqs):
         calls.append((engine.num_steps, len(reqs), sorted({r.num_drafts for r in reqs})))
         return propose(reqs)
     monkeypatch.setattr(engine.proposer, "propose_batch", counted)
-    outs = capped.generate(prompts, params)
+    return capped, prompts, capped.generate(prompts, PARAMS), calls
+
+
+def test_capped_sequences_feed_in_batches_and_cache_their_output(ckpt_mtp, monkeypatch):
+    """Above the width cap nobody drafts: a prompt's whole blocks are fed at once, the generated
+    rows wait (below FEED_BATCH_ROWS) and are fed when their sequence ends, in one call for the
+    sequences that end together; then a request that continues one of them (a conversation's
+    next turn) finds the generated blocks too, with the drafter rows a computed run writes."""
+    capped, prompts, outs, calls = capped_run(ckpt_mtp, monkeypatch)
+    engine = capped.engine
     assert engine.metrics.verifies == 0                      # two sequences, cap one: no drafts
     # The prompts' first blocks, together, after the prefill; the rest when both end.
     assert [(n, d) for _, n, d in calls] == [(2, [0]), (2, [0])]
@@ -76,7 +85,7 @@ def test_capped_sequences_feed_in_batches_and_cache_their_output(ckpt_mtp, monke
     # 20 + 40 tokens: the cache holds the last computed position 58, so blocks 0..2 are final.
     follow = prompts[0] + outs[0].token_ids + [7, 8]
     off = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, prefix_cache=False, spec="mtp", num_drafts=3)
-    again, fresh = capped.generate([follow], params)[0], off.generate([follow], params)[0]
+    again, fresh = capped.generate([follow], PARAMS)[0], off.generate([follow], PARAMS)[0]
     assert again.cached_tokens == 48
     assert (again.token_ids, again.drafted_tokens, again.accepted_tokens) == \
         (fresh.token_ids, fresh.drafted_tokens, fresh.accepted_tokens)
@@ -86,14 +95,9 @@ def test_generated_rows_are_fed_once_a_batch_is_due(ckpt_mtp, monkeypatch):
     """Once the sequences with a complete unfed block hold FEED_BATCH_ROWS unfed rows between
     them, the engine feeds them all in one call, before the sequences end."""
     monkeypatch.setattr(engine_module, "FEED_BATCH_ROWS", 32)
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    prompts = [[(i * 37 + s) % 300 + 1 for i in range(20)] for s in (0, 1)]
-    capped = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, spec="mtp", num_drafts=3, mtp_max_seqs=1)
+    capped, _, _, calls = capped_run(ckpt_mtp, monkeypatch)
     engine = capped.engine
-    steps = []
-    propose = engine.proposer.propose_batch
-    monkeypatch.setattr(engine.proposer, "propose_batch", lambda reqs: (steps.append(engine.num_steps), propose(reqs))[1])
-    capped.generate(prompts, params)
+    steps = [step for step, _, _ in calls]
     # The prefill computes positions 0..19; decode step k computes position 19 + k, and the
     # propose after it sees num_steps k + 1. The prompt's call feeds rows 0..19. Block 1 is
     # complete from position 31 on, with 12 rows pending each (24 < 32); at position 35, 16 each:
