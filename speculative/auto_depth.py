@@ -4,16 +4,23 @@ It measures two things apart, because their product is what a step earns and eac
 less noisy than tokens per step:
 - the drafter's acceptance at each draft position i, pooled over every verify: a_i, the share
   of chains that reached draft i and had it accepted;
-- per width band (1, 2, 4, ... sequences), the cost in seconds of a pure decode step at each
-  depth it has run, depth 0 being plain decoding.
+- per width band (1, 2, 4, ... sequences), the cost of a pure decode step at each depth it has
+  run, depth 0 being plain decoding, on a relative scale: a step at another depth than the band's
+  current one (a probe) is divided by the current depth's last few steps, which ran just before it.
+  The host's speed drifts (1.5x within minutes on a shared CPU), and a ratio of neighbouring steps
+  cancels that drift where costs measured minutes apart would not. Each depth keeps the median of
+  its last few ratios, so one outlier (a first step that compiles a shape) does not stick.
 The expected committed tokens per sequence at depth d are 1 + sum_{i<=d} prod_{j<=i} a_j, and the
-depth served is the one with the most expected tokens per second of step. Depths with fewer than
-`min_samples` cost samples are probed (one step each) every `probe_every / 4` steps of the band,
-then every `probe_every` steps the known ones are re-probed in turn so their costs stay current; the band switches only when
-another depth beats its current one by more than `hysteresis`. Starts from the static ladder.
+depth served is the one with the most expected tokens per unit of step cost. Depths with fewer than
+`min_samples` ratios are probed (one step each) every `probe_every / 4` steps of the band, then
+every `probe_every` steps the known ones are re-probed in turn so their ratios stay current; the
+band switches only when another depth beats its current one by more than `hysteresis`. Starts from
+the static ladder.
 """
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,25 +29,50 @@ from speculative.metrics import width_bucket as width_band
 __all__ = ["AutoDepthController", "width_band"]
 
 
+RECENT_STEPS = 5   # the current depth's steps a probe is divided by (their median)
+RATIOS_KEPT = 5    # a depth's latest ratios, whose median is its relative cost
+
+
+def _median(values) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
 @dataclass(slots=True)
 class _Band:
     current: int
-    cost: dict[int, float] = field(default_factory=dict)     # depth -> EMA of seconds per step
-    samples: dict[int, int] = field(default_factory=dict)
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))   # log s of the current depth's steps
+    levels: dict[int, deque] = field(default_factory=dict)   # depth -> its latest log costs on the band's scale
+    samples: dict[int, int] = field(default_factory=dict)   # depth -> steps recorded
     steps: int = 0
     probes: int = 0
+
+    def level(self, depth: int) -> float | None:
+        """The depth's log cost on the band's scale (the median of its latest), None when unmeasured."""
+        kept = self.levels.get(depth)
+        return _median(kept) if kept else None
+
+    @property
+    def cost(self) -> dict[int, float]:
+        """Seconds a step at each measured depth costs at the host's current speed (the current
+        depth's recent steps times each depth's ratio to it)."""
+        anchor = self.level(self.current)
+        if anchor is None or not self.recent:
+            return {}
+        now = _median(self.recent)
+        return {d: math.exp(now + self.level(d) - anchor) for d in self.levels if self.levels[d]}
 
 
 class AutoDepthController:
     def __init__(self, max_depth: int, *, start_depth: Callable[[int], int] | None = None, probe_every: int = 16,
-                 hysteresis: float = 0.05, min_samples: int = 3, smoothing: float = 0.1) -> None:
+                 hysteresis: float = 0.05, min_samples: int = 3) -> None:
         """`start_depth(n_active)`: a new band's first depth (the static ladder's; max_depth when None)."""
         if max_depth < 0:
             raise ValueError(f"max_depth={max_depth} must be non-negative")
         self.max_depth = max_depth
         self.start_depth = start_depth or (lambda n_active: max_depth)
-        self.probe_every, self.hysteresis = probe_every, hysteresis
-        self.min_samples, self.smoothing = min_samples, smoothing
+        self.probe_every, self.hysteresis, self.min_samples = probe_every, hysteresis, min_samples
         self.bands: dict[int, _Band] = {}
         self.reached = [0] * max_depth     # chains that drafted position i (0-based) with 0..i-1 accepted
         self.accepted = [0] * max_depth    # ... and had draft i accepted
@@ -63,14 +95,23 @@ class AutoDepthController:
         if seconds <= 0:
             return
         band = self._band(n_active)
-        old = band.cost.get(depth)
-        band.cost[depth] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+        x = math.log(seconds)
+        if depth == band.current:
+            band.recent.append(x)
+            if not band.levels.get(depth):
+                band.levels[depth] = deque([0.0], maxlen=RATIOS_KEPT)   # the first current depth sets the scale
+        elif band.recent:   # a probe, paired with the current depth's steps just before it
+            kept = band.levels.setdefault(depth, deque(maxlen=RATIOS_KEPT))
+            kept.append(x - _median(band.recent) + band.level(band.current))
+        else:               # nothing to pair with yet (the band just started or switched)
+            return
         band.samples[depth] = band.samples.get(depth, 0) + 1
-        rates = {d: self.expected_tokens(d) / c for d, c in band.cost.items() if band.samples[d] >= self.min_samples}
-        if band.current in rates:
-            best = max(rates, key=rates.get)
-            if rates[best] > rates[band.current] * (1 + self.hysteresis):
-                band.current = best
+        rates = {d: math.log(self.expected_tokens(d)) - band.level(d) for d, kept in band.levels.items()
+                 if d == band.current or len(kept) >= self.min_samples}
+        best = max(rates, key=rates.get)
+        if rates[best] > rates[band.current] + math.log1p(self.hysteresis):
+            band.current = best
+            band.recent.clear()   # the new current depth's own steps pair the next probes
 
     # --- decisions ------------------------------------------------------------------------
     def acceptance(self) -> list[float]:
@@ -90,13 +131,15 @@ class AutoDepthController:
         """The depth to run this step at width `n_active` (a probe now and then)."""
         band = self._band(n_active)
         band.steps += 1
-        unknown = [d for d in range(self.max_depth + 1) if band.samples.get(d, 0) < self.min_samples]
-        # While some depth is unmeasured, probe four times as often: a band can be short-lived.
-        if band.steps % (max(1, self.probe_every // 4) if unknown else self.probe_every):
+        unknown = [d for d in range(self.max_depth + 1)
+                   if d != band.current and len(band.levels.get(d, ())) < self.min_samples]
+        # While some depth is unmeasured, probe four times as often: a band can be short-lived. A
+        # probe needs steps of the current depth to pair with, so none comes before them.
+        if not band.recent or band.steps % (max(1, self.probe_every // 4) if unknown else self.probe_every):
             return band.current
         band.probes += 1
         if unknown:
-            return min(unknown, key=lambda d: (band.samples.get(d, 0), abs(d - band.current)))
+            return min(unknown, key=lambda d: (len(band.levels.get(d, ())), abs(d - band.current)))
         others = [d for d in range(self.max_depth + 1) if d != band.current]
         return others[band.probes % len(others)] if others else band.current
 

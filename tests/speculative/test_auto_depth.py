@@ -84,6 +84,29 @@ def test_hysteresis_keeps_a_near_tie():
     assert ctrl.bands[1].current == 0
 
 
+def test_a_drifting_host_and_a_compile_outlier_do_not_mislead_it():
+    # d1 is best: 1.8 tokens for 7.5 ms against 1/10, 2.36/12 and 2.64/16. The host's speed swings
+    # 1.6x over a few hundred steps, and each depth's first step costs 50x (it compiles a shape).
+    import math
+    base = {0: 0.010, 1: 0.0075, 2: 0.012, 3: 0.016}
+    seen: set[int] = set()
+    t = [0]
+
+    def cost(d):
+        t[0] += 1
+        first = d not in seen
+        seen.add(d)
+        return base[d] * (1.3 + 0.3 * math.sin(t[0] / 60)) * (50 if first else 1)
+
+    ctrl = AutoDepthController(3)   # starts at 3, the default probe interval
+    chosen = simulate(ctrl, 1, cost, [0.8, 0.7, 0.5], 1500)
+    assert ctrl.bands[1].current == 1
+    assert chosen[-500:].count(1) >= 450
+    # Its cost estimates are in seconds at the host's present speed, in the measured order.
+    c = ctrl.bands[1].cost
+    assert sorted(c, key=c.get) == [1, 0, 2, 3] and all(0.005 < v < 0.03 for v in c.values())
+
+
 def test_engine_auto_policy_is_lossless(ckpt_mtp):
     from serving.llm import LLM
     from runtime.sampler import SamplingParams
