@@ -107,6 +107,21 @@ def model_width_cap(model_dir: Path | None) -> int | None:
     return value
 
 
+def model_ladder(model_dir: Path | None) -> list[tuple[int, int]] | None:
+    """`[behavior] mtp_k_ladder` of the model folder's metrale.toml parsed, or None when absent.
+    A value that is not a ladder is refused (a folder's defaults are checked, not guessed)."""
+    if model_dir is None or not Path(model_dir).is_dir():
+        return None
+    value = load_behavior(model_dir).get("mtp_k_ladder")
+    if value is None:
+        return None
+    steps = parse_mtp_k_ladder(value) if isinstance(value, str) else None
+    if steps is None:
+        raise ConfigError(f"{model_dir}/metrale.toml [behavior] mtp_k_ladder={value!r} is not a ladder: expected "
+                          "a string n_max:drafts[,n_max:drafts...], e.g. \"1:3,4:1\"")
+    return steps
+
+
 def resolve_spec_settings(*, method: str = "none", num_drafts: int = 3, depth_policy: str | None = None,
                           k_ladder: str | None = None, width_cap: int | None = None,
                           confidence_stop: float | None = None, tree_shape: str | TreeShape | None = None,
@@ -127,8 +142,9 @@ def resolve_spec_settings(*, method: str = "none", num_drafts: int = 3, depth_po
             raise ValueError(f"--mtp-k-ladder {k_ladder!r} is not a ladder: expected n_max:drafts[,n_max:drafts...], "
                              "e.g. 4:3,8:3,16:1,32:1")
     pinned = steps is not None or ladders.mtp_ladder_pinned()
-    if steps is None:
-        steps = ladders.current_ladder()
+    model = Path(model_dir) if model_dir else None
+    if steps is None:   # published or METRALE_MTP_K_LADDER, else the folder's, else the default
+        steps = ladders.current_ladder() if pinned else (model_ladder(model) or ladders.current_ladder())
     policy = depth_policy or ("auto" if auto else "ladder")
     if policy == "auto" and pinned:
         policy = "ladder"
@@ -138,7 +154,7 @@ def resolve_spec_settings(*, method: str = "none", num_drafts: int = 3, depth_po
     elif ladders.mtp_max_seqs_published():
         cap, source = ladders.published_max_seqs()
     else:
-        cap, source = resolve_mtp_max_seqs(None, model_width_cap(Path(model_dir) if model_dir else None), disabled)
+        cap, source = resolve_mtp_max_seqs(None, model_width_cap(model), disabled)
     stop = confidence_stop if confidence_stop is not None else draft_stop.draft_confidence_stop()
     shape = _tree_shape(tree_shape, method)
     return SpecSettings(method=method, num_drafts=num_drafts if method != "none" else 0, depth_policy=policy,

@@ -201,6 +201,7 @@ BREAKS = {
     "bad-tokenizer-config": lambda d: _rewrite(d, "tokenizer_config.json", b"{oops"),
     "bad-metrale-toml": lambda d: _rewrite(d, "metrale.toml", b"[behavior\n"),
     "toml-width-cap-out-of-range": lambda d: _rewrite(d, "metrale.toml", b"[behavior]\nmtp_max_seqs = 999\n"),
+    "toml-bad-ladder": lambda d: _rewrite(d, "metrale.toml", b'[behavior]\nmtp_k_ladder = "4:x"\n'),
 }
 FOLDERS = [
     Folder("missing-folder", "missing-folder", "does not exist"),
@@ -220,6 +221,7 @@ FOLDERS = [
     Folder("bad-tokenizer-config", "bad-tokenizer-config", "tokenizer_config.json: not valid JSON", command="serve"),
     Folder("bad-metrale-toml", "bad-metrale-toml", "metrale.toml: not valid TOML"),
     Folder("toml-width-cap-out-of-range", "toml-width-cap-out-of-range", "mtp_max_seqs=999"),
+    Folder("toml-bad-ladder", "toml-bad-ladder", "mtp_k_ladder='4:x' is not a ladder"),
 ]
 
 

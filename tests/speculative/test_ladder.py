@@ -137,3 +137,31 @@ def test_llm_takes_the_model_folders_width_cap(ckpt_mtp, tmp_path):
             "L.set_mtp_max_seqs(9)\n"
             f"print(resolve_spec_settings(method='mtp', model_dir={str(model)!r}).width_cap)\n")
     assert run(code, {}) == "9"
+
+
+def test_the_model_folders_ladder_sits_below_the_argument_the_cli_and_the_environment(ckpt_mtp, tmp_path):
+    import shutil
+
+    from runtime.config import ConfigError
+    from speculative.settings import resolve_spec_settings
+    model = tmp_path / "m"
+    shutil.copytree(ckpt_mtp, model)
+    (model / "metrale.toml").write_text('[behavior]\nmtp_k_ladder = "1:3, 4:1"\n')
+    s = resolve_spec_settings(method="mtp", model_dir=model)
+    assert (s.ladder, s.depth_policy) == (((1, 3), (4, 1)), "ladder")
+    assert [s.ladder_drafts(n) for n in (1, 2, 4, 9)] == [3, 1, 1, 1]
+    # A folder's ladder is a default, not a pin: auto still runs, and starts from it.
+    auto = resolve_spec_settings(method="mtp", k_ladder="auto", model_dir=model)
+    assert (auto.depth_policy, auto.ladder) == ("auto", ((1, 3), (4, 1)))
+    assert resolve_spec_settings(method="mtp", k_ladder="2:2", model_dir=model).ladder == ((2, 2),)   # the argument
+    assert resolve_spec_settings(method="mtp").ladder == tuple(DEFAULT)                               # no folder
+    # The environment and a published (the CLI's) ladder both beat the folder: fresh interpreters.
+    code = ("from speculative.settings import resolve_spec_settings\n"
+            f"print(resolve_spec_settings(method='mtp', model_dir={str(model)!r}).ladder)\n")
+    assert run(code, {}) == "((1, 3), (4, 1))"
+    assert run(code, {"METRALE_MTP_K_LADDER": "8:2"}) == "((8, 2),)"
+    assert run("L.set_mtp_k_ladder('6:1')\n" + code, {}) == "((6, 1),)"
+    for bad in ('"4-3"', "3", '""'):
+        (model / "metrale.toml").write_text(f"[behavior]\nmtp_k_ladder = {bad}\n")
+        with pytest.raises(ConfigError, match="mtp_k_ladder=.* is not a ladder"):
+            resolve_spec_settings(method="mtp", model_dir=model)
