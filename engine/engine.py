@@ -246,8 +246,8 @@ class Engine:
         """Feed-only requests (no drafts) for running sequences that do not draft this step and
         whose unfed rows complete a KV block, so the prefix cache can index it: a drafter with
         cache rows finalises a block only once it is fed (`num_final`), and above the width cap
-        nobody drafts. A drafter call has a fixed cost (its weights read, one row through the
-        layer and the head; the other fed rows only write keys and values), so generated rows
+        nobody drafts. A drafter call has a fixed cost (a feed-only call writes keys and values
+        alone, `mtp_write`, but its host work and GEMM calls are paid per call), so generated rows
         wait until the sequences with a complete unfed block hold FEED_BATCH_ROWS unfed rows
         between them, or the drafter runs anyway this step; a block wholly in a prompt, which
         later requests are likeliest to share, is fed at once after its prefill, and a finishing

@@ -180,6 +180,28 @@ def last_row_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
     return build_plan(cache, [SeqChunk(c.seq_id, c.end - 1, 1) for c in chunks])
 
 
+class KVWrites:
+    """The context of a forward that only writes keys and values (`CausalLM.mtp_write`): the rows
+    of `chunks` (causal, every position reserved) go to their cache cells, and nothing attends.
+    Its plan is their positions and cells alone, without the padded batch `build_plan` builds."""
+
+    def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
+        if not chunks or any(c.parents is not None or c.num_tokens < 1 for c in chunks):
+            raise ValueError("key/value writes take causal, non-empty chunks")
+        device = cache.device
+        self.cache = cache
+        self.positions = torch.cat([c.positions(device) for c in chunks])
+        self.cells = torch.cat([cache.cells(c.seq_id, 0, c.end)[c.start:] for c in chunks])
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [T, nkv, D] of every row into the cache layer `layer_idx`."""
+        self.cache.write(layer_idx, self.cells, k, v)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        raise RuntimeError("KVWrites only writes keys and values; a forward that attends needs PagedAttention")
+
+
 class PagedAttention:
     """`AttentionContext` over a paged cache: writes this step's k/v, then attends over the context.
 

@@ -32,6 +32,17 @@ class AttentionContext(Protocol):
         ...
 
 
+class KVWriter(Protocol):
+    """Where a forward that only writes keys and values puts them (`runtime.attention.KVWrites`):
+    the positions [T] of its rows, and their cache writes."""
+
+    positions: torch.Tensor
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k [T, nkv, D], v [T, nkv, Dv] of every row of the forward into cache layer `layer_idx`."""
+        ...
+
+
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     """Precision of norm statistics and routing: float32, or float64 for a float64 model."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -187,6 +198,21 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, q_cos, q_sin, self.interleaved), apply_rotary(k, cos, sin, self.interleaved)
         out = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [T or B, nh, D]
         return self.o_proj(out.reshape(q.shape[0], -1))
+
+    def write_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: KVWriter) -> None:
+        """x [T, H]: every row's keys and values into `ctx`, and nothing else. The projection is
+        the one `forward` runs (the fused q/k/v GEMM over the same rows), so the cache gets the
+        same keys and values bit for bit; only what follows it is skipped."""
+        t = x.shape[0]
+        if self.qkv is not None:
+            _, k, v = self.qkv(x)
+        else:
+            k, v = self.k_proj(x), self.v_proj(x)
+        k = k.view(t, -1, self.head_dim)
+        v = v.view(t, -1, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        ctx.write(self.layer_idx, apply_rotary(k, *rope, self.interleaved), v)
 
 
 class MLP(nn.Module):

@@ -24,7 +24,7 @@ from torch import nn
 
 from runtime import batch_invariant as bi
 from runtime.config import ModelConfig
-from runtime.layers import AttentionContext, Linear, RMSNorm
+from runtime.layers import AttentionContext, KVWriter, Linear, RMSNorm
 from runtime.rotary import apply_rotary, softmax_scale
 
 
@@ -91,4 +91,11 @@ class MLAttention(nn.Module):
                          key[..., :self.kv_lora_rank], self.scale)                  # [T, nh, C]
         out = per_head_linear(out, w_uv, self.batch_invariant)                      # [T, nh, Dv]
         return self.o_proj(out.reshape(t, -1))
+
+    def write_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: KVWriter) -> None:
+        """x [T, H]: every row's latent key into `ctx` (computed as `forward` does), nothing else."""
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        key = torch.cat((self.kv_a_layernorm(latent)[:, None], apply_rotary(k_rope[:, None], *rope, self.interleaved)),
+                        dim=-1)                                                     # [T, 1, C + Dr]
+        ctx.write(self.layer_idx, key, key[..., :self.kv_lora_rank])
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from runtime import batch_invariant as bi
 from runtime.config import ModelConfig
-from runtime.layers import MLP, Attention, AttentionContext, Linear, MoE, RMSNorm
+from runtime.layers import MLP, Attention, AttentionContext, KVWriter, Linear, MoE, RMSNorm
 from runtime.mla import MLAttention
 from runtime.rotary import RotaryEmbedding
 
@@ -40,6 +40,10 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(x), rope, ctx, rows)
         x = (x if rows is None else x[rows]) + attn
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def write_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: KVWriter) -> None:
+        """x [T, H]: every row's keys and values into `ctx`, as `forward` writes them; nothing else."""
+        self.self_attn.write_kv(self.input_layernorm(x), rope, ctx)
 
 
 class SharedHead(nn.Module):
@@ -154,10 +158,23 @@ class CausalLM(nn.Module):
         if self.mtp.batch_invariant and self._twice(tokens):   # one row: `rows` can only be [0]
             return self.mtp_forward(tokens.expand(2), prev_hidden.expand(2, -1), positions.expand(2),
                                     RowTwice(ctx))[:1]
+        x = self._mtp_input(tokens, prev_hidden)
+        return self.mtp.block(x, self.rotary(positions, x.dtype), ctx, rows)
+
+    def _mtp_input(self, tokens: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer's input [T, H]: eh_proj(concat(enorm(embed(token)), hnorm(hidden)))."""
         mtp = self.mtp
         embed = mtp.embed_tokens if mtp.embed_tokens is not None else self.embed_tokens
-        x = mtp.eh_proj(torch.cat((mtp.enorm(embed(tokens)), mtp.hnorm(prev_hidden)), dim=-1))
-        return mtp.block(x, self.rotary(positions, x.dtype), ctx, rows)
+        return mtp.eh_proj(torch.cat((mtp.enorm(embed(tokens)), mtp.hnorm(prev_hidden)), dim=-1))
+
+    def mtp_write(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, ctx: KVWriter) -> None:
+        """Feed rows that draft nothing: tokens [T] at `ctx.positions` with the previous
+        positions' hidden [T, H] write the MTP layer's keys and values, computed as `mtp_forward`
+        computes them over the same rows, and nothing else runs: no attention, MLP or head."""
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP layer (num_nextn_predict_layers is 0)")
+        x = self._mtp_input(tokens, prev_hidden)
+        self.mtp.block.write_kv(x, self.rotary(ctx.positions, x.dtype), ctx)
 
     def mtp_draft(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
                   ctx: AttentionContext, rows: torch.Tensor

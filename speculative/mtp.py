@@ -24,7 +24,7 @@ import struct
 
 import torch
 
-from runtime.attention import PagedAttention, SeqChunk, build_plan, forward_context, last_row_plan
+from runtime.attention import KVWrites, PagedAttention, SeqChunk, build_plan, forward_context, last_row_plan
 from runtime.compiled import compile_step
 from runtime.grammar import GrammarMatcher
 from runtime.kv_cache import PagedKVCache
@@ -165,11 +165,14 @@ class MTPProposer(DraftProposer):
             st.fed_upto += m
             st.pending_hidden.clear()
         keep = [j for j in live if num_drafts[j] > 0]          # the rest are only fed
-        # Only drafting sequences' last rows go past the drafter's attention (the others only
-        # write keys and values); a call that drafts nothing still takes one row through.
-        hidden, dist = self._forward(tokens, torch.cat(hiddens), chunks, keep or [len(chunks) - 1])
-        if not keep:
+        prev = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
+        if not keep:   # only fed: the rows' keys and values, and nothing past them (eager, no graph)
+            token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
+            self.model.mtp_write(token_tensor, prev, KVWrites(self.cache, chunks))
             return out
+        # Only drafting sequences' last rows go past the drafter's attention (the others only
+        # write keys and values).
+        hidden, dist = self._forward(tokens, prev, chunks, keep)
         active = [live[j] for j in keep]
         positions = [chunks[j].end - 1 for j in keep]
         for _ in range(max(num_drafts)):

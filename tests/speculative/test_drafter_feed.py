@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import engine.engine as engine_module
-from runtime.attention import PagedAttention, SeqChunk, build_plan, last_row_plan
+from runtime.attention import KVWrites, PagedAttention, SeqChunk, build_plan, last_row_plan
+from runtime.batch_invariant import set_batch_invariant
 from runtime.sampler import SamplingParams
 from serving.llm import LLM
 
@@ -32,24 +33,61 @@ def test_last_rows_alone_equal_the_full_drafter_step(ckpt_mtp, family_ckpt, case
     plan = build_plan(cache, chunks)
     cells = torch.cat([cache.cells(c.seq_id, 0, c.end) for c in chunks])
 
-    def run(query: list[int] | None):
+    def written() -> torch.Tensor:
+        planes = [cache.k[layer]] + ([cache.v[layer]] if cache.latent_dim is None else [])
+        return torch.stack([p[cells] for p in planes])
+
+    def run(query: list[int] | str | None):
         cache.k[layer].copy_(context)
         if cache.latent_dim is None:
             cache.v[layer].copy_(context)
+        if query == "write":   # rows that draft nothing: keys and values alone (`mtp_write`)
+            assert model.mtp_write(tokens, prev, KVWrites(cache, chunks)) is None
+            return None, written()
         if query is None:
-            return model.mtp_forward(tokens, prev, plan.positions, PagedAttention(cache, plan)), cache.k[layer][cells].clone()
+            return model.mtp_forward(tokens, prev, plan.positions, PagedAttention(cache, plan)), written()
         picked = [chunks[j] for j in query]
         at = torch.tensor([sum(c.num_tokens for c in chunks[:j + 1]) - 1 for j in query])
         out = model.mtp_forward(tokens, prev, plan.positions, PagedAttention(cache, plan, last_row_plan(cache, picked)), at)
-        return out, cache.k[layer][cells].clone()
+        return out, written()
 
     full, keys = run(None)
+    assert not torch.equal(keys, torch.stack([context[cells]] * keys.shape[0]))   # the step wrote them
     for query in ([0, 1, 2], [1], [0, 2]):
         at = [sum(c.num_tokens for c in chunks[:j + 1]) - 1 for j in query]
         out, got_keys = run(query)
         assert out.shape == (len(query), model.config.hidden_size)
         torch.testing.assert_close(out, full[at], rtol=0, atol=1e-12)
         torch.testing.assert_close(got_keys, keys, rtol=0, atol=0)
+    torch.testing.assert_close(run("write")[1], keys, rtol=0, atol=0)   # the same keys and values, bit for bit
+
+
+def test_a_write_only_feed_of_one_batch_invariant_row_writes_what_the_step_writes():
+    """A batch-invariant float32 drafter (the runner keeps its drafter on the default kernels;
+    switched on here) runs a one-row step as two copies of the row (`_twice`); `mtp_write` runs
+    the one row, and `bi.linear` gives it the same keys and values bit for bit."""
+    from pathlib import Path
+    model_dir = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
+    llm = LLM(model_dir, dtype="float32", kv_cache_tokens=256, spec="mtp", batch_invariant=True, enforce_eager=True)
+    model, cache = llm.engine.runner.model, llm.engine.runner.cache
+    layer = model.config.num_hidden_layers
+    set_batch_invariant(model.mtp, True)
+    assert model._twice(torch.zeros(1, dtype=torch.long))   # this CPU's one-row GEMMs round otherwise
+    chunk = SeqChunk(1, 6, 1)
+    cache.reserve(1, chunk.end)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model.config.vocab_size, (1,), generator=gen)
+    prev = torch.randn(1, model.config.hidden_size, generator=gen)
+    cell = cache.cells(1, 6, 7)
+    plan = build_plan(cache, [chunk])
+    with torch.inference_mode():
+        model.mtp_forward(tokens, prev, plan.positions, PagedAttention(cache, plan))
+        want = cache.k[layer][cell].clone(), cache.v[layer][cell].clone()
+        cache.k[layer].zero_()
+        cache.v[layer].zero_()
+        model.mtp_write(tokens, prev, KVWrites(cache, [chunk]))
+    assert torch.equal(cache.k[layer][cell], want[0]) and torch.equal(cache.v[layer][cell], want[1])
+    assert want[0].abs().sum() > 0
 
 
 PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
