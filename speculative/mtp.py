@@ -108,7 +108,7 @@ class MTPProposer(DraftProposer):
         i). With the catch-up ring on, METRALE_MTP_REFEED_SHIFT moves every label by its offset
         (clamped to the committed tokens), to test that mapping by acceptance."""
         st = req.state
-        m = sum(h.shape[0] for h in st.pending_hidden)
+        m = st.pending_rows
         shift = self.knobs.refeed_shift
         if shift == 0:
             return list(req.token_ids[st.fed_upto + 1:st.fed_upto + 1 + m])
@@ -118,7 +118,7 @@ class MTPProposer(DraftProposer):
     def propose_batch(self, reqs: list[ProposeRequest]) -> list[Drafts]:
         """Drafts for every request; one with no unfed rows gets none, one with `num_drafts` 0 is
         only fed (its rows written, so its blocks become final for the prefix cache)."""
-        flags = [bool(r.state.pending_hidden) for r in reqs]
+        flags = [r.state.pending_rows > 0 for r in reqs]
         live = [r for r, is_live in zip(reqs, flags) if is_live]
         feeds = [self.feed_tokens(r) for r in live]
         self.before_draft(live, feeds)
@@ -151,19 +151,19 @@ class MTPProposer(DraftProposer):
         tokens, chunks, hiddens = [], [], []
         for i in live:
             st = states[i]
-            feed = torch.cat(st.pending_hidden) if len(st.pending_hidden) > 1 else st.pending_hidden[0]
-            m = feed.shape[0]
+            m = st.pending_rows
             if len(feeds[i]) != m:
                 raise ValueError(f"sequence {st.seq_id}: {m} unfed rows but {len(feeds[i])} feed tokens")
             tokens.extend(feeds[i])
             if self.knobs.refeed_debug:
+                feed = torch.cat(st.pending_hidden)
                 for r in range(m):
                     log.info("mtp feed seq %d pos %d token %d hidden %016x", st.seq_id, st.fed_upto + r,
                              feeds[i][r], hidden_fingerprint(feed[r]))
             chunks.append(SeqChunk(st.seq_id, st.fed_upto, m))
-            hiddens.append(feed)
+            hiddens.extend(st.pending_hidden)   # one concatenation below for every state's rows
             st.fed_upto += m
-            st.pending_hidden.clear()
+            st.clear_pending()
         keep = [j for j in live if num_drafts[j] > 0]          # the rest are only fed
         prev = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
         if not keep:   # only fed: the rows' keys and values, and nothing past them (eager, no graph)

@@ -26,14 +26,32 @@ EP_CMD_MTP_PROPOSE = 0xFFFFFFF5
 class ProposerState:
     """Per-sequence drafter state, opaque to the engine."""
     seq_id: int
-    # Target hiddens not yet fed to the drafter: rows for positions fed_upto.. (in order).
+    # Target hiddens not yet fed to the drafter: rows for positions fed_upto.. (in order), and
+    # how many rows they hold (kept with them: the engine reads it for every sequence each step).
+    # Change them through the methods below.
     pending_hidden: list[torch.Tensor] = field(default_factory=list)
     fed_upto: int = 0          # drafter rows 0..fed_upto-1 hold true (committed) inputs
+    pending_rows: int = 0
 
     @property
     def pending_end(self) -> int:
         """The position after the last observed row: fed_upto plus the unfed rows."""
-        return self.fed_upto + sum(h.shape[0] for h in self.pending_hidden)
+        return self.fed_upto + self.pending_rows
+
+    def add_pending(self, rows: torch.Tensor) -> None:
+        """Target hidden rows [n, H] for the next n unfed positions."""
+        self.pending_hidden.append(rows)
+        self.pending_rows += rows.shape[0]
+
+    def keep_pending(self, n: int) -> None:
+        """Keep the first n unfed rows only (0 drops them all)."""
+        if n < self.pending_rows:
+            self.pending_hidden[:] = [torch.cat(self.pending_hidden)[:n]] if n > 0 else []
+            self.pending_rows = max(n, 0)
+
+    def clear_pending(self) -> None:
+        self.pending_hidden.clear()
+        self.pending_rows = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +106,7 @@ class DraftProposer(ABC):
         start..start+len(rows)-1 of `state`'s sequence."""
         if start != state.pending_end:
             raise ValueError(f"sequence {state.seq_id}: hidden rows from {start}, expected {state.pending_end}")
-        state.pending_hidden.append(hidden[rows.start:rows.stop])
+        state.add_pending(hidden[rows.start:rows.stop])
 
     @abstractmethod
     def propose(self, req: ProposeRequest) -> Drafts:
@@ -102,7 +120,7 @@ class DraftProposer(ABC):
         """Trim the state to what the verify accepted (default: nothing to trim)."""
 
     def free_state(self, state: ProposerState) -> None:
-        state.pending_hidden.clear()
+        state.clear_pending()
 
     def reset_state(self, state: ProposerState) -> None:
         """Forget everything: the sequence was preempted and will be recomputed from scratch."""
@@ -111,7 +129,7 @@ class DraftProposer(ABC):
     def resume_at(self, state: ProposerState, position: int) -> None:
         """The sequence starts over with positions 0..position-1 already computed (attached from
         the prefix cache, whose blocks hold this drafter's rows too): feeding resumes at `position`."""
-        state.pending_hidden.clear()
+        state.clear_pending()
         state.fed_upto = position
 
     def num_final(self, state: ProposerState, num_computed: int) -> int:
