@@ -13,9 +13,11 @@ less noisy than tokens per step:
 The expected committed tokens per sequence at depth d are 1 + sum_{i<=d} prod_{j<=i} a_j, and the
 depth served is the one with the most expected tokens per unit of step cost. Depths with fewer than
 `min_samples` ratios are probed (one step each) every `probe_every / 4` steps of the band, then
-every `probe_every` steps the known ones are re-probed in turn so their ratios stay current; the
-band switches only when another depth beats its current one by more than `hysteresis`. Starts from
-the static ladder.
+the known ones are re-probed in turn so their ratios stay current, every `probe_every` steps at
+first and half as often after each round of probes that changes nothing (down to one in
+`probe_every * 2**max_doublings`: a probe at a worse depth costs that step its difference); the
+band switches only when another depth beats its current one by more than `hysteresis`, and then
+probes at the shortest interval again. Starts from the static ladder.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ class _Band:
     samples: dict[int, int] = field(default_factory=dict)   # depth -> steps recorded
     steps: int = 0
     probes: int = 0
+    quiet: int = 0   # probes since the band last switched depth
 
     def level(self, depth: int) -> float | None:
         """The depth's log cost on the band's scale (the median of its latest), None when unmeasured."""
@@ -66,13 +69,14 @@ class _Band:
 
 class AutoDepthController:
     def __init__(self, max_depth: int, *, start_depth: Callable[[int], int] | None = None, probe_every: int = 16,
-                 hysteresis: float = 0.05, min_samples: int = 3) -> None:
+                 hysteresis: float = 0.05, min_samples: int = 3, max_doublings: int = 3) -> None:
         """`start_depth(n_active)`: a new band's first depth (the static ladder's; max_depth when None)."""
         if max_depth < 0:
             raise ValueError(f"max_depth={max_depth} must be non-negative")
         self.max_depth = max_depth
         self.start_depth = start_depth or (lambda n_active: max_depth)
         self.probe_every, self.hysteresis, self.min_samples = probe_every, hysteresis, min_samples
+        self.max_doublings = max_doublings
         self.bands: dict[int, _Band] = {}
         self.reached = [0] * max_depth     # chains that drafted position i (0-based) with 0..i-1 accepted
         self.accepted = [0] * max_depth    # ... and had draft i accepted
@@ -112,6 +116,7 @@ class AutoDepthController:
         if rates[best] > rates[band.current] + math.log1p(self.hysteresis):
             band.current = best
             band.recent.clear()   # the new current depth's own steps pair the next probes
+            band.quiet = 0        # and probing starts again at its shortest interval
 
     # --- decisions ------------------------------------------------------------------------
     def acceptance(self) -> list[float]:
@@ -135,13 +140,22 @@ class AutoDepthController:
                    if d != band.current and len(band.levels.get(d, ())) < self.min_samples]
         # While some depth is unmeasured, probe four times as often: a band can be short-lived. A
         # probe needs steps of the current depth to pair with, so none comes before them.
-        if not band.recent or band.steps % (max(1, self.probe_every // 4) if unknown else self.probe_every):
+        if not band.recent or (unknown and band.steps % max(1, self.probe_every // 4)):
             return band.current
-        band.probes += 1
         if unknown:
+            band.probes += 1
             return min(unknown, key=lambda d: (len(band.levels.get(d, ())), abs(d - band.current)))
         others = [d for d in range(self.max_depth + 1) if d != band.current]
-        return others[band.probes % len(others)] if others else band.current
+        if not others:
+            return band.current
+        # Each round of probes that leaves the current depth in place doubles the interval (up to
+        # `max_doublings` times): a settled band spends ~1% of its steps probing, not 6%.
+        interval = self.probe_every << min(band.quiet // len(others), self.max_doublings)
+        if band.steps % interval:
+            return band.current
+        band.probes += 1
+        band.quiet += 1
+        return others[band.probes % len(others)]
 
     def summary(self) -> dict:
         return {"acceptance": [round(a, 3) for a in self.acceptance()],

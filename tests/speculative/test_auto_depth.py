@@ -107,6 +107,20 @@ def test_a_drifting_host_and_a_compile_outlier_do_not_mislead_it():
     assert sorted(c, key=c.get) == [1, 0, 2, 3] and all(0.005 < v < 0.03 for v in c.values())
 
 
+def test_a_settled_band_probes_less_and_less_until_it_switches():
+    # d2 is best by far: the probes of the other depths thin out to one in 16 * 2**3 steps; when
+    # costs change so that d1 wins, it switches and probes at the shortest interval again.
+    costs = {0: 0.010, 1: 0.012, 2: 0.009, 3: 0.016}
+    ctrl = AutoDepthController(3)
+    chosen = simulate(ctrl, 1, costs.get, [0.8, 0.7, 0.5], 3000)
+    assert ctrl.bands[1].current == 2
+    assert sum(d != 2 for d in chosen[-1280:]) <= 1280 // 128 + 1
+    assert sum(d != 2 for d in chosen[:400]) >= 400 // 16 - 4     # probing at first
+    costs[1] = 0.005
+    chosen = simulate(ctrl, 1, costs.get, [0.8, 0.7, 0.5], 3000, seed=1)
+    assert ctrl.bands[1].current == 1 and ctrl.bands[1].quiet > 0
+
+
 def test_engine_auto_policy_is_lossless(ckpt_mtp):
     from serving.llm import LLM
     from runtime.sampler import SamplingParams
