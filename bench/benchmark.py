@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.cells import add_ratios, summarize
+from bench.cells import add_ratios, paired, summarize
 from bench.corpus import heldout_prompts
 from bench.report import check_provenance, machine, plot, print_table, provenance, verify_key_settings
 from bench.request_kinds import REQUEST_KINDS, cell_name, request_params
@@ -47,7 +47,10 @@ TREE_ARM = re.compile(r"^tree([1-4]{1,7})$")   # tree122: the shape 1,2,2, besid
 EAGER = "-eager"   # an engine arm named with this suffix runs without torch.compile (none-eager, k2-eager)
 BATCH_INVARIANT = "-bi"   # ... with the batch-invariant kernels (none-bi, k3-bi)
 EXCHANGE = "-a2a"   # ... at EP > 1 with the MoE exchange (`--moe-a2a alltoall`), not the default's choice
-SUFFIXES = (EAGER, BATCH_INVARIANT, EXCHANGE)
+# ... a second, independent instance of the arm named without it (k3-twin beside k3): the two
+# differ by nothing, so their paired ratio is the noise any other ratio of the record must beat.
+TWIN = "-twin"
+SUFFIXES = (EAGER, BATCH_INVARIANT, EXCHANGE, TWIN)
 
 
 def arm_base(arm: str) -> str:
@@ -59,6 +62,26 @@ def arm_base(arm: str) -> str:
 
 def arm_suffixes(arm: str) -> set[str]:
     return {s for s in SUFFIXES if s in arm[len(arm_base(arm)):]}
+
+
+def twin_of(arm: str) -> str:
+    """The arm a `-twin` arm repeats: its name without the suffix (k3-eager-twin -> k3-eager)."""
+    return arm.replace(TWIN, "", 1)
+
+
+def twin_noise(cells: list[dict]) -> list[dict]:
+    """Per twin cell: its paired ratio to the arm it repeats at the same concurrency and request
+    kind (their runs alternate within each repeat, as every pair of arms does)."""
+    out = []
+    for cell in cells:
+        arm, _, kind = cell["arm"].partition("/")
+        if TWIN not in arm_suffixes(arm):
+            continue
+        name = twin_of(arm) + (f"/{kind}" if kind else "")
+        base = next(x for x in cells if x["arm"] == name and x["concurrency"] == cell["concurrency"])
+        if (p := paired(cell, base)) is not None:
+            out.append({"concurrency": cell["concurrency"], "twin": cell["arm"], "arm": name, "paired": p})
+    return out
 
 
 def arm_tree_shape(arm: str, default: str | None) -> str | None:
@@ -120,6 +143,9 @@ class BenchConfig:
                                  "batch-invariant here")
             if TREE_ARM.match(arm):
                 TreeShape.parse(arm_tree_shape(arm, None))
+            if TWIN in arm_suffixes(name) and twin_of(name) not in self.arms:
+                raise ValueError(f"bench arm {name!r} is the control of {twin_of(name)!r}: add that arm too "
+                                 "(their paired ratio is the record's noise)")
         if self.ep < 1:
             raise ValueError(f"--ep {self.ep} must be at least 1")
         exchanged = [name for name in self.arms if EXCHANGE in arm_suffixes(name)]
@@ -393,12 +419,19 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
     cells = [summarize(runs[name, c]) for c in config.concurrency for name in names]
     add_ratios(cells, names[0])
     peers = peer_ratios(cells)
+    noise = twin_noise(cells)
     record = {"model": str(config.model), **start, **end, "kv_cache": kv_cache_bytes(config),
               "recorded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": machine(), "params": asdict(config), "verify_key": verify_key_settings(), "cells": cells}
     if peers:
         record["vs_vllm"] = peers
+    if noise:
+        record["twin_noise"] = noise
     print_table(cells)
+    for n in noise:
+        p = n["paired"]
+        print(f"noise c={n['concurrency']}: {n['twin']} / {n['arm']} (the same arm twice) paired {p['median']:.3f} "
+              f"[{p['range'][0]:.2f}-{p['range'][1]:.2f}]")
     for p in peers:
         print(f"vs vLLM c={p['concurrency']} {p['pair']}: {p['ours']} {p['ours_tok_s']:.1f} / {p['vllm']} "
               f"{p['vllm_tok_s']:.1f} = {'tie' if p['tie'] else format(p['ratio'], '.3f')} "

@@ -18,7 +18,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--concurrency", default=None, help="comma list, e.g. 1,2,4,8,16,32")
     b.add_argument("--arms", default=None, help="comma list of arms: none (the default), hf, k1, k2, k3, ..., tree; an engine "
                         "arm + '-eager' runs without torch.compile (none-eager), + '-bi' with the batch-invariant kernels "
-                        "(k3-bi), + '-a2a' at --ep > 1 with the MoE exchange instead of auto's choice (none-a2a); chat: no-cache,cache (the default)")
+                        "(k3-bi), + '-a2a' at --ep > 1 with the MoE exchange instead of auto's choice (none-a2a), + '-twin' a "
+                        "second instance of an arm also listed (k3-twin beside k3: their paired ratio, printed as "
+                        "the noise, is what two identical arms differ by); chat: no-cache,cache (the default)")
     b.add_argument("--request-kinds", default="plain", metavar="KINDS",
                    help="sweep: comma list of what the requests ask for: plain, json (a JSON schema through the "
                         "grammar mask), penalties; every arm runs each, cells ARM/KIND")

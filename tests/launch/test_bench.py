@@ -68,7 +68,7 @@ def test_bench_writes_record_and_plot(tmp_path):
     # The arms run eager (`--enforce-eager`; a compile costs ~30 s on a cold cache): the record's
     # fields are what this test checks. test_request_kinds_run_side_by_side_on_each_arm runs a
     # compiled arm, and the "-eager" suffix is checked there too.
-    out = subprocess.run(metrale_cmd("bench", "--model", str(model), "--arms", "none,none-eager,k2-eager,ladder-eager,hf",
+    out = subprocess.run(metrale_cmd("bench", "--model", str(model), "--arms", "none,none-eager,k2-eager,ladder-eager,hf,none-twin",
                                      "--enforce-eager",
                                      "--concurrency", "1,2", "--max-tokens", "6", "--requests", "2", "--repeats", "2",
                                      "--json-out", str(tmp_path / "b.json"), "--plot-out", str(tmp_path / "b.png")),
@@ -78,7 +78,8 @@ def test_bench_writes_record_and_plot(tmp_path):
     assert record["git_sha"] and isinstance(record["dirty"], bool) and "bench --model" in record["command"]
     assert record["git_sha_at_end"] == record["git_sha"] and record["machine"]["cpu_count"] >= 1
     cells = {(c["arm"], c["concurrency"]): c for c in record["cells"]}
-    assert set(cells) == {(a, c) for a in ("none", "none-eager", "k2-eager", "ladder-eager", "hf") for c in (1, 2)}
+    assert set(cells) == {(a, c) for a in ("none", "none-eager", "k2-eager", "ladder-eager", "hf", "none-twin")
+                          for c in (1, 2)}
     for (arm, c), x in cells.items():
         assert len(x["tok_s_runs"]) == 2 and x["tok_s"] in x["tok_s_runs"]
         assert x["tok_s_min"] <= x["tok_s"] <= x["tok_s_max"] and x["requests"] == 2
@@ -94,6 +95,13 @@ def test_bench_writes_record_and_plot(tmp_path):
     assert cells["hf", 1]["accept_len"] is None and cells["hf", 2]["output_tokens"] == 12
     assert cells["none", 1]["compiled"] is False and cells["none-eager", 1]["compiled"] is False
     assert "vs best fixed" in out.stdout and "[" in out.stdout   # the table shows ratios and spreads
+    # The twin is a control, never the best fixed arm: its paired ratio to `none` is the noise.
+    assert all(x.get("best_fixed_arm") != "none-twin" for x in cells.values())
+    noise = {n["concurrency"]: n for n in record["twin_noise"]}
+    assert set(noise) == {1, 2} and all(n["twin"] == "none-twin" and n["arm"] == "none" for n in noise.values())
+    runs = [a / b for a, b in zip(cells["none-twin", 1]["tok_s_runs"], cells["none", 1]["tok_s_runs"])]
+    assert noise[1]["paired"]["range"] == [round(min(runs), 3), round(max(runs), 3)]
+    assert "noise c=1: none-twin / none (the same arm twice) paired" in out.stdout
     assert (tmp_path / "b.png").stat().st_size > 10_000
 
 
@@ -115,6 +123,9 @@ def test_tree_arms_name_their_shape():
     with pytest.raises(ValueError, match="unknown bench arm 'tree5'"):
         BenchConfig(model="m", arms=("tree5",))
     BenchConfig(model="m", arms=("none-eager", "k2-eager", "tree122-eager", "k3-bi", "none-eager-bi"))
+    BenchConfig(model="m", arms=("k3", "k3-twin", "none-eager", "none-eager-twin"))
+    with pytest.raises(ValueError, match="'k2-twin' is the control of 'k2': add that arm too"):
+        BenchConfig(model="m", arms=("k3", "k2-twin"))
     BenchConfig(model="m", arms=("none", "none-a2a", "k3-bi-a2a"), ep=2)
     with pytest.raises(ValueError, match="'none-a2a': -a2a picks the MoE dispatch of an EP group"):
         BenchConfig(model="m", arms=("none", "none-a2a"))
