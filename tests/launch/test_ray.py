@@ -68,7 +68,7 @@ def test_killed_rank_recovers_and_streams_complete(ray_tmp, tmp_path):
     proc = subprocess.Popen(metrale_cmd("serve", "--model", str(EMBEDDED), "--port", str(port), "--dtype", "float64",
                                         "--ep", "2", "--launcher", "ray", "--ray-temp-dir", ray_tmp, "--spec", "mtp",
                                         "--ep-timeout", "30", "--kv-cache-tokens", "4096", "--max-num-seqs", "8",
-                                        "--mtp-max-seqs", "8"),   # all 8 streams draft (the model's cap is 4)
+                                        "--mtp-max-seqs", "8"),   # all 8 streams draft (the model's cap, given here too)
                             env=ray_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
