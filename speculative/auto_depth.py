@@ -46,7 +46,6 @@ class _Band:
     current: int
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))   # log s of the current depth's steps
     levels: dict[int, deque] = field(default_factory=dict)   # depth -> its latest log costs on the band's scale
-    samples: dict[int, int] = field(default_factory=dict)   # depth -> steps recorded
     steps: int = 0
     probes: int = 0
     quiet: int = 0   # probes since the band last switched depth
@@ -109,7 +108,6 @@ class AutoDepthController:
             kept.append(x - _median(band.recent) + band.level(band.current))
         else:               # nothing to pair with yet (the band just started or switched)
             return
-        band.samples[depth] = band.samples.get(depth, 0) + 1
         rates = {d: math.log(self.expected_tokens(d)) - band.level(d) for d, kept in band.levels.items()
                  if d == band.current or len(kept) >= self.min_samples}
         best = max(rates, key=rates.get)
