@@ -49,6 +49,8 @@ def test_compiled_float32_equals_eager_on_the_embedded_model():
     mtp.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))
     assert 1 in rows and max(rows) > 4
     assert counters["stats"]["unique_graphs"] == graphs
+    # Warm, the steps skip Dynamo (runtime.compiled.CompiledStep), the target's and the drafter's.
+    assert runner._compiled_forward.direct_calls > 0 and mtp.engine.proposer._compiled_forward.direct_calls > 0
     # The compiled drafter drafts what the eager one drafts, up to rounding: on held-out code its
     # acceptance stays within a few percent of an eager float32 engine's.
     held = [mtp.encode(json.loads(line)["prompt"]) for line in (MODEL / "heldout_prompts.jsonl").read_text().splitlines()[:3]]
