@@ -254,17 +254,36 @@ class PagedAttention:
 _step_context = threading.local()   # .paged, .model: the attention and model of the forward running on this thread
 
 
+def _native_plan(paged) -> bool:
+    """Whether the layers of a forward over `paged` run their attention natively from one plan set
+    for the forward (`metrale_cpu::planned_attention`): a padded-batch plan on the CPU with the
+    native ops loaded (not the batch-invariant tiles, not a static step's wrapper)."""
+    if type(paged) is not PagedAttention or paged.cache.device.type != "cpu" or paged.plan.tiles is not None:
+        return False
+    return bool(cpu_ops.LOADED if cpu_ops.LOADED is not None else cpu_ops.load())
+
+
 @contextmanager
 def forward_context(paged: PagedAttention, model: torch.nn.Module | None = None):
     """Make `paged` the attention, and `model` the model, of the forward that runs inside this
-    block (opaque ops of the compiled graph find them here: `step_model`)."""
+    block (opaque ops of the compiled graph find them here: `step_model`). On the CPU with the
+    native ops the plan goes to them once here (`_native_plan`), and the block gets True: its
+    forward may then attend through `NativeContextAttention` (else it gets False)."""
     if getattr(_step_context, "paged", None) is not None:
         raise RuntimeError("a forward is already running on this thread: forward contexts do not nest")
+    native = _native_plan(paged)
+    if native:
+        writes, cache = paged.plan, paged.cache
+        p = paged.queries if paged.queries is not None else writes
+        torch.ops.metrale_cpu.set_attention_plan(cache.k, cache.v, cache.latent_dim is None, writes.cell_mapping,
+                                                 p.gather, p.q_index, p.valid, p.mask, p.mask_mode)
     _step_context.paged, _step_context.model = paged, model
     try:
-        yield
+        yield native
     finally:
         _step_context.paged = _step_context.model = None
+        if native:
+            torch.ops.metrale_cpu.clear_attention_plan()
 
 
 def step_model() -> torch.nn.Module:
@@ -306,6 +325,15 @@ class ContextAttention:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         return paged_attention(q, k, v, layer_idx, scale)
+
+
+class NativeContextAttention:
+    """`AttentionContext` of a compiled forward whose plan the native ops hold (`forward_context`
+    said so): every layer is one `metrale_cpu::planned_attention` call."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        return torch.ops.metrale_cpu.planned_attention(q, k, v, layer_idx, scale)
 
 
 class CausalAttention:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.attention import ContextAttention, PagedAttention, SeqChunk, StepPlan, build_plan, forward_context
+from runtime.attention import (ContextAttention, NativeContextAttention, PagedAttention, SeqChunk, StepPlan, build_plan,
+                               forward_context)
 from runtime.batch_invariant import set_batch_invariant
 from runtime.compiled import compile_step
 from runtime.device import kv_tokens_for_memory
@@ -15,6 +16,7 @@ from runtime.model import CausalLM, RowTwice
 from runtime.static_step import StepGraphs
 
 CONTEXT_ATTENTION = ContextAttention()
+NATIVE_ATTENTION = NativeContextAttention()   # the plan held by the native ops (`forward_context`)
 
 
 def cache_layers(model: CausalLM) -> int:
@@ -109,8 +111,9 @@ class ModelRunner:
             with forward_context(RowTwice(paged), self.model):
                 hidden = self._compiled_forward(token_tensor.repeat(2), plan.positions.repeat(2), CONTEXT_ATTENTION)
             return hidden[:1], plan
-        with forward_context(paged, self.model):
-            return self._compiled_forward(token_tensor, plan.positions, CONTEXT_ATTENTION), plan
+        with forward_context(paged, self.model) as native:
+            ctx = NATIVE_ATTENTION if native else CONTEXT_ATTENTION
+            return self._compiled_forward(token_tensor, plan.positions, ctx), plan
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -512,6 +513,45 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out.transpose(1, 2).index({*valid}).contiguous();
 }
 
+// The attention plan of the compiled forward running on this thread: set once a step by
+// `runtime.attention.forward_context`, so each layer's attention in the graph is one native call
+// with its q, k, v, layer and scale (`planned_attention`) rather than a Python op that looks the
+// plan up (~25 us a layer of host time).
+struct AttentionPlan {
+  at::Tensor k_planes, v_planes;   // the cache's [L, N, nkv, D] / [L, N, nkv, Dv]
+  bool write_v = true;
+  at::Tensor cell_mapping, gather;
+  std::optional<at::Tensor> q_index, valid, mask;
+  std::string mode;
+  bool set = false;
+};
+thread_local AttentionPlan t_plan;
+
+void set_attention_plan(const at::Tensor& k_planes, const at::Tensor& v_planes, bool write_v,
+                        const at::Tensor& cell_mapping, const at::Tensor& gather,
+                        const std::optional<at::Tensor>& q_index, const std::optional<at::Tensor>& valid,
+                        const std::optional<at::Tensor>& mask, c10::string_view mode) {
+  TORCH_CHECK(k_planes.dim() == 4 && v_planes.dim() == 4 && k_planes.size(0) == v_planes.size(0),
+              "set_attention_plan: cache planes [L, N, heads, dim] expected, got ", k_planes.sizes(), " and ",
+              v_planes.sizes());
+  t_plan = AttentionPlan{k_planes, v_planes, write_v, cell_mapping, gather, q_index, valid, mask,
+                         std::string(mode), true};
+}
+
+void clear_attention_plan() { t_plan = AttentionPlan(); }
+
+at::Tensor planned_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer_idx,
+                             double scale) {
+  TORCH_CHECK(t_plan.set, "planned_attention: no attention plan on this thread (runtime.attention.forward_context "
+              "sets it)");
+  TORCH_CHECK(layer_idx >= 0 && layer_idx < t_plan.k_planes.size(0), "planned_attention: layer ", layer_idx,
+              " of a cache with ", t_plan.k_planes.size(0));
+  at::Tensor k_plane = t_plan.k_planes.select(0, layer_idx);
+  at::Tensor v_plane = t_plan.v_planes.select(0, layer_idx);
+  return paged_attention(q, k, v, k_plane, v_plane, t_plan.write_v, t_plan.cell_mapping, t_plan.gather,
+                         t_plan.q_index, t_plan.valid, t_plan.mask, t_plan.mode, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(metrale_cpu, m) {
@@ -523,4 +563,10 @@ TORCH_LIBRARY(metrale_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_plane, Tensor(b!) v_plane, bool write_v, "
         "Tensor cell_mapping, Tensor gather, Tensor? q_index, Tensor? valid, Tensor? mask, str mode, float scale) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+  m.def("set_attention_plan(Tensor k_planes, Tensor v_planes, bool write_v, Tensor cell_mapping, Tensor gather, "
+        "Tensor? q_index, Tensor? valid, Tensor? mask, str mode) -> ()");
+  m.impl("set_attention_plan", c10::DispatchKey::CPU, TORCH_FN(set_attention_plan));
+  m.def("clear_attention_plan() -> ()", &clear_attention_plan);
+  m.def("planned_attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scale) -> Tensor");
+  m.impl("planned_attention", c10::DispatchKey::CPU, TORCH_FN(planned_attention));
 }

@@ -89,3 +89,33 @@ def test_native_attention_refuses_an_unknown_mode():
     with pytest.raises(RuntimeError, match="unknown mask mode"):
         torch.ops.metrale_cpu.paged_attention(x, x, x, plane, plane, True, idx[0], idx, idx, idx.bool(),
                                               torch.ones(1, 1, 1, 1, dtype=torch.bool), "sideways", 1.0)
+
+
+@pytest.mark.parametrize("latent", [False, True], ids=["gqa", "latent"])
+@pytest.mark.parametrize("step", ["one row", "chunk", "batch", "tree"])
+def test_the_planned_op_is_the_attend_method_with_its_plan_set_once(step, latent):
+    """What a compiled step calls per layer when the forward context set the plan natively
+    (`NativeContextAttention`): the same output and cache writes, bit for bit, as `attend`;
+    the drafter's query plan (last rows only) included."""
+    from runtime.attention import NativeContextAttention, forward_context, last_row_plan
+    assert cpu_ops.load(), cpu_ops.error()
+    chunks = STEPS[step]
+    t = sum(c.num_tokens for c in chunks)
+    torch.manual_seed(1)
+    nh, dk = (4, 48) if latent else (4, 32)
+    q, k = torch.randn(t, nh, dk), torch.randn(t, 1 if latent else 2, dk)
+    v = k[..., :40] if latent else torch.randn(t, 2, 32)
+    for queries in (False, True):
+        if queries and any(c.parents is not None for c in chunks):
+            continue
+        want_cache, got_cache = _cache(latent, torch.float32), _cache(latent, torch.float32)
+        plan = build_plan(want_cache, chunks)
+        rows = last_row_plan(want_cache, chunks) if queries else None
+        qq = q[plan.last_rows] if queries else q
+        want = PagedAttention(want_cache, plan, rows).attend(1, qq, k, v, 0.125)
+        with forward_context(PagedAttention(got_cache, plan, rows)) as native:
+            assert native
+            got = NativeContextAttention().attend(1, qq, k, v, 0.125)
+        assert torch.equal(got, want) and torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
+    with pytest.raises(RuntimeError, match="no attention plan"):
+        NativeContextAttention().attend(1, q, k, v, 0.125)
