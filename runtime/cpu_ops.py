@@ -165,6 +165,10 @@ def _register_fakes() -> None:
     def _(x, w, bias, max_rows):
         return x.new_empty(*x.shape[:-1], w.shape[0])
 
+    @torch.library.register_fake("metrale_cpu::routed_experts")
+    def _(x, weights, ids, gate_up, down, expert_offset, padded_min_experts, few_rows_max):
+        return x.new_empty(x.shape)
+
     @torch.library.register_fake("metrale_cpu::planned_attention")
     def _(q, k, v, layer_idx, scale):
         return q.new_empty((*q.shape[:-1], v.shape[-1]))

@@ -52,6 +52,10 @@ class RoutedExperts(nn.Module):
                 return invariant_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
             return _invariant_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
         if torch.compiler.is_compiling():   # opaque to inductor: grouped_mm has no float32 meta kernel
+            if x.device.type == "cpu" and cpu_ops.LOADED:   # the native op itself, no Python op around it
+                return torch.ops.metrale_cpu.routed_experts(
+                    x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset,
+                    PADDED_MIN_EXPERTS.get(x.dtype, 0), cpu_ops.few_rows_max(x.dtype))
             return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
         return routed_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
 
