@@ -267,8 +267,8 @@ def _native_plan(paged) -> bool:
 def forward_context(paged: PagedAttention, model: torch.nn.Module | None = None):
     """Make `paged` the attention, and `model` the model, of the forward that runs inside this
     block (opaque ops of the compiled graph find them here: `step_model`). On the CPU with the
-    native ops the plan goes to them once here (`_native_plan`), and the block gets True: its
-    forward may then attend through `NativeContextAttention` (else it gets False)."""
+    native ops the plan goes to them once here (`_native_plan`). The block gets the attention
+    context its compiled forward takes: `NATIVE_ATTENTION` then, else `CONTEXT_ATTENTION`."""
     if getattr(_step_context, "paged", None) is not None:
         raise RuntimeError("a forward is already running on this thread: forward contexts do not nest")
     native = _native_plan(paged)
@@ -279,7 +279,7 @@ def forward_context(paged: PagedAttention, model: torch.nn.Module | None = None)
                                                  p.gather, p.q_index, p.valid, p.mask, p.mask_mode)
     _step_context.paged, _step_context.model = paged, model
     try:
-        yield native
+        yield NATIVE_ATTENTION if native else CONTEXT_ATTENTION
     finally:
         _step_context.paged = _step_context.model = None
         if native:
@@ -334,6 +334,10 @@ class NativeContextAttention:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         return torch.ops.metrale_cpu.planned_attention(q, k, v, layer_idx, scale)
+
+
+CONTEXT_ATTENTION = ContextAttention()
+NATIVE_ATTENTION = NativeContextAttention()   # the plan held by the native ops (`forward_context`)
 
 
 class CausalAttention:

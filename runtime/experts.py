@@ -53,9 +53,7 @@ class RoutedExperts(nn.Module):
             return _invariant_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
         if torch.compiler.is_compiling():   # opaque to inductor: grouped_mm has no float32 meta kernel
             if x.device.type == "cpu" and cpu_ops.LOADED:   # the native op itself, no Python op around it
-                return torch.ops.metrale_cpu.routed_experts(
-                    x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset,
-                    PADDED_MIN_EXPERTS.get(x.dtype, 0), cpu_ops.few_rows_max(x.dtype))
+                return _native_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
             return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
         return routed_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
 
@@ -210,6 +208,13 @@ def _take_padded(x: torch.Tensor, ids: torch.Tensor, expert_offset: int, num_loc
     return int(((touched >= expert_offset) & (touched < expert_offset + num_local)).sum()) >= least
 
 
+def _native_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                    down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
+    """The routed experts through the native op (`metrale_cpu::routed_experts`, loaded)."""
+    return torch.ops.metrale_cpu.routed_experts(x, weights, ids, gate_up_proj, down_proj, expert_offset,
+                                                PADDED_MIN_EXPERTS.get(x.dtype, 0), cpu_ops.few_rows_max(x.dtype))
+
+
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
                    down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
     """The float32 / bfloat16 routed experts: on the CPU through the native op when it is built
@@ -218,8 +223,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ga
     bit for bit), or per expert, or padded batched matmuls from `PADDED_MIN_EXPERTS` touched
     experts (16-bit types); grouped elsewhere."""
     if x.device.type == "cpu" and cpu_ops.load():
-        return torch.ops.metrale_cpu.routed_experts(x, weights, ids, gate_up_proj, down_proj, expert_offset,
-                                                    PADDED_MIN_EXPERTS.get(x.dtype, 0), cpu_ops.few_rows_max(x.dtype))
+        return _native_experts(x, weights, ids, gate_up_proj, down_proj, expert_offset)
     experts = _Experts(gate_up_proj, down_proj, expert_offset)
     if x.device.type != "cpu":
         return RoutedExperts._grouped(experts, x, weights, ids)

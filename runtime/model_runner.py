@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.attention import (ContextAttention, NativeContextAttention, PagedAttention, SeqChunk, StepPlan, build_plan,
-                               forward_context)
+from runtime.attention import PagedAttention, SeqChunk, StepPlan, build_plan, forward_context
 from runtime.batch_invariant import set_batch_invariant
 from runtime.compiled import compile_step
 from runtime.device import kv_tokens_for_memory
@@ -15,8 +14,6 @@ from runtime.kv_cache import PagedKVCache
 from runtime.model import CausalLM, RowTwice
 from runtime.static_step import StepGraphs
 
-CONTEXT_ATTENTION = ContextAttention()
-NATIVE_ATTENTION = NativeContextAttention()   # the plan held by the native ops (`forward_context`)
 
 
 def cache_layers(model: CausalLM) -> int:
@@ -108,11 +105,10 @@ class ModelRunner:
         if self.batch_invariant and len(tokens) == 1:
             # Dynamo specialises a graph to one row (its kernels might round otherwise): the row
             # runs twice, the copy reusing its attention (runtime.model.RowTwice).
-            with forward_context(RowTwice(paged), self.model):
-                hidden = self._compiled_forward(token_tensor.repeat(2), plan.positions.repeat(2), CONTEXT_ATTENTION)
+            with forward_context(RowTwice(paged), self.model) as ctx:
+                hidden = self._compiled_forward(token_tensor.repeat(2), plan.positions.repeat(2), ctx)
             return hidden[:1], plan
-        with forward_context(paged, self.model) as native:
-            ctx = NATIVE_ATTENTION if native else CONTEXT_ATTENTION
+        with forward_context(paged, self.model) as ctx:
             return self._compiled_forward(token_tensor, plan.positions, ctx), plan
 
     @torch.inference_mode()

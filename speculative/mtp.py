@@ -29,7 +29,6 @@ from runtime.compiled import compile_step
 from runtime.grammar import GrammarMatcher
 from runtime.kv_cache import PagedKVCache
 from runtime.model import CausalLM, top_one
-from runtime.model_runner import CONTEXT_ATTENTION, NATIVE_ATTENTION
 from runtime.static_step import StepGraphs
 from speculative.draft_stop import chain_depth
 from speculative.fingerprint import hidden_fingerprint
@@ -240,8 +239,7 @@ class MTPProposer(DraftProposer):
         if self._compile and self._compiled_forward is None:
             self._compiled_forward = compile_step(self.model.mtp_draft)
         if self._compiled_forward is not None:   # the step and its distribution in one graph
-            with forward_context(paged, self.model) as native:
-                ctx = NATIVE_ATTENTION if native else CONTEXT_ATTENTION
+            with forward_context(paged, self.model) as ctx:
                 h, *dist = self._compiled_forward(token_tensor, prev_hidden, plan.positions, ctx, rows)
             return h, tuple(dist)
         return self.model.mtp_forward(token_tensor, prev_hidden, plan.positions, paged, rows), None

@@ -97,7 +97,7 @@ def test_the_planned_op_is_the_attend_method_with_its_plan_set_once(step, latent
     """What a compiled step calls per layer when the forward context set the plan natively
     (`NativeContextAttention`): the same output and cache writes, bit for bit, as `attend`;
     the drafter's query plan (last rows only) included."""
-    from runtime.attention import NativeContextAttention, forward_context, last_row_plan
+    from runtime.attention import NATIVE_ATTENTION, NativeContextAttention, forward_context, last_row_plan
     assert cpu_ops.load(), cpu_ops.error()
     chunks = STEPS[step]
     t = sum(c.num_tokens for c in chunks)
@@ -113,9 +113,9 @@ def test_the_planned_op_is_the_attend_method_with_its_plan_set_once(step, latent
         rows = last_row_plan(want_cache, chunks) if queries else None
         qq = q[plan.last_rows] if queries else q
         want = PagedAttention(want_cache, plan, rows).attend(1, qq, k, v, 0.125)
-        with forward_context(PagedAttention(got_cache, plan, rows)) as native:
-            assert native
-            got = NativeContextAttention().attend(1, qq, k, v, 0.125)
+        with forward_context(PagedAttention(got_cache, plan, rows)) as ctx:
+            assert ctx is NATIVE_ATTENTION
+            got = ctx.attend(1, qq, k, v, 0.125)
         assert torch.equal(got, want) and torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
     with pytest.raises(RuntimeError, match="no attention plan"):
         NativeContextAttention().attend(1, q, k, v, 0.125)
