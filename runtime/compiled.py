@@ -110,7 +110,10 @@ class CompiledStep:
         self._direct: dict[tuple, list[_Direct]] = {}
         self._declined: set[tuple] = set()     # signatures whose graph cannot be called directly
         self._recording: list[tuple[_Graph, tuple]] | None = None
-        opts = {"size_asserts": False, **(options or {}),
+        # On the CPU inductor writes the graph's own wrapper in C++ (`cpp_wrapper`): its ~100
+        # buffer allocations, views and kernel calls a step cost no Python bytecode.
+        device = getattr(self._model, "device", None)
+        opts = {"size_asserts": False, "cpp_wrapper": getattr(device, "type", None) == "cpu", **(options or {}),
                 "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self._dynamo = torch.compile(own_code(method), dynamic=True, backend=self._backend, options=opts)
         self.direct_calls = 0          # calls that skipped Dynamo (for tests and profiles)
