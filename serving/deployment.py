@@ -248,7 +248,9 @@ class Deployment:
             rows = sum(c.num_tokens for c in chunks)
             return f"{what} {rows} row{'s' if rows > 1 else ''}" + (f" of {len(chunks)} sequences" if len(chunks) > 1 else "")
         names = [name(what, chunks) for what, chunks in graphs]
+        from torch._dynamo.utils import counters   # Dynamo's count of the graphs it compiled
         t0 = time.perf_counter()
+        before = counters["stats"]["unique_graphs"]
         runner.cache.reserve(seq, 2)
         try:
             with tqdm(graphs, desc="compiling the step", unit="graph", disable=None, leave=False) as bar:
@@ -257,7 +259,7 @@ class Deployment:
                     if what == "target":
                         rows = chunks[0].num_tokens
                         hidden, _ = runner.forward([0] * rows, chunks)
-                        runner.logits(hidden, [rows - 1])
+                        runner.logits(hidden, list(range(rows)))   # one row, or several: the head's graphs too
                     else:
                         drafter.warm_up(chunks)
         except BaseException:
@@ -265,8 +267,8 @@ class Deployment:
             raise
         finally:
             runner.cache.free(seq)
-        self.compile_report = (f"compiled the step in {time.perf_counter() - t0:.1f} s: {len(graphs)} graphs "
-                               f"({', '.join(names)})")
+        self.compile_report = (f"compiled the step in {time.perf_counter() - t0:.1f} s: {len(graphs)} steps "
+                               f"({', '.join(names)}), {counters['stats']['unique_graphs'] - before} graphs")
         log.info("%s", self.compile_report)
 
     def _join_group(self, comm: Communicator) -> DriverRunner:
