@@ -1,0 +1,62 @@
+"""`build_plan`'s padded batch for several causal chunks (the decode, verify and draft steps of
+many sequences, built from host lists) against its definition, field by field: each row's
+position and cache cell, each sequence's context, query rows and causal mask."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from runtime.attention import SeqChunk, build_plan
+from runtime.kv_cache import PagedKVCache
+
+
+def _expected(cache: PagedKVCache, chunks: list[SeqChunk]) -> dict[str, torch.Tensor]:
+    q_max = max(c.num_tokens for c in chunks)
+    k_max = max(c.end for c in chunks)
+    b = len(chunks)
+    positions, cells, gather = [], [], torch.zeros(b, k_max, dtype=torch.long)
+    q_index = torch.zeros(b, q_max, dtype=torch.long)
+    valid = torch.zeros(b, q_max, dtype=torch.bool)
+    mask = torch.zeros(b, 1, q_max, k_max, dtype=torch.bool)
+    last_rows, row = [], 0
+    for i, c in enumerate(chunks):
+        ctx = cache.cells(c.seq_id, 0, c.end).tolist()
+        gather[i, :c.end] = torch.tensor(ctx)
+        for q in range(q_max):
+            if q < c.num_tokens:
+                positions.append(c.start + q)
+                cells.append(ctx[c.start + q])
+                q_index[i, q], valid[i, q] = row + q, True
+                mask[i, 0, q, :c.start + q + 1] = True        # causal: keys up to its own position
+            else:
+                mask[i, 0, q, 0] = True                       # padding rows see key 0 alone
+        row += c.num_tokens
+        last_rows.append(row - 1)
+    return {"positions": torch.tensor(positions), "cell_mapping": torch.tensor(cells), "gather": gather,
+            "q_index": q_index, "valid": valid, "mask": mask, "last_rows": torch.tensor(last_rows)}
+
+
+@pytest.mark.parametrize("rows", ["one each", "several", "mixed"])
+def test_several_causal_chunks_plan_as_defined(rows):
+    rng = random.Random(rows)
+    cache = PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=512, block_size=16,
+                         dtype=torch.float32)
+    lengths = {}
+    for seq in rng.sample(range(100), 30):     # tables of scattered blocks: seq ids and blocks interleave
+        lengths[seq] = rng.randint(1, 200)
+        cache.reserve(seq, lengths[seq])
+    for _ in range(20):
+        seqs = rng.sample(sorted(lengths), rng.randint(2, 17))
+        chunks = []
+        for seq in seqs:
+            n = {"one each": 1, "several": 4, "mixed": rng.choice([1, 2, 4, 9])}[rows]
+            n = min(n, lengths[seq])
+            end = rng.randint(n, lengths[seq])
+            chunks.append(SeqChunk(seq, end - n, n))
+        plan = build_plan(cache, chunks)
+        assert plan.mask_mode == "explicit" and plan.tiles is None
+        for field, want in _expected(cache, chunks).items():
+            got = getattr(plan, field)
+            assert got.dtype == want.dtype and torch.equal(got, want), field
