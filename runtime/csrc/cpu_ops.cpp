@@ -368,6 +368,115 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const 
 template <typename acc_t, typename T>
 inline acc_t to_acc(T x) { return static_cast<acc_t>(x); }
 
+// A 32-byte vector of acc_t from kLanes<acc_t> consecutive values of a cache or query row.
+template <typename acc_t, typename T>
+inline vec_t<acc_t> load_row(const T* p) {
+  if constexpr (std::is_same_v<T, acc_t> || (std::is_same_v<acc_t, float> && std::is_same_v<T, c10::BFloat16>)) {
+    return load_vec<acc_t, T>(p);
+  } else {   // half: each value widened
+    acc_t wide[kLanes<acc_t>];
+    for (int i = 0; i < kLanes<acc_t>; ++i) wide[i] = static_cast<acc_t>(p[i]);
+    vec_t<acc_t> v;
+    std::memcpy(&v, wide, sizeof v);
+    return v;
+  }
+}
+
+// q . key over d: lane l of a 32-byte accumulator sums the products at l, l + L, l + 2L, ...
+// in order, the lanes are added in a fixed tree, then the products past the last full vector in
+// order. The same sums in the same order on every ISA clone (GCC lowers a 32-byte vector to two
+// 16-byte halves without AVX), so a score does not depend on the CPU's vector width.
+template <typename acc_t, typename T>
+inline acc_t lane_dot(const acc_t* q, const T* key, int64_t d) {
+  constexpr int L = kLanes<acc_t>;
+  vec_t<acc_t> acc = {};
+  int64_t x = 0;
+  for (; x + L <= d; x += L) acc = acc + load_vec<acc_t, acc_t>(q + x) * load_row<acc_t, T>(key + x);
+  acc_t l[L];
+  std::memcpy(l, &acc, sizeof acc);
+  acc_t sum;
+  if constexpr (L == 8) {
+    sum = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+  } else {
+    sum = (l[0] + l[2]) + (l[1] + l[3]);
+  }
+  for (; x < d; ++x) sum = sum + q[x] * to_acc<acc_t>(key[x]);
+  return sum;
+}
+
+// The pointers, sizes and strides of one `paged_rows` call.
+template <typename scalar_t>
+struct PagedRows {
+  using acc_t = at::opmath_type<scalar_t>;
+  const scalar_t *qp, *kp, *vp;
+  scalar_t* op;
+  const int64_t *gp, *rp;
+  const bool* mp;
+  int64_t kk, nq, nkv, d, dv, group;
+  int64_t qs0, qs1, ks0, ks1, vs0, vs1, os0, os1;
+  acc_t sc;
+};
+
+// Tasks [begin, end) of `paged_rows` (task i: sequence i / nkv, kv head i % nkv), in a function
+// of its own so that it has AVX2 and default clones (the lambda of at::parallel_for has none:
+// the library is built without -march). The scores are `lane_dot`s; the softmax and the weighted
+// sum of the values are per element, so no clone rounds differently.
+template <typename scalar_t>
+__attribute__((target_clones("avx2", "default")))
+void paged_tasks(const PagedRows<scalar_t>& a, int64_t begin, int64_t end) {
+  using acc_t = typename PagedRows<scalar_t>::acc_t;
+  constexpr acc_t kNeg = -std::numeric_limits<acc_t>::infinity();
+  const int64_t kk = a.kk, group = a.group, d = a.d, dv = a.dv;
+  std::vector<acc_t> s(group * kk), qf(group * d), acc(group * dv), inv(group);
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t bi = i / a.nkv, g = i % a.nkv;
+    const int64_t* cells = a.gp + bi * kk;
+    for (int64_t r = 0; r < a.nq; ++r) {
+      const int64_t row = a.rp[bi * a.nq + r];
+      if (row < 0) continue;
+      const bool* vis = a.mp ? a.mp + (bi * a.nq + r) * kk : nullptr;
+      for (int64_t hh = 0; hh < group; ++hh) {
+        const scalar_t* qrow = a.qp + row * a.qs0 + (g * group + hh) * a.qs1;
+        for (int64_t x = 0; x < d; ++x) qf[hh * d + x] = to_acc<acc_t>(qrow[x]) * a.sc;
+      }
+      for (int64_t j = 0; j < kk; ++j) {
+        if (vis && !vis[j]) {
+          for (int64_t hh = 0; hh < group; ++hh) s[hh * kk + j] = kNeg;
+          continue;
+        }
+        const scalar_t* key = a.kp + cells[j] * a.ks0 + g * a.ks1;
+        for (int64_t hh = 0; hh < group; ++hh) s[hh * kk + j] = lane_dot<acc_t, scalar_t>(qf.data() + hh * d, key, d);
+      }
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t hh = 0; hh < group; ++hh) {
+        acc_t* sh = s.data() + hh * kk;
+        acc_t m = kNeg;
+        for (int64_t j = 0; j < kk; ++j) m = std::max(m, sh[j]);
+        acc_t sum = 0;
+        for (int64_t j = 0; j < kk; ++j) {
+          const acc_t p = sh[j] == kNeg ? acc_t(0) : std::exp(sh[j] - m);
+          sh[j] = p;
+          sum += p;
+        }
+        inv[hh] = acc_t(1) / sum;
+      }
+      for (int64_t j = 0; j < kk; ++j) {
+        if (vis && !vis[j]) continue;
+        const scalar_t* val = a.vp + cells[j] * a.vs0 + g * a.vs1;
+        for (int64_t hh = 0; hh < group; ++hh) {
+          const acc_t p = s[hh * kk + j];
+          acc_t* ah = acc.data() + hh * dv;
+          for (int64_t x = 0; x < dv; ++x) ah[x] += p * to_acc<acc_t>(val[x]);
+        }
+      }
+      for (int64_t hh = 0; hh < group; ++hh) {
+        scalar_t* orow = a.op + row * a.os0 + (g * group + hh) * a.os1;
+        for (int64_t x = 0; x < dv; ++x) orow[x] = static_cast<scalar_t>(acc[hh * dv + x] * inv[hh]);
+      }
+    }
+  }
+}
+
 // Attention of a few rows per sequence straight from the paged cache, without the gathered copy
 // of every sequence's keys and values that SDPA needs (two copies of B x K cache rows a layer).
 // Each (sequence, kv head) task reads a key once for its query heads; one row's scores, softmax
@@ -378,78 +487,16 @@ inline acc_t to_acc(T x) { return static_cast<acc_t>(x); }
 template <typename scalar_t>
 void paged_rows(const at::Tensor& q, const at::Tensor& k_plane, const at::Tensor& v_plane, const at::Tensor& gather,
                 const at::Tensor& rows, const at::Tensor& mask, double scale, at::Tensor& out) {
-  const int64_t b = gather.size(0), kk = gather.size(1), nq = rows.size(1);
-  const int64_t nh = q.size(1), d = q.size(2), nkv = k_plane.size(1), dv = v_plane.size(2);
-  const int64_t group = nh / nkv;
-  const scalar_t* qp = q.const_data_ptr<scalar_t>();
-  const scalar_t* kp = k_plane.const_data_ptr<scalar_t>();
-  const scalar_t* vp = v_plane.const_data_ptr<scalar_t>();
-  scalar_t* op = out.mutable_data_ptr<scalar_t>();
-  const int64_t* gp = gather.const_data_ptr<int64_t>();
-  const int64_t* rp = rows.const_data_ptr<int64_t>();
-  const bool* mp = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k_plane.stride(0), ks1 = k_plane.stride(1);
-  const int64_t vs0 = v_plane.stride(0), vs1 = v_plane.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  using acc_t = at::opmath_type<scalar_t>;
-  const acc_t sc = static_cast<acc_t>(scale);
-  constexpr acc_t kNeg = -std::numeric_limits<acc_t>::infinity();
-  at::parallel_for(0, b * nkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> s(group * kk), qf(group * d), acc(group * dv), inv(group);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t bi = i / nkv, g = i % nkv;
-      const int64_t* cells = gp + bi * kk;
-      for (int64_t r = 0; r < nq; ++r) {
-        const int64_t row = rp[bi * nq + r];
-        if (row < 0) continue;
-        const bool* vis = mp ? mp + (bi * nq + r) * kk : nullptr;
-        for (int64_t hh = 0; hh < group; ++hh) {
-          const scalar_t* qrow = qp + row * qs0 + (g * group + hh) * qs1;
-          for (int64_t x = 0; x < d; ++x) qf[hh * d + x] = to_acc<acc_t>(qrow[x]) * sc;
-        }
-        for (int64_t j = 0; j < kk; ++j) {
-          if (vis && !vis[j]) {
-            for (int64_t hh = 0; hh < group; ++hh) s[hh * kk + j] = kNeg;
-            continue;
-          }
-          const scalar_t* key = kp + cells[j] * ks0 + g * ks1;
-          for (int64_t hh = 0; hh < group; ++hh) {
-            const acc_t* qh = qf.data() + hh * d;
-            acc_t dot = 0;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t x = 0; x < d; ++x) dot += qh[x] * to_acc<acc_t>(key[x]);
-            s[hh * kk + j] = dot;
-          }
-        }
-        std::fill(acc.begin(), acc.end(), acc_t(0));
-        for (int64_t hh = 0; hh < group; ++hh) {
-          acc_t* sh = s.data() + hh * kk;
-          acc_t m = kNeg;
-          for (int64_t j = 0; j < kk; ++j) m = std::max(m, sh[j]);
-          acc_t sum = 0;
-          for (int64_t j = 0; j < kk; ++j) {
-            const acc_t p = sh[j] == kNeg ? acc_t(0) : std::exp(sh[j] - m);
-            sh[j] = p;
-            sum += p;
-          }
-          inv[hh] = acc_t(1) / sum;
-        }
-        for (int64_t j = 0; j < kk; ++j) {
-          if (vis && !vis[j]) continue;
-          const scalar_t* val = vp + cells[j] * vs0 + g * vs1;
-          for (int64_t hh = 0; hh < group; ++hh) {
-            const acc_t p = s[hh * kk + j];
-            acc_t* ah = acc.data() + hh * dv;
-#pragma omp simd
-            for (int64_t x = 0; x < dv; ++x) ah[x] += p * to_acc<acc_t>(val[x]);
-          }
-        }
-        for (int64_t hh = 0; hh < group; ++hh) {
-          scalar_t* orow = op + row * os0 + (g * group + hh) * os1;
-          for (int64_t x = 0; x < dv; ++x) orow[x] = static_cast<scalar_t>(acc[hh * dv + x] * inv[hh]);
-        }
-      }
-    }
-  });
+  const int64_t nh = q.size(1), nkv = k_plane.size(1);
+  const PagedRows<scalar_t> a{q.const_data_ptr<scalar_t>(), k_plane.const_data_ptr<scalar_t>(),
+                              v_plane.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
+                              gather.const_data_ptr<int64_t>(), rows.const_data_ptr<int64_t>(),
+                              mask.defined() ? mask.const_data_ptr<bool>() : nullptr,
+                              gather.size(1), rows.size(1), nkv, q.size(2), v_plane.size(2), nh / nkv,
+                              q.stride(0), q.stride(1), k_plane.stride(0), k_plane.stride(1),
+                              v_plane.stride(0), v_plane.stride(1), out.stride(0), out.stride(1),
+                              static_cast<typename PagedRows<scalar_t>::acc_t>(scale)};
+  at::parallel_for(0, gather.size(0) * nkv, 1, [&](int64_t begin, int64_t end) { paged_tasks<scalar_t>(a, begin, end); });
 }
 
 // Rows per sequence up to which attention reads the cache in place (`paged_rows`): decode and
