@@ -6,8 +6,8 @@ here). The routed experts of one layer took ~30 of them around their GEMMs: 280 
 of GEMMs for one row, 740 against 335 for a four-row verify (two threads, 8 experts of 256 x 256).
 The native op does the bookkeeping on host vectors. Its GEMMs, and every float32 / bfloat16 linear
 of a few rows (`few_rows_max`), run a few-row kernel (`metrale_cpu::linear`): a stream of the
-column-major weights with float accumulators, each output summed in order, so a row's result is
-its own whatever the batch; MKL's GEMM of 4-16 rows read the weights at 4-7 GB/s, and oneDNN's
+column-major weights with float accumulators, each output summed in order (bfloat16: in pairs, on
+AVX512-BF16's dot products where the CPU has them), so a row's result is its own whatever the batch; MKL's GEMM of 4-16 rows read the weights at 4-7 GB/s, and oneDNN's
 bfloat16 GEMM without native bfloat16 (AVX2) took ~200 us a row. Without the kernel (more rows,
 other types) the op runs the Python path's ATen calls, bit for bit its results. Paged attention
 (`PagedAttention.attend` over a padded batch) is the other op: the same cache write, then the
@@ -119,10 +119,14 @@ def load(cache_dir: Path = CACHE_DIR, compilers: tuple[str, ...] = COMPILERS) ->
 # us a call, kernel / MKL: float32 1 row 21/21, 4: 26/48, 8: 35/53, 16: 54/61, 32: 107/93, 64:
 # 187/140; bfloat16 1: 24/212, 16: 62/3140, 256: 884/48995 (oneDNN without native bfloat16;
 # row-major weights 3917). So float32 up to 16 rows, and bfloat16 always where oneDNN has no
-# native bfloat16 (else up to 16, as float32). float64, the reference mode, always: a column's
+# native bfloat16 (else up to 16, as float32). With AVX512-BF16 the kernel sums bfloat16 on its dot
+# products and beats oneDNN (which uses them too) up to 32 rows: AVX-512 EPYC, two threads, us a
+# call, kernel / oneDNN: 512 x 256 16 rows 28.8/38.6, 32: 45.3/55.5, 48: 65.4/60.1; 4096 x 256 32:
+# 314/359, 48: 500/391; 256 x 768 32: 44.1/63.3. float64, the reference mode, always: a column's
 # result is then its own wherever it sits in the matrix (MKL's float64 GEMM on AVX2 rounds a column
 # by its place, so an EP rank's slice of an attention's heads gave other bits than one rank's).
 FEW_ROWS_FLOAT32 = 16
+FEW_ROWS_BF16_DOT = 32
 ALL_ROWS = 1 << 30
 
 # Set by `load` (plain globals, so a compiled step reads them as constants): whether the library is
@@ -139,8 +143,9 @@ def few_rows_max(dtype: torch.dtype) -> int:
 
 def _few_rows_table() -> dict[torch.dtype, int]:
     native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    bf16_dot = bool(torch.ops.metrale_cpu.use_bf16_dot_products(True))   # the default: on where the CPU has them
     return {torch.float32: FEW_ROWS_FLOAT32,
-            torch.bfloat16: FEW_ROWS_FLOAT32 if native_bf16 else ALL_ROWS,
+            torch.bfloat16: ALL_ROWS if not native_bf16 else FEW_ROWS_BF16_DOT if bf16_dot else FEW_ROWS_FLOAT32,
             torch.float64: ALL_ROWS}
 
 

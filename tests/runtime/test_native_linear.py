@@ -49,6 +49,36 @@ def test_close_to_f_linear_and_rows_are_their_own(dtype, n, k):
     assert torch.equal(torch.ops.metrale_cpu.linear(x3, w, None, BIG), torch.ops.metrale_cpu.linear(x[:32], w, None, BIG).view(4, 8, n))
 
 
+def pair_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x . w^T summed as VDPBF16PS sums: a pair of k at a time, the odd one's product first, from
+    zero, each product exact in float32 and each add rounded (an odd K's last k alone)."""
+    xs, ws = x.float(), w.float()
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for k in range(0, x.shape[1], 2):
+        if k + 1 < x.shape[1]:
+            acc = acc + xs[:, k + 1:k + 2] * ws[:, k + 1]
+        acc = acc + xs[:, k:k + 1] * ws[:, k]
+    return acc
+
+
+@pytest.mark.parametrize("n, k", [(32, 16), (40, 17), (96, 33), (512, 256), (256, 768)])
+def test_bfloat16_sums_pairs_as_the_dot_product_instruction_does(n, k):
+    """bfloat16 rows stay bfloat16 and each output is the pair sums' float, rounded once: the same
+    bits on AVX512-BF16's instruction and on its float emulation (the path of CPUs without it),
+    for 1 to 21 rows, tiles, tails and odd K."""
+    w = column_major(n, k, torch.bfloat16)
+    x = torch.randn(21, k).to(torch.bfloat16)
+    want = pair_sums(x, w).to(torch.bfloat16)
+    native = torch.ops.metrale_cpu.use_bf16_dot_products(True)   # whether this CPU has the instruction
+    try:
+        for on in (True, False):
+            assert torch.ops.metrale_cpu.use_bf16_dot_products(on) == (on and native)
+            for rows in (1, 2, 5, 8, 9, 21):
+                assert torch.equal(torch.ops.metrale_cpu.linear(x[:rows], w, None, BIG), want[:rows]), (on, rows)
+    finally:
+        torch.ops.metrale_cpu.use_bf16_dot_products(True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_a_column_is_its_own_in_any_slice_of_the_weight(dtype):
     """An EP rank holds a slice of an attention's heads (of the fused q/k/v outputs) or of the
