@@ -115,6 +115,40 @@ void tile(int64_t mr, const A* x, int64_t ldx, const W* wt, int64_t ldw, A* y, i
   }
 }
 
+// The float tile on AVX-512: 16 columns (one 64-byte vector) x MR rows over the whole depth, the
+// same multiplies and adds in the same order as tile16 (so the same bits), 8 rows at a time in its
+// 32 registers. Against tile16's AVX2 clone, interleaved, two threads, us: 16 rows 512 x 256
+// 38.2 -> 26.3, 768 x 256 57.6 -> 48.6, 4096 x 256 364 -> 207; 8 rows 1.16-1.31x; 4 rows
+// 1.05-1.12x. (12 or 16 rows at a time: the same, or slower on the widest.)
+template <int MR>
+__attribute__((target("avx512f")))
+void tile16_avx512(const float* x, int64_t ldx, const float* wt, int64_t ldw, float* y, int64_t ldy, int64_t depth) {
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < depth; ++k) {
+    __builtin_prefetch(wt + (k + kPrefetch) * ldw);
+    const __m512 w = _mm512_loadu_ps(wt + k * ldw);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_set1_ps(x[m * ldx + k]), w));
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * ldy, acc[m]);
+}
+
+const bool g_avx512 = __builtin_cpu_supports("avx512f");
+
+void tile_avx512(int64_t mr, const float* x, int64_t ldx, const float* wt, int64_t ldw, float* y, int64_t ldy, int64_t depth) {
+  switch (mr) {
+    case 1: tile16_avx512<1>(x, ldx, wt, ldw, y, ldy, depth); break;
+    case 2: tile16_avx512<2>(x, ldx, wt, ldw, y, ldy, depth); break;
+    case 3: tile16_avx512<3>(x, ldx, wt, ldw, y, ldy, depth); break;
+    case 4: tile16_avx512<4>(x, ldx, wt, ldw, y, ldy, depth); break;
+    case 5: tile16_avx512<5>(x, ldx, wt, ldw, y, ldy, depth); break;
+    case 6: tile16_avx512<6>(x, ldx, wt, ldw, y, ldy, depth); break;
+    case 7: tile16_avx512<7>(x, ldx, wt, ldw, y, ldy, depth); break;
+    default: tile16_avx512<8>(x, ldx, wt, ldw, y, ldy, depth); break;
+  }
+}
+
 // Span `span` (kSpan tiles of 16 columns, fewer at the end) of y[M, N] = x[M, K] . wt[K, N].
 // One row of a matrix narrower than 4096 columns: the span's tiles take turns over kDepth weight
 // rows at a time, a stream of whole spans of the weight rows. Otherwise each tile's 16-column
@@ -132,6 +166,13 @@ void gemm_span(const A* x, int64_t m_rows, int64_t kdim, const W* wt, int64_t ld
       const int64_t depth = std::min(kDepth, kdim - k0);
       for (int64_t c = n0; c < full_end; c += kColumns) {
         tile<A, W>(m_rows, x + k0, kdim, wt + k0 * ldw + c, ldw, y + c, ldy, depth, k0 > 0);
+      }
+    }
+  } else if (std::is_same_v<A, float> && std::is_same_v<W, float> && g_avx512) {   // the same, 8 rows in turn
+    for (int64_t c = n0; c < full_end; c += kColumns) {
+      for (int64_t m0 = 0; m0 < m_rows; m0 += 8) {
+        tile_avx512(std::min<int64_t>(8, m_rows - m0), reinterpret_cast<const float*>(x) + m0 * kdim, kdim,
+                    reinterpret_cast<const float*>(wt) + c, ldw, reinterpret_cast<float*>(y) + m0 * ldy + c, ldy, kdim);
       }
     }
   } else {   // each tile's 16-column strip down the depth, every 4 rows in turn
