@@ -117,9 +117,10 @@ void tile(int64_t mr, const A* x, int64_t ldx, const W* wt, int64_t ldw, A* y, i
 
 // The float tile on AVX-512: 16 columns (one 64-byte vector) x MR rows over the whole depth, the
 // same multiplies and adds in the same order as tile16 (so the same bits), 8 rows at a time in its
-// 32 registers. Against tile16's AVX2 clone, interleaved, two threads, us: 16 rows 512 x 256
-// 38.2 -> 26.3, 768 x 256 57.6 -> 48.6, 4096 x 256 364 -> 207; 8 rows 1.16-1.31x; 4 rows
-// 1.05-1.12x. (12 or 16 rows at a time: the same, or slower on the widest.)
+// 32 registers. Against tile16's AVX2 clone, weights in L3, interleaved, two threads, us: 16 rows
+// 512 x 256 38.2 -> 26.3, 768 x 256 57.6 -> 48.6, 4096 x 256 364 -> 207; 8 rows 1.16-1.31x. (12
+// or 16 rows at a time: the same, or slower on the widest.) From DRAM, as the embedded float32
+// model's 16-sequence step reads them, it gains nothing measurable (in-model 1.00x).
 template <int MR>
 __attribute__((target("avx512f")))
 void tile16_avx512(const float* x, int64_t ldx, const float* wt, int64_t ldw, float* y, int64_t ldy, int64_t depth) {
@@ -150,18 +151,19 @@ void tile_avx512(int64_t mr, const float* x, int64_t ldx, const float* wt, int64
 }
 
 // Span `span` (kSpan tiles of 16 columns, fewer at the end) of y[M, N] = x[M, K] . wt[K, N].
-// One row of a matrix narrower than 4096 columns: the span's tiles take turns over kDepth weight
-// rows at a time, a stream of whole spans of the weight rows. Otherwise each tile's 16-column
-// strip is read down the whole depth by every 4 rows in turn. Interleaved, two threads, float32,
-// us, stream / strip: 1 row 512 x 256 13.4/15.7, 1536 x 256 26.6/32.9, 3072 x 256 78/80, 4096 x
-// 256 131/111; 2 rows 512 x 256 20.1/16.3; 4 rows 512 x 256 35.0/17.0, 256 x 768 37.2/19.4.
+// Up to 4 rows: the span's tiles take turns over kDepth weight rows at a time, a stream of whole
+// spans of the weight rows. More rows: each tile's 16-column strip is read down the whole depth
+// by every 4 (AVX-512: 8) rows in turn. With the weights in L3 the strip was faster from 2 rows
+// (4 rows, 512 x 256: 35.0 against 17.0 us), but a float32 model's weights come from DRAM (the
+// embedded model's 50 MB against 32 MB of L3), and there the stream was faster in the model: 16
+// sequences 1.044x, one sequence with 3 drafts 1.06x (one process, runs interleaved, same tokens).
 template <typename A, typename W>
 void gemm_span(const A* x, int64_t m_rows, int64_t kdim, const W* wt, int64_t ldw, int64_t n_cols,
                A* y, int64_t ldy, int64_t span, int64_t span_tiles) {
   const int64_t n0 = span * span_tiles * kColumns;
   const int64_t n1 = std::min(n_cols, n0 + span_tiles * kColumns);
   const int64_t full_end = n0 + (n1 - n0) / kColumns * kColumns;
-  if (m_rows == 1 && n_cols < 4096) {   // a stream of the weights
+  if (m_rows <= kRows) {   // a stream of the weights
     for (int64_t k0 = 0; k0 < kdim; k0 += kDepth) {
       const int64_t depth = std::min(kDepth, kdim - k0);
       for (int64_t c = n0; c < full_end; c += kColumns) {
