@@ -218,9 +218,12 @@ inline uint32_t bf16_pair(const c10::BFloat16* p, bool single) {   // (p[0], p[1
   return uint32_t(lo) | (uint32_t(hi) << 16);
 }
 
-// Rows [0, MR) of x (bfloat16, row stride ldx) against columns [0, 32) of wt over its kdim rows:
-// y[m, 0:32] = ... in float.
-template <int MR>
+// Rows [0, MR) of x (bfloat16, row stride ldx) against T tiles side by side, columns [0, 32 T) of
+// wt, over its kdim rows: y[m, 0:32 T] = ... in float. Each k-pair reads T x 64 contiguous bytes of
+// two weight rows; with one 64-byte strip a tile at a time down the whole depth, the 8 KB steps of
+// a wide matrix's rows left too few reads in flight (4096 x 256, one row, from L3: 57 against
+// 33 us with 8 tiles side by side).
+template <int MR, int T>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 void pair_tile_native(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wt, int64_t ldw, float* y,
                       int64_t ldy, int64_t kdim) {
@@ -228,36 +231,57 @@ void pair_tile_native(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* 
   // column 8 (l / 4) + l % 4, hi's column 8 (l / 4) + 4 + l % 4, put back in order at the end.
   const __m512i from_0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i from_1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  __m512 lo[MR], hi[MR];
+  __m512 lo[MR][T], hi[MR][T];
   for (int m = 0; m < MR; ++m) {
-    lo[m] = _mm512_setzero_ps();
-    hi[m] = _mm512_setzero_ps();
+    for (int t = 0; t < T; ++t) {
+      lo[m][t] = _mm512_setzero_ps();
+      hi[m][t] = _mm512_setzero_ps();
+    }
   }
   int64_t k = 0;
   for (; k + 1 < kdim; k += 2) {
-    __builtin_prefetch(wt + (k + kPrefetch) * ldw);
-    __builtin_prefetch(wt + (k + 1 + kPrefetch) * ldw);
-    const __m512i even = _mm512_loadu_si512(wt + k * ldw), odd = _mm512_loadu_si512(wt + (k + 1) * ldw);
-    const __m512bh wlo = (__m512bh)_mm512_unpacklo_epi16(even, odd), whi = (__m512bh)_mm512_unpackhi_epi16(even, odd);
+    const c10::BFloat16* even_row = wt + k * ldw;
+    const c10::BFloat16* odd_row = even_row + ldw;
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      __builtin_prefetch(even_row + kPrefetch * ldw + t * kPairColumns);
+      __builtin_prefetch(odd_row + kPrefetch * ldw + t * kPairColumns);
+    }
+    __m512bh wlo[T], whi[T];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const __m512i even = _mm512_loadu_si512(even_row + t * kPairColumns);
+      const __m512i odd = _mm512_loadu_si512(odd_row + t * kPairColumns);
+      wlo[t] = (__m512bh)_mm512_unpacklo_epi16(even, odd);
+      whi[t] = (__m512bh)_mm512_unpackhi_epi16(even, odd);
+    }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(bf16_pair(x + m * ldx + k, false)));
-      lo[m] = _mm512_dpbf16_ps(lo[m], xv, wlo);
-      hi[m] = _mm512_dpbf16_ps(hi[m], xv, whi);
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) {
+        lo[m][t] = _mm512_dpbf16_ps(lo[m][t], xv, wlo[t]);
+        hi[m][t] = _mm512_dpbf16_ps(hi[m][t], xv, whi[t]);
+      }
     }
   }
   if (k < kdim) {   // K odd: its last k with a zero partner
-    const __m512i even = _mm512_loadu_si512(wt + k * ldw), zero = _mm512_setzero_si512();
-    const __m512bh wlo = (__m512bh)_mm512_unpacklo_epi16(even, zero), whi = (__m512bh)_mm512_unpackhi_epi16(even, zero);
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(bf16_pair(x + m * ldx + k, true)));
-      lo[m] = _mm512_dpbf16_ps(lo[m], xv, wlo);
-      hi[m] = _mm512_dpbf16_ps(hi[m], xv, whi);
+    const __m512i zero = _mm512_setzero_si512();
+    for (int t = 0; t < T; ++t) {
+      const __m512i even = _mm512_loadu_si512(wt + k * ldw + t * kPairColumns);
+      const __m512bh wl = (__m512bh)_mm512_unpacklo_epi16(even, zero), wh = (__m512bh)_mm512_unpackhi_epi16(even, zero);
+      for (int m = 0; m < MR; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(bf16_pair(x + m * ldx + k, true)));
+        lo[m][t] = _mm512_dpbf16_ps(lo[m][t], xv, wl);
+        hi[m][t] = _mm512_dpbf16_ps(hi[m][t], xv, wh);
+      }
     }
   }
   for (int m = 0; m < MR; ++m) {
-    _mm512_storeu_ps(y + m * ldy, _mm512_permutex2var_ps(lo[m], from_0, hi[m]));
-    _mm512_storeu_ps(y + m * ldy + 16, _mm512_permutex2var_ps(lo[m], from_1, hi[m]));
+    for (int t = 0; t < T; ++t) {
+      _mm512_storeu_ps(y + m * ldy + t * kPairColumns, _mm512_permutex2var_ps(lo[m][t], from_0, hi[m][t]));
+      _mm512_storeu_ps(y + m * ldy + t * kPairColumns + 16, _mm512_permutex2var_ps(lo[m][t], from_1, hi[m][t]));
+    }
   }
 }
 
@@ -290,31 +314,41 @@ void pair_tile_emulated(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16
   }
 }
 
-template <int MR>
+// T tiles (of 32 columns) side by side for MR rows: MR x T <= 8 (16 accumulators).
+template <int MR, int T>
 void pair_tile_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wt, int64_t ldw, float* y,
                     int64_t ldy, int64_t kdim) {
   if (g_bf16_dot) {
-    pair_tile_native<MR>(x, ldx, wt, ldw, y, ldy, kdim);
-  } else if constexpr (MR > 4) {   // 16 vector registers without AVX-512: four rows at a time
-    pair_tile_emulated<4>(x, ldx, wt, ldw, y, ldy, kdim);
-    pair_tile_emulated<MR - 4>(x + 4 * ldx, ldx, wt, ldw, y + 4 * ldy, ldy, kdim);
-  } else {
-    pair_tile_emulated<MR>(x, ldx, wt, ldw, y, ldy, kdim);
+    pair_tile_native<MR, T>(x, ldx, wt, ldw, y, ldy, kdim);
+    return;
+  }
+  for (int t = 0; t < T; ++t) {
+    if constexpr (MR > 4) {   // 16 vector registers without AVX-512: four rows at a time
+      pair_tile_emulated<4>(x, ldx, wt + t * kPairColumns, ldw, y + t * kPairColumns, ldy, kdim);
+      pair_tile_emulated<MR - 4>(x + 4 * ldx, ldx, wt + t * kPairColumns, ldw, y + 4 * ldy + t * kPairColumns, ldy, kdim);
+    } else {
+      pair_tile_emulated<MR>(x, ldx, wt + t * kPairColumns, ldw, y + t * kPairColumns, ldy, kdim);
+    }
   }
 }
 
-// Rows [0, mr) (mr <= kPairRows) of y[:, 0:32] = x . wt[:, 0:32] over all kdim rows of wt.
-void pair_tile(int64_t mr, const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wt, int64_t ldw, float* y,
-               int64_t ldy, int64_t kdim) {
-  switch (mr) {
-    case 1: pair_tile_rows<1>(x, ldx, wt, ldw, y, ldy, kdim); break;
-    case 2: pair_tile_rows<2>(x, ldx, wt, ldw, y, ldy, kdim); break;
-    case 3: pair_tile_rows<3>(x, ldx, wt, ldw, y, ldy, kdim); break;
-    case 4: pair_tile_rows<4>(x, ldx, wt, ldw, y, ldy, kdim); break;
-    case 5: pair_tile_rows<5>(x, ldx, wt, ldw, y, ldy, kdim); break;
-    case 6: pair_tile_rows<6>(x, ldx, wt, ldw, y, ldy, kdim); break;
-    case 7: pair_tile_rows<7>(x, ldx, wt, ldw, y, ldy, kdim); break;
-    default: pair_tile_rows<8>(x, ldx, wt, ldw, y, ldy, kdim); break;
+// Rows [0, mr) (mr <= kPairRows) of y[:, 0:32 tiles] = x . wt[:, 0:32 tiles] over all kdim rows of
+// wt: one tile, or 8 / mr side by side for one or two rows.
+void pair_tile(int64_t mr, int64_t tiles, const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wt, int64_t ldw,
+               float* y, int64_t ldy, int64_t kdim) {
+  switch (mr * 16 + tiles) {
+    case 16 + 1: pair_tile_rows<1, 1>(x, ldx, wt, ldw, y, ldy, kdim); break;
+    case 16 + 4: pair_tile_rows<1, 4>(x, ldx, wt, ldw, y, ldy, kdim); break;
+    case 16 + 8: pair_tile_rows<1, 8>(x, ldx, wt, ldw, y, ldy, kdim); break;
+    case 32 + 1: pair_tile_rows<2, 1>(x, ldx, wt, ldw, y, ldy, kdim); break;
+    case 32 + 4: pair_tile_rows<2, 4>(x, ldx, wt, ldw, y, ldy, kdim); break;
+    case 48 + 1: pair_tile_rows<3, 1>(x, ldx, wt, ldw, y, ldy, kdim); break;
+    case 64 + 1: pair_tile_rows<4, 1>(x, ldx, wt, ldw, y, ldy, kdim); break;
+    case 80 + 1: pair_tile_rows<5, 1>(x, ldx, wt, ldw, y, ldy, kdim); break;
+    case 96 + 1: pair_tile_rows<6, 1>(x, ldx, wt, ldw, y, ldy, kdim); break;
+    case 112 + 1: pair_tile_rows<7, 1>(x, ldx, wt, ldw, y, ldy, kdim); break;
+    case 128 + 1: pair_tile_rows<8, 1>(x, ldx, wt, ldw, y, ldy, kdim); break;
+    default: TORCH_CHECK(false, "pair_tile: ", mr, " rows x ", tiles, " tiles");
   }
 }
 
@@ -340,10 +374,15 @@ void pair_gemm_span(const c10::BFloat16* x, int64_t m_rows, int64_t kdim, const 
   const int64_t n0 = span * span_tiles * kPairColumns;
   const int64_t n1 = std::min(n_cols, n0 + span_tiles * kPairColumns);
   const int64_t full_end = n0 + (n1 - n0) / kPairColumns * kPairColumns;
-  for (int64_t c = n0; c < full_end; c += kPairColumns) {
+  // One row: 8 tiles side by side, two rows: 4; more: one tile, 8 rows at a time. (3-4 rows with 2
+  // tiles side by side: 4096 x 256 at 4 rows 64 -> 72 us.)
+  const int64_t side = m_rows <= 2 ? kPairRows / m_rows : 1;
+  for (int64_t c = n0; c < full_end;) {
+    const int64_t tiles = (full_end - c) / kPairColumns >= side ? side : 1;
     for (int64_t m0 = 0; m0 < m_rows; m0 += kPairRows) {
-      pair_tile(std::min(kPairRows, m_rows - m0), x + m0 * kdim, kdim, wt + c, ldw, y + m0 * ldy + c, ldy, kdim);
+      pair_tile(std::min(kPairRows, m_rows - m0), tiles, x + m0 * kdim, kdim, wt + c, ldw, y + m0 * ldy + c, ldy, kdim);
     }
+    c += tiles * kPairColumns;
   }
   for (int64_t m = 0; m < m_rows; ++m) {
     for (int64_t n = full_end; n < n1; ++n) y[m * ldy + n] = pair_column(x + m * kdim, wt + n, ldw, kdim);
