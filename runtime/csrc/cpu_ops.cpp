@@ -873,6 +873,36 @@ void paged_rows(const at::Tensor& q, const at::Tensor& k_plane, const at::Tensor
 // verify steps. Longer chunks (prefills) gather and run SDPA, whose tiled kernel suits them.
 constexpr int64_t kInPlaceMaxRows = 8;
 
+// What the in-place attention derives from a step's plan alone (the rows each sequence's queries
+// sit at, the mask and gather laid out contiguous): the same for every layer, so a planned step
+// computes it at its first layer and reuses it (~3 tensor ops a layer).
+struct PagedPrep {
+  at::Tensor rows, mask, gather;
+  bool ready = false;
+};
+
+// plane[cells[i]] = src[i] for each step row i: the layer's new keys or values to their cache cells
+// (index_copy_ without its per-call cost where both are laid out plainly).
+void write_cells(at::Tensor& plane, const at::Tensor& cells, const at::Tensor& src) {
+  const bool plain = src.scalar_type() == plane.scalar_type() && cells.scalar_type() == at::kLong &&
+                     src.dim() == plane.dim() && src.size(0) == cells.numel() && plane.dim() == 3 &&
+                     plane.stride(2) == 1 && plane.stride(1) == plane.size(2) &&
+                     src.size(1) == plane.size(1) && src.size(2) == plane.size(2);
+  if (!plain) {
+    plane.index_copy_(0, cells, src.to(plane.scalar_type()));
+    return;
+  }
+  const at::Tensor from = src.contiguous(), at = cells.contiguous();
+  const int64_t* cp = at.const_data_ptr<int64_t>();
+  const int64_t n = plane.size(0), elems = plane.size(1) * plane.size(2), size = plane.element_size();
+  char* dst = static_cast<char*>(plane.mutable_data_ptr());
+  const char* srcp = static_cast<const char*>(from.const_data_ptr());
+  for (int64_t i = 0; i < at.numel(); ++i) {
+    TORCH_CHECK(cp[i] >= 0 && cp[i] < n, "cache cell ", cp[i], " out of range for ", n, " cells");
+    std::memcpy(dst + cp[i] * plane.stride(0) * size, srcp + i * elems * size, elems * size);
+  }
+}
+
 // One layer of `runtime.attention.PagedAttention.attend` over a padded batch (not the
 // batch-invariant tiles): this step's keys and values written to their cells (as the Python
 // method), then up to `kInPlaceMaxRows` rows a sequence attend in place (`paged_rows`), longer
@@ -881,18 +911,18 @@ constexpr int64_t kInPlaceMaxRows = 8;
 // k_plane, v_plane: the layer's cache planes [N, nkv, D] / [N, nkv, Dv] (v_plane a view of
 // k_plane's first channels in a latent cache, then `write_v` is false); mode: "none" (one sequence
 // of one row or more, unmasked), "causal", "explicit" (mask [B, 1, Q, K]) or "padded" (B*Q rows).
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_plane,
-                           at::Tensor& v_plane, bool write_v, const at::Tensor& cell_mapping,
-                           const at::Tensor& gather, const std::optional<at::Tensor>& q_index,
-                           const std::optional<at::Tensor>& valid, const std::optional<at::Tensor>& mask,
-                           c10::string_view mode, double scale) {
+at::Tensor paged_attention_prepared(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_plane,
+                                    at::Tensor& v_plane, bool write_v, const at::Tensor& cell_mapping,
+                                    const at::Tensor& gather, const std::optional<at::Tensor>& q_index,
+                                    const std::optional<at::Tensor>& valid, const std::optional<at::Tensor>& mask,
+                                    c10::string_view mode, double scale, PagedPrep* prep) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, heads, dim]");
   TORCH_CHECK(gather.dim() == 2, "gather must be [B, K], got ", gather.sizes());
   const bool padded = mode == "padded", causal = mode == "causal", explicit_mask = mode == "explicit";
   TORCH_CHECK(padded || causal || explicit_mask || mode == "none", "unknown mask mode ", mode);
-  k_plane.index_copy_(0, cell_mapping, k.to(k_plane.scalar_type()));
+  write_cells(k_plane, cell_mapping, k);
   if (write_v) {
-    v_plane.index_copy_(0, cell_mapping, v.to(v_plane.scalar_type()));
+    write_cells(v_plane, cell_mapping, v);
   }
   const int64_t b = gather.size(0), kk = gather.size(1);
   const bool single = !padded && b == 1;
@@ -900,13 +930,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(!(padded || explicit_mask) || mask.has_value(), "mask mode ", mode, " needs a mask");
   const int64_t rows_per_seq = single ? q.size(0) : q_index->size(1);
   if (!causal && rows_per_seq <= kInPlaceMaxRows && k_plane.stride(2) == 1 && v_plane.stride(2) == 1) {
-    const at::Tensor rows = single ? at::arange(q.size(0), gather.options()).view({1, -1})
-                                   : (padded ? *q_index : at::where(*valid, *q_index, -1));
-    const at::Tensor m = (padded || explicit_mask) ? mask->reshape({b, rows_per_seq, kk}).contiguous() : at::Tensor();
+    PagedPrep local;
+    PagedPrep& pp = prep != nullptr ? *prep : local;
+    if (!pp.ready || pp.rows.size(1) != rows_per_seq || !pp.gather.sizes().equals(gather.sizes())) {
+      const at::Tensor rows = single ? at::arange(q.size(0), gather.options()).view({1, -1})
+                                     : (padded ? *q_index : at::where(*valid, *q_index, -1));
+      pp.rows = rows.contiguous();
+      pp.mask = (padded || explicit_mask) ? mask->reshape({b, rows_per_seq, kk}).contiguous() : at::Tensor();
+      pp.gather = gather.contiguous();
+      pp.ready = true;
+    }
     const at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
     at::Tensor out = at::empty({q.size(0), q.size(1), v_plane.size(2)}, q.options());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_rows", [&] {
-      paged_rows<scalar_t>(qc, k_plane, v_plane, gather.contiguous(), rows.contiguous(), m, scale, out);
+      paged_rows<scalar_t>(qc, k_plane, v_plane, pp.gather, pp.rows, pp.mask, scale, out);
     });
     return out;
   }
@@ -930,6 +967,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out.transpose(1, 2).index({*valid}).contiguous();
 }
 
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_plane,
+                           at::Tensor& v_plane, bool write_v, const at::Tensor& cell_mapping,
+                           const at::Tensor& gather, const std::optional<at::Tensor>& q_index,
+                           const std::optional<at::Tensor>& valid, const std::optional<at::Tensor>& mask,
+                           c10::string_view mode, double scale) {
+  return paged_attention_prepared(q, k, v, k_plane, v_plane, write_v, cell_mapping, gather, q_index, valid, mask,
+                                  mode, scale, nullptr);
+}
+
 // The attention plan of the compiled forward running on this thread: set once a step by
 // `runtime.attention.forward_context`, so each layer's attention in the graph is one native call
 // with its q, k, v, layer and scale (`planned_attention`) rather than a Python op that looks the
@@ -941,6 +987,7 @@ struct AttentionPlan {
   std::optional<at::Tensor> q_index, valid, mask;
   std::string mode;
   bool set = false;
+  PagedPrep prep;   // filled by the step's first layer
 };
 thread_local AttentionPlan t_plan;
 
@@ -952,7 +999,7 @@ void set_attention_plan(const at::Tensor& k_planes, const at::Tensor& v_planes, 
               "set_attention_plan: cache planes [L, N, heads, dim] expected, got ", k_planes.sizes(), " and ",
               v_planes.sizes());
   t_plan = AttentionPlan{k_planes, v_planes, write_v, cell_mapping, gather, q_index, valid, mask,
-                         std::string(mode), true};
+                         std::string(mode), true, PagedPrep()};
 }
 
 void clear_attention_plan() { t_plan = AttentionPlan(); }
@@ -965,8 +1012,8 @@ at::Tensor planned_attention(const at::Tensor& q, const at::Tensor& k, const at:
               " of a cache with ", t_plan.k_planes.size(0));
   at::Tensor k_plane = t_plan.k_planes.select(0, layer_idx);
   at::Tensor v_plane = t_plan.v_planes.select(0, layer_idx);
-  return paged_attention(q, k, v, k_plane, v_plane, t_plan.write_v, t_plan.cell_mapping, t_plan.gather,
-                         t_plan.q_index, t_plan.valid, t_plan.mask, t_plan.mode, scale);
+  return paged_attention_prepared(q, k, v, k_plane, v_plane, t_plan.write_v, t_plan.cell_mapping, t_plan.gather,
+                                  t_plan.q_index, t_plan.valid, t_plan.mask, t_plan.mode, scale, &t_plan.prep);
 }
 
 // Whether bfloat16 GEMMs run AVX512-BF16's dot products (`on` and the CPU has them) or their float
