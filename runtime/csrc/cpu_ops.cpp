@@ -135,7 +135,8 @@ void tile16_avx512(const float* x, int64_t ldx, const float* wt, int64_t ldw, fl
   for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * ldy, acc[m]);
 }
 
-const bool g_avx512 = __builtin_cpu_supports("avx512f");
+// __builtin_cpu_init first: these run among the library's constructors, perhaps before libgcc's.
+const bool g_avx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
 
 void tile_avx512(int64_t mr, const float* x, int64_t ldx, const float* wt, int64_t ldw, float* y, int64_t ldy, int64_t depth) {
   switch (mr) {
@@ -209,7 +210,7 @@ constexpr int64_t kPairColumns = 32;   // output columns of one bfloat16 tile: t
 constexpr int64_t kPairSpan = 8;       // tiles of one task: 256 columns, 512 B of a weight row
 constexpr int64_t kPairRows = 8;       // rows of one register tile (16 accumulators)
 
-bool g_bf16_dot = __builtin_cpu_supports("avx512bf16");
+bool g_bf16_dot = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bf16"));
 
 inline uint32_t bf16_pair(const c10::BFloat16* p, bool single) {   // (p[0], p[1]) or (p[0], 0)
   uint16_t lo, hi = 0;
