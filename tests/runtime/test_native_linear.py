@@ -79,6 +79,23 @@ def test_bfloat16_sums_pairs_as_the_dot_product_instruction_does(n, k):
         torch.ops.metrale_cpu.use_bf16_dot_products(True)
 
 
+def test_bfloat16_output_rounds_the_sums_plus_bias_as_at_to_does():
+    """The float sums plus the bias, rounded to bfloat16 by the kernel's own tasks: the bits of
+    `Tensor.to(torch.bfloat16)` for ordinary and huge sums, infinities and NaN (as NaN)."""
+    n, k = 300, 34
+    w = column_major(n, k, torch.bfloat16)
+    x = torch.randn(5, k).to(torch.bfloat16)
+    x[1] *= 1e37                           # sums near the top of bfloat16's range
+    x[2, 3] = float("inf")                 # infinities and, against zero weights' products, NaN
+    w = w.clone()
+    w[:7, 3] = 0
+    bias = (torch.randn(n) * 0.1).to(torch.bfloat16)
+    want = (pair_sums(x, w) + bias.float()).to(torch.bfloat16)
+    got = torch.ops.metrale_cpu.linear(x, w, bias, BIG)
+    assert got.isinf().any() and got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_a_column_is_its_own_in_any_slice_of_the_weight(dtype):
     """An EP rank holds a slice of an attention's heads (of the fused q/k/v outputs) or of the
