@@ -219,6 +219,39 @@ def last_row_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
     return build_plan(cache, [SeqChunk(c.seq_id, c.end - 1, 1) for c in chunks])
 
 
+def chain_plans(cache: PagedKVCache, seq_ids: list[int], positions: list[int], steps: int) -> list[StepPlan]:
+    """The plans of steps 1 .. steps-1 of a chain of one-row steps (a drafter's drafts): at step s
+    sequence `seq_ids[b]` has one row at position `positions[b] + s` (every such position reserved),
+    seeing its whole context, as `build_plan` plans `[SeqChunk(seq_ids[b], positions[b] + s, 1)]`
+    (the same cells, context and mask, so the same attention) from one context read and a few tensor
+    ops a step."""
+    device = cache.device
+    b = len(seq_ids)
+    last = [p + steps - 1 for p in positions]
+    ctxs = [cache.cells(sid, 0, end + 1) for sid, end in zip(seq_ids, last)]
+    plans = []
+    if b == 1:
+        ctx = ctxs[0]
+        for s in range(1, steps):
+            p = positions[0] + s
+            plans.append(StepPlan(positions=ctx.new_full((1,), p), cell_mapping=ctx[p:p + 1], gather=ctx[None, :p + 1],
+                                  q_index=None, valid=None, mask=None, last_rows=ctx.new_zeros(1), mask_mode="none"))
+        return plans
+    gather = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)              # [B, K at the last step]
+    base = torch.tensor(positions, device=device)
+    seqs = torch.arange(b, device=device)
+    q_index = seqs[:, None]
+    valid = torch.ones(b, 1, dtype=torch.bool, device=device)
+    keys = torch.arange(gather.shape[1], device=device)
+    for s in range(1, steps):
+        pos = base + s
+        k_max = max(positions) + s + 1
+        mask = (keys[None, None, :k_max] <= pos[:, None, None])[:, None]             # [B, 1, 1, K]
+        plans.append(StepPlan(positions=pos, cell_mapping=gather[seqs, pos], gather=gather[:, :k_max], q_index=q_index,
+                              valid=valid, mask=mask, last_rows=seqs))
+    return plans
+
+
 class KVWrites:
     """The context of a forward that only writes keys and values (`CausalLM.mtp_write`): the rows
     of `chunks` (causal, every position reserved) go to their cache cells, and nothing attends.
@@ -302,20 +335,34 @@ def _native_plan(paged) -> bool:
     return bool(cpu_ops.LOADED if cpu_ops.LOADED is not None else cpu_ops.load())
 
 
+def chains_natively(paged: PagedAttention) -> bool:
+    """Whether a forward over `paged` can chain further steps in the same graph
+    (`forward_context(chain=...)`): its plan goes to the native ops."""
+    return _native_plan(paged)
+
+
 @contextmanager
-def forward_context(paged: PagedAttention, model: torch.nn.Module | None = None):
+def forward_context(paged: PagedAttention, model: torch.nn.Module | None = None,
+                    chain: list[StepPlan] | None = None):
     """Make `paged` the attention, and `model` the model, of the forward that runs inside this
     block (opaque ops of the compiled graph find them here: `step_model`). On the CPU with the
     native ops the plan goes to them once here (`_native_plan`). The block gets the attention
-    context its compiled forward takes: `NATIVE_ATTENTION` then, else `CONTEXT_ATTENTION`."""
+    context its compiled forward takes: `NATIVE_ATTENTION` then, else `CONTEXT_ATTENTION`.
+    `chain`: the plans of steps 1, 2, ... that the same forward runs after `paged`'s (a drafter's
+    chained drafts, `chain_attention(s)`), on the same cache; native plans only."""
     if getattr(_step_context, "paged", None) is not None:
         raise RuntimeError("a forward is already running on this thread: forward contexts do not nest")
     native = _native_plan(paged)
+    if chain and (not native or any(p.tiles is not None for p in chain)):
+        raise ValueError("chained steps need the native attention plan (CPU, native ops, no batch-invariant tiles)")
     if native:
         writes, cache = paged.plan, paged.cache
         p = paged.queries if paged.queries is not None else writes
         torch.ops.metrale_cpu.set_attention_plan(cache.k, cache.v, cache.latent_dim is None, writes.cell_mapping,
                                                  p.gather, p.q_index, p.valid, p.mask, p.mask_mode)
+        for step in chain or ():
+            torch.ops.metrale_cpu.add_attention_plan(step.cell_mapping, step.gather, step.q_index, step.valid,
+                                                     step.mask, step.mask_mode)
     _step_context.paged, _step_context.model = paged, model
     try:
         yield NATIVE_ATTENTION if native else CONTEXT_ATTENTION
@@ -375,8 +422,24 @@ class NativeContextAttention:
         return torch.ops.metrale_cpu.planned_attention(q, k, v, layer_idx, scale)
 
 
+class ChainStepAttention:
+    """`AttentionContext` of step `step` >= 1 of a chained forward: the native plan added for it
+    (`forward_context(chain=...)`)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        return torch.ops.metrale_cpu.planned_attention_at(q, k, v, layer_idx, self.step, scale)
+
+
 CONTEXT_ATTENTION = ContextAttention()
 NATIVE_ATTENTION = NativeContextAttention()   # the plan held by the native ops (`forward_context`)
+MAX_CHAIN = 32   # steps of one chained forward, at most
+# The attention of chained step s (index s; 0 unused: step 0 is NATIVE_ATTENTION): constants, so a
+# compiled chain sees the same objects every call.
+CHAIN_ATTENTION = tuple(ChainStepAttention(s) for s in range(MAX_CHAIN))
 
 
 class CausalAttention:

@@ -178,6 +178,10 @@ def _register_fakes() -> None:
     def _(q, k, v, layer_idx, scale):
         return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
+    @torch.library.register_fake("metrale_cpu::planned_attention_at")
+    def _(q, k, v, layer_idx, step, scale):
+        return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
 
 def error() -> str | None:
     """Why `load` returned False (None when it has not failed)."""

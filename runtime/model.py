@@ -177,7 +177,7 @@ class CausalLM(nn.Module):
         self.mtp.block.write_kv(x, self.rotary(ctx.positions, x.dtype), ctx)
 
     def mtp_draft(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
-                  ctx: AttentionContext, rows: torch.Tensor
+                  ctx: AttentionContext, rows: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One MTP step and the distributions it drafts from, as one function (a compiled drafter
         runs it as one graph): `mtp_forward` for the rows `rows` [B] (each drafting sequence's last
@@ -187,6 +187,24 @@ class CausalLM(nn.Module):
         hidden = self.mtp_forward(tokens, prev_hidden, positions, ctx, rows)
         logits = self.mtp_logits(hidden).float()
         return hidden, logits, *top_one(logits)
+
+    def mtp_draft_chain(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
+                        ctx: AttentionContext, rows: torch.Tensor, steps: int,
+                        later: tuple[AttentionContext, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`steps` MTP draft steps as one function (a compiled drafter runs them as one graph): the
+        first as `mtp_draft` (its rows fed, `rows` [B] going on), then each later step s takes the
+        last step's arg-max and output at the next position, one row a sequence, through attention
+        context `later[s]`. Returns the drafts [B, steps] and their probabilities [B, steps], as
+        `steps` calls of `mtp_draft` give them."""
+        hidden, _, token, prob = self.mtp_draft(tokens, prev_hidden, positions, ctx, rows)
+        drafts, probs = [token], [prob]
+        position = positions[rows]
+        for s in range(1, steps):
+            position = position + 1
+            hidden, _, token, prob = self.mtp_draft(token, hidden, position, later[s], None)
+            drafts.append(token)
+            probs.append(prob)
+        return torch.stack(drafts, dim=1), torch.stack(probs, dim=1)
 
     def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         """MTP pre-norm output [N, H] -> draft logits [N, V]."""

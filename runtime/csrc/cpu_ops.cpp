@@ -1034,6 +1034,10 @@ struct AttentionPlan {
   PagedPrep prep;   // filled by the step's first layer
 };
 thread_local AttentionPlan t_plan;
+// The plans of a drafter's later steps run in the same graph as its first (a chain of drafts:
+// `runtime.attention.forward_context(chain=...)`): step s >= 1 is t_chain[s - 1], on the same cache.
+thread_local std::vector<AttentionPlan> t_chain;
+
 
 void set_attention_plan(const at::Tensor& k_planes, const at::Tensor& v_planes, bool write_v,
                         const at::Tensor& cell_mapping, const at::Tensor& gather,
@@ -1044,20 +1048,43 @@ void set_attention_plan(const at::Tensor& k_planes, const at::Tensor& v_planes, 
               v_planes.sizes());
   t_plan = AttentionPlan{k_planes, v_planes, write_v, cell_mapping, gather, q_index, valid, mask,
                          std::string(mode), true, PagedPrep()};
+  t_chain.clear();
 }
 
-void clear_attention_plan() { t_plan = AttentionPlan(); }
+void clear_attention_plan() {
+  t_plan = AttentionPlan();
+  t_chain.clear();
+}
+
+// Appends the plan of the next chained step to this thread's plan (set first); returns its step.
+int64_t add_attention_plan(const at::Tensor& cell_mapping, const at::Tensor& gather,
+                           const std::optional<at::Tensor>& q_index, const std::optional<at::Tensor>& valid,
+                           const std::optional<at::Tensor>& mask, c10::string_view mode) {
+  TORCH_CHECK(t_plan.set, "add_attention_plan: set_attention_plan first");
+  t_chain.push_back(AttentionPlan{t_plan.k_planes, t_plan.v_planes, t_plan.write_v, cell_mapping, gather, q_index,
+                                  valid, mask, std::string(mode), true, PagedPrep()});
+  return static_cast<int64_t>(t_chain.size());
+}
+
+// Layer `layer_idx`'s attention of chained step `step` (0: the plan set by set_attention_plan).
+at::Tensor planned_attention_at(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer_idx,
+                                int64_t step, double scale) {
+  TORCH_CHECK(t_plan.set, "planned_attention: no attention plan on this thread (runtime.attention.forward_context "
+              "sets it)");
+  TORCH_CHECK(step >= 0 && step <= static_cast<int64_t>(t_chain.size()), "planned_attention: step ", step, " of ",
+              t_chain.size() + 1, " planned");
+  AttentionPlan& plan = step == 0 ? t_plan : t_chain[step - 1];
+  TORCH_CHECK(layer_idx >= 0 && layer_idx < plan.k_planes.size(0), "planned_attention: layer ", layer_idx,
+              " of a cache with ", plan.k_planes.size(0));
+  at::Tensor k_plane = plan.k_planes.select(0, layer_idx);
+  at::Tensor v_plane = plan.v_planes.select(0, layer_idx);
+  return paged_attention_prepared(q, k, v, k_plane, v_plane, plan.write_v, plan.cell_mapping, plan.gather,
+                                  plan.q_index, plan.valid, plan.mask, plan.mode, scale, &plan.prep);
+}
 
 at::Tensor planned_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer_idx,
                              double scale) {
-  TORCH_CHECK(t_plan.set, "planned_attention: no attention plan on this thread (runtime.attention.forward_context "
-              "sets it)");
-  TORCH_CHECK(layer_idx >= 0 && layer_idx < t_plan.k_planes.size(0), "planned_attention: layer ", layer_idx,
-              " of a cache with ", t_plan.k_planes.size(0));
-  at::Tensor k_plane = t_plan.k_planes.select(0, layer_idx);
-  at::Tensor v_plane = t_plan.v_planes.select(0, layer_idx);
-  return paged_attention_prepared(q, k, v, k_plane, v_plane, t_plan.write_v, t_plan.cell_mapping, t_plan.gather,
-                                  t_plan.q_index, t_plan.valid, t_plan.mask, t_plan.mode, scale, &t_plan.prep);
+  return planned_attention_at(q, k, v, layer_idx, 0, scale);
 }
 
 // Whether bfloat16 GEMMs run AVX512-BF16's dot products (`on` and the CPU has them) or their float
@@ -1085,4 +1112,9 @@ TORCH_LIBRARY(metrale_cpu, m) {
   m.def("clear_attention_plan() -> ()", &clear_attention_plan);
   m.def("planned_attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scale) -> Tensor");
   m.impl("planned_attention", c10::DispatchKey::CPU, TORCH_FN(planned_attention));
+  m.def("add_attention_plan(Tensor cell_mapping, Tensor gather, Tensor? q_index, Tensor? valid, Tensor? mask, "
+        "str mode) -> int");
+  m.impl("add_attention_plan", c10::DispatchKey::CPU, TORCH_FN(add_attention_plan));
+  m.def("planned_attention_at(Tensor q, Tensor k, Tensor v, int layer_idx, int step, float scale) -> Tensor");
+  m.impl("planned_attention_at", c10::DispatchKey::CPU, TORCH_FN(planned_attention_at));
 }

@@ -33,10 +33,13 @@ def test_compiled_float32_equals_eager_on_the_embedded_model():
     assert mtp.engine.runner.compiled and mtp.engine.proposer.compiles
     graphs = counters["stats"]["unique_graphs"]
     mtp.deployment.warm_up()   # as the server does before it listens (else the first step does)
-    # Five steps, seven graphs: the target's steps each with the graph of their logits rows.
-    assert counters["stats"]["unique_graphs"] == graphs + 7
-    assert ("5 steps (target 2 rows, target 1 row, drafter 2 rows, drafter 1 row, drafter 2 rows of 2 sequences), "
-            "7 graphs" in mtp.deployment.compile_report)
+    # Seven steps, nine graphs: the target's steps each with the graph of their logits rows, and
+    # one sequence's three drafts as one chained graph after a feed of several rows or one.
+    assert counters["stats"]["unique_graphs"] == graphs + 9
+    assert ("7 steps (target 2 rows, target 1 row, drafter 2 rows, drafter 1 row, drafter 2 rows of 2 sequences, "
+            "drafter chain 3 drafts after 2 rows, drafter chain 3 drafts after 1 row), 9 graphs"
+            in mtp.deployment.compile_report)
+    assert mtp.engine.proposer._chain_depths == {3}
     cache = mtp.engine.runner.cache
     assert cache.num_free_blocks == cache.num_blocks         # the warm-up's rows are given back
     graphs = counters["stats"]["unique_graphs"]
@@ -51,7 +54,29 @@ def test_compiled_float32_equals_eager_on_the_embedded_model():
     assert 1 in rows and max(rows) > 4
     assert counters["stats"]["unique_graphs"] == graphs
     # Warm, the steps skip Dynamo (runtime.compiled.CompiledStep), the target's and the drafter's.
-    assert runner._compiled_forward.direct_calls > 0 and mtp.engine.proposer._compiled_forward.direct_calls > 0
+    proposer = mtp.engine.proposer
+    assert runner._compiled_forward.direct_calls > 0 and proposer._compiled_forward.direct_calls > 0
+    assert proposer._compiled_chain.direct_calls > 0
+    # One sequence's drafts chained in one graph are the drafts of the separate steps, bit for bit
+    # in float32 (probabilities too), and so are the tokens.
+    runs: dict[bool, tuple] = {}
+    draft = proposer.draft
+    for chained in (True, False):
+        proposer._chain_depths = {3} if chained else set()
+        calls: list = []
+        chains = proposer._compiled_chain.direct_calls
+        def record(*a, _calls=calls, **k):
+            out = draft(*a, **k)
+            _calls.append([(d.tokens, d.probs) for d in out])
+            return out
+        proposer.draft = record
+        tokens = [mtp.generate([p], params)[0].token_ids for p in prompts[:2]]   # one sequence at a time
+        proposer.draft = draft
+        runs[chained] = (tokens, calls, proposer._compiled_chain.direct_calls - chains)
+    assert runs[True][:2] == runs[False][:2] and len(runs[True][1]) > 5
+    assert runs[True][0] == want[:2]
+    assert runs[True][2] > 5 and runs[False][2] == 0      # chained, and not
+    proposer._chain_depths = {3}
     # The compiled drafter drafts what the eager one drafts, up to rounding: on held-out code its
     # acceptance stays within a few percent of an eager float32 engine's.
     held = [mtp.encode(json.loads(line)["prompt"]) for line in (MODEL / "heldout_prompts.jsonl").read_text().splitlines()[:3]]

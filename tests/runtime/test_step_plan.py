@@ -1,6 +1,7 @@
 """`build_plan`'s padded batch for several causal chunks (the decode, verify and draft steps of
 many sequences, built from host lists) against its definition, field by field: each row's
-position and cache cell, each sequence's context, query rows and causal mask."""
+position and cache cell, each sequence's context, query rows and causal mask; and `chain_plans`
+(a drafter's chained one-row steps) against `build_plan` of each step."""
 from __future__ import annotations
 
 import random
@@ -8,7 +9,7 @@ import random
 import pytest
 import torch
 
-from runtime.attention import SeqChunk, build_plan
+from runtime.attention import SeqChunk, build_plan, chain_plans
 from runtime.kv_cache import PagedKVCache
 
 
@@ -60,3 +61,32 @@ def test_several_causal_chunks_plan_as_defined(rows):
         for field, want in _expected(cache, chunks).items():
             got = getattr(plan, field)
             assert got.dtype == want.dtype and torch.equal(got, want), field
+
+
+@pytest.mark.parametrize("num_seqs", [1, 5])
+def test_chained_steps_plan_as_build_plan_plans_each_step(num_seqs):
+    """Step s of a chain (one row a sequence at its position + s) attends as `build_plan` of that
+    step plans it: the same cells written, the same context and, past each sequence's own end,
+    keys masked off (where build_plan pads with cell 0)."""
+    rng = random.Random(num_seqs)
+    cache = PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=512, block_size=16,
+                         dtype=torch.float32)
+    seqs = rng.sample(range(100), num_seqs)
+    positions = []
+    for seq in seqs:
+        length = rng.randint(1, 150)
+        cache.reserve(seq, length + 4)
+        positions.append(length - 1)
+    plans = chain_plans(cache, seqs, positions, 5)
+    assert len(plans) == 4
+    for s, plan in enumerate(plans, start=1):
+        want = build_plan(cache, [SeqChunk(seq, p + s, 1) for seq, p in zip(seqs, positions)])
+        assert plan.mask_mode == want.mask_mode and torch.equal(plan.cell_mapping, want.cell_mapping)
+        assert torch.equal(plan.positions, want.positions)
+        if num_seqs == 1:
+            assert torch.equal(plan.gather, want.gather) and plan.mask is None
+            continue
+        assert plan.gather.shape == want.gather.shape and torch.equal(plan.mask, want.mask)
+        assert torch.equal(plan.gather[plan.mask[:, 0, 0]], want.gather[want.mask[:, 0, 0]])   # every visible key
+        for field in ("q_index", "valid", "last_rows"):
+            assert torch.equal(getattr(plan, field), getattr(want, field)), field
