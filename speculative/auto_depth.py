@@ -7,13 +7,16 @@ less noisy than tokens per step:
 - per width band (1, 2, 4, ... sequences), the cost of a pure decode step at each depth it has
   run, depth 0 being plain decoding, on a relative scale: a step at another depth than the band's
   current one (a probe) is divided by the current depth's last few steps, which ran just before it.
+  A probe is a short run of steps at its depth, and only a run's later steps are measured (the
+  current depth's too, after a probe): the first steps after a change of depth run slower on caches
+  the other depth filled, and would make every depth but the current one look dear.
   The host's speed drifts (1.5x within minutes on a shared CPU), and a ratio of neighbouring steps
   cancels that drift where costs measured minutes apart would not. Each depth keeps the median of
   its last few ratios, so one outlier (a first step that compiles a shape) does not stick.
 The expected committed tokens per sequence at depth d are 1 + sum_{i<=d} prod_{j<=i} a_j, and the
 depth served is the one with the most expected tokens per unit of step cost. Depths with fewer than
-`min_samples` ratios are probed (one step each) every `probe_every / 4` steps of the band, then
-the known ones are re-probed in turn so their ratios stay current, every `probe_every` steps at
+`min_samples` ratios are probed (a run of `probe_run` steps each) every `probe_every / 4` steps of
+the band (at least `probe_run + settle + 2`), then the known ones are re-probed in turn so their ratios stay current, every `probe_every` steps at
 first and half as often after each round of probes that changes nothing (down to one in
 `probe_every * 2**max_doublings`: a probe at a worse depth costs that step its difference); the
 band switches only when another depth beats its current one by more than `hysteresis`, and then
@@ -49,6 +52,10 @@ class _Band:
     steps: int = 0
     probes: int = 0
     quiet: int = 0   # probes since the band last switched depth
+    probe_depth: int = 0
+    probe_left: int = 0    # steps left of the probe run under way
+    run_depth: int = -1    # the depth of the latest measured steps in a row, and how many
+    run_len: int = 0
 
     def level(self, depth: int) -> float | None:
         """The depth's log cost on the band's scale (the median of its latest), None when unmeasured."""
@@ -68,14 +75,25 @@ class _Band:
 
 class AutoDepthController:
     def __init__(self, max_depth: int, *, start_depth: Callable[[int], int] | None = None, probe_every: int = 16,
-                 hysteresis: float = 0.05, min_samples: int = 3, max_doublings: int = 3) -> None:
-        """`start_depth(n_active)`: a new band's first depth (the static ladder's; max_depth when None)."""
+                 hysteresis: float = 0.05, min_samples: int = 3, max_doublings: int = 3, probe_run: int = 3,
+                 settle: int = 2) -> None:
+        """`start_depth(n_active)`: a new band's first depth (the static ladder's; max_depth when None).
+        `probe_run`: steps of one probe; `settle`: the first steps of each run of one depth that are
+        not measured (a step right after a change of depth runs on caches the other depth filled:
+        on the embedded model in bfloat16 a one-row step after drafting steps costs 1.06-1.4 ms, the
+        next 0.95, the third on 0.87, against 2.5 ms for a three-draft step, so single-step probes
+        made no speculation look 20-60% dearer than it is and kept a losing depth)."""
         if max_depth < 0:
             raise ValueError(f"max_depth={max_depth} must be non-negative")
+        if not 0 <= settle < probe_run:
+            raise ValueError(f"settle={settle} must leave a measured step of a {probe_run}-step probe")
         self.max_depth = max_depth
         self.start_depth = start_depth or (lambda n_active: max_depth)
         self.probe_every, self.hysteresis, self.min_samples = probe_every, hysteresis, min_samples
         self.max_doublings = max_doublings
+        self.probe_run, self.settle = probe_run, settle
+        # Probes start at least this far apart, so the current depth settles between them.
+        self.min_interval = probe_run + settle + 2
         self.bands: dict[int, _Band] = {}
         self.reached = [0] * max_depth     # chains that drafted position i (0-based) with 0..i-1 accepted
         self.accepted = [0] * max_depth    # ... and had draft i accepted
@@ -98,6 +116,12 @@ class AutoDepthController:
         if seconds <= 0:
             return
         band = self._band(n_active)
+        if depth == band.run_depth:
+            band.run_len += 1
+        else:
+            band.run_depth, band.run_len = depth, 1
+        if band.run_len <= self.settle:   # still on the other depth's caches: not this depth's cost
+            return
         x = math.log(seconds)
         if depth == band.current:
             band.recent.append(x)
@@ -134,26 +158,33 @@ class AutoDepthController:
         """The depth to run this step at width `n_active` (a probe now and then)."""
         band = self._band(n_active)
         band.steps += 1
+        if band.probe_left > 0:       # a probe runs `probe_run` steps in a row
+            band.probe_left -= 1
+            return band.probe_depth
         unknown = [d for d in range(self.max_depth + 1)
                    if d != band.current and len(band.levels.get(d, ())) < self.min_samples]
         # While some depth is unmeasured, probe four times as often: a band can be short-lived. A
         # probe needs steps of the current depth to pair with, so none comes before them.
-        if not band.recent or (unknown and band.steps % max(1, self.probe_every // 4)):
+        if not band.recent or (unknown and band.steps % max(self.min_interval, self.probe_every // 4)):
             return band.current
         if unknown:
             band.probes += 1
-            return min(unknown, key=lambda d: (len(band.levels.get(d, ())), abs(d - band.current)))
+            return self._probe(band, min(unknown, key=lambda d: (len(band.levels.get(d, ())), abs(d - band.current))))
         others = [d for d in range(self.max_depth + 1) if d != band.current]
         if not others:
             return band.current
         # Each round of probes that leaves the current depth in place doubles the interval (up to
-        # `max_doublings` times): a settled band spends ~1% of its steps probing, not 6%.
-        interval = self.probe_every << min(band.quiet // len(others), self.max_doublings)
+        # `max_doublings` times): a settled band spends ~2-4% of its steps probing, not 6-18%.
+        interval = max(self.min_interval, self.probe_every << min(band.quiet // len(others), self.max_doublings))
         if band.steps % interval:
             return band.current
         band.probes += 1
         band.quiet += 1
-        return others[band.probes % len(others)]
+        return self._probe(band, others[band.probes % len(others)])
+
+    def _probe(self, band: _Band, depth: int) -> int:
+        band.probe_depth, band.probe_left = depth, self.probe_run - 1
+        return depth
 
     def summary(self) -> dict:
         return {"acceptance": [round(a, 3) for a in self.acceptance()],
