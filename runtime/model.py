@@ -190,21 +190,27 @@ class CausalLM(nn.Module):
 
     def mtp_draft_chain(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
                         ctx: AttentionContext, rows: torch.Tensor, steps: int,
-                        later: tuple[AttentionContext, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                        later: tuple[AttentionContext, ...], width: int = 1) -> tuple[torch.Tensor, ...]:
         """`steps` MTP draft steps as one function (a compiled drafter runs them as one graph): the
         first as `mtp_draft` (its rows fed, `rows` [B] going on), then each later step s takes the
         last step's arg-max and output at the next position, one row a sequence, through attention
         context `later[s]`. Returns the drafts [B, steps] and their probabilities [B, steps], as
-        `steps` calls of `mtp_draft` give them."""
-        hidden, _, token, prob = self.mtp_draft(tokens, prev_hidden, positions, ctx, rows)
-        drafts, probs = [token], [prob]
+        `steps` calls of `mtp_draft` give them, and with `width` > 1 each step's `width` best
+        tokens [B, steps, width] (a draft tree's hedges come from them)."""
+        hidden, logits, token, prob = self.mtp_draft(tokens, prev_hidden, positions, ctx, rows)
+        drafts, probs, best = [token], [prob], []
         position = positions[rows]
-        for s in range(1, steps):
+        for s in range(1, steps + 1):
+            if width > 1:
+                best.append(logits.topk(width, dim=-1).indices)
+            if s == steps:
+                break
             position = position + 1
-            hidden, _, token, prob = self.mtp_draft(token, hidden, position, later[s], None)
+            hidden, logits, token, prob = self.mtp_draft(token, hidden, position, later[s], None)
             drafts.append(token)
             probs.append(prob)
-        return torch.stack(drafts, dim=1), torch.stack(probs, dim=1)
+        out = (torch.stack(drafts, dim=1), torch.stack(probs, dim=1))
+        return (*out, torch.stack(best, dim=1)) if width > 1 else out
 
     def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         """MTP pre-norm output [N, H] -> draft logits [N, V]."""

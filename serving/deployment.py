@@ -246,22 +246,24 @@ class Deployment:
         # drafter's step also takes each chunk's last row, so one chunk is a graph apart (two
         # chunks of the scratch sequence stand for two sequences: one block serves every shape).
         graphs = [("target", [SeqChunk(seq, 0, 2)]), ("target", [SeqChunk(seq, 0, 1)])]
-        chains = sorted(self._chain_depths()) if drafter is not None else []
+        chains = sorted(self._chain_shapes()) if drafter is not None else []
         if drafter is not None:
             graphs += [("drafter", [SeqChunk(seq, 0, 2)]), ("drafter", [SeqChunk(seq, 0, 1)]),
                        ("drafter", [SeqChunk(seq, 0, 1), SeqChunk(seq, 1, 1)])]
             # One sequence's drafts of each depth it may draft alone, as one chained graph.
-            graphs += [(f"drafter chain {d}", [SeqChunk(seq, 0, rows)]) for d in chains for rows in (2, 1)]
+            graphs += [(f"drafter chain {d} {w}", [SeqChunk(seq, 0, rows)]) for d, w in chains for rows in (2, 1)]
         def name(what: str, chunks: list[SeqChunk]) -> str:
             if what.startswith("drafter chain"):
-                return f"{what} drafts after {chunks[0].num_tokens} row{'s' if chunks[0].num_tokens > 1 else ''}"
+                depth, width = what.split()[2:]
+                kind = f"{depth} drafts" if width == "1" else f"tree of {depth} depths"
+                return f"drafter chain {kind} after {chunks[0].num_tokens} row{'s' if chunks[0].num_tokens > 1 else ''}"
             rows = sum(c.num_tokens for c in chunks)
             return f"{what} {rows} row{'s' if rows > 1 else ''}" + (f" of {len(chunks)} sequences" if len(chunks) > 1 else "")
         names = [name(what, chunks) for what, chunks in graphs]
         from torch._dynamo.utils import counters   # Dynamo's count of the graphs it compiled
         t0 = time.perf_counter()
         before = counters["stats"]["unique_graphs"]
-        runner.cache.reserve(seq, 2 + max(chains, default=0))
+        runner.cache.reserve(seq, 2 + max((d for d, _ in chains), default=0))
         try:
             with tqdm(graphs, desc="compiling the step", unit="graph", disable=None, leave=False) as bar:
                 for (what, chunks), name in zip(bar, names):
@@ -271,7 +273,8 @@ class Deployment:
                         hidden, _ = runner.forward([0] * rows, chunks)
                         runner.logits(hidden, list(range(rows)))   # one row, or several: the head's graphs too
                     elif what.startswith("drafter chain"):
-                        drafter.warm_up_chain(chunks, int(what.rsplit(" ", 1)[1]))
+                        depth, width = map(int, what.split()[2:])
+                        drafter.warm_up_chain(chunks, depth, width)
                     else:
                         drafter.warm_up(chunks)
         except BaseException:
@@ -284,14 +287,19 @@ class Deployment:
         log.info("%s", self.compile_report)
         freeze_heap()
 
-    def _chain_depths(self) -> set[int]:
-        """The depths (2 or more) a single running sequence may draft under these settings: the
-        deepest, and the ladder's at width 1. (The auto policy's shallower depths draft step by step.)"""
+    def _chain_shapes(self) -> set[tuple[int, int]]:
+        """The (depth, width) shapes a single running sequence may draft under these settings, as
+        chained graphs: a tree's (its spine, its widest count); else chains of the deepest depth
+        and the ladder's at width 1, from 2 drafts. (The auto policy's shallower depths draft step
+        by step.)"""
         spec = self.spec
+        if spec.tree_shape is not None:
+            counts = spec.tree_shape.counts
+            return {(len(counts), max(counts))} if len(counts) >= 2 else set()
         depths = {spec.num_drafts}
         if spec.depth_policy == "ladder" and not spec.ladder_disabled:
             depths.add(ladder_drafts_from_steps(list(spec.ladder), 1, spec.num_drafts))
-        return {d for d in depths if d >= 2} if spec.tree_shape is None else set()
+        return {(d, 1) for d in depths if d >= 2}
 
     def _join_group(self, comm: Communicator) -> DriverRunner:
         """Rank 0's part of starting a group: handshake, its shard, every rank's pid and node."""

@@ -95,7 +95,7 @@ class MTPProposer(DraftProposer):
                                      hidden=(model.config.hidden_size, model.dtype))
         self._compiled_forward = None
         self._compiled_chain = None    # the chained drafts' graphs (`_chain`)
-        self._chain_depths: set[int] = set()   # depths whose chain compiled (`warm_up_chain`)
+        self._chain_shapes: set[tuple[int, int]] = set()   # (depth, width) chains compiled (`warm_up_chain`)
         self._compile = compiled and self.graphs is None and model.dtype != torch.float64 and not (
             model.mtp is not None and getattr(model.mtp, "batch_invariant", False))
         tau = confidence_stop
@@ -174,13 +174,19 @@ class MTPProposer(DraftProposer):
             return out
         # Only drafting sequences' last rows go past the drafter's attention (the others only
         # write keys and values).
-        if self._chains(keep, num_drafts, stop, trees, grammars):
-            chained = self._chain(tokens, prev, chunks, keep, num_drafts[keep[0]])
+        shape = self._chain_shape(keep, num_drafts, stop, trees, grammars)
+        if shape is not None:
+            chained = self._chain(tokens, prev, chunks, keep, *shape)
             if chained is not None:
-                drafts, probs = chained
+                drafts, probs, best = chained
                 for j, i in enumerate(keep):
-                    out[live[i]].tokens.extend(drafts[j])
-                    out[live[i]].probs.extend(probs[j])
+                    d = out[live[i]]
+                    d.tokens.extend(drafts[j])
+                    d.probs.extend(probs[j])
+                    tree = trees[i] if trees else ()
+                    for depth, (count, top) in enumerate(zip(tree, drafts[j]), start=1):
+                        if count > 1:   # the spine is the arg-max; the hedges the best of the rest
+                            d.hedges.extend((depth, t) for t in [t for t in best[j][depth - 1] if t != top][:count - 1])
                 return out
         hidden, dist = self._forward(tokens, prev, chunks, keep)
         active = [live[j] for j in keep]
@@ -221,30 +227,35 @@ class MTPProposer(DraftProposer):
             hidden, dist = self._forward([out[i].tokens[-1] for i in active], prev, chunks)
         return out
 
-    def _chains(self, keep: list[int], num_drafts: list[int], stop: float | None,
-                trees: list[tuple[int, ...]] | None, grammars: list[GrammarMatcher | None] | None) -> bool:
-        """Whether the drafts of the sequences `keep` run as one chained graph (`_chain`): a
-        compiled drafter, one sequence drafting a depth whose chain was compiled (`warm_up_chain`),
-        and nothing that looks at a depth's distribution before the next depth runs: no confidence
-        stop, hedges, grammar or shadow log. (Several sequences would chain too, at 1.01x-1.03x
-        for 16 sequences against 1.04x-1.12x for one, in the embedded model, and their graphs would
-        double the chain's compile time; they run step by step.)"""
+    def _chain_shape(self, keep: list[int], num_drafts: list[int], stop: float | None,
+                     trees: list[tuple[int, ...]] | None,
+                     grammars: list[GrammarMatcher | None] | None) -> tuple[int, int] | None:
+        """(depth, width) when the drafts of the sequences `keep` run as one chained graph
+        (`_chain`), else None: a compiled drafter, one sequence drafting a chain, or a tree, whose
+        shape was compiled (`warm_up_chain`), and nothing that looks at a depth's distribution
+        before the next depth runs: no confidence stop, grammar or shadow log. (Several sequences
+        would chain too, at 1.01x-1.03x for 16 sequences against 1.04x-1.12x for one, in the
+        embedded model, and their graphs would double the chain's compile time; they run step by
+        step.)"""
         if not self._compile or self.knobs.shadow_topk or stop is not None or len(keep) != 1:
-            return False
-        if num_drafts[keep[0]] not in self._chain_depths:
-            return False
+            return None
         if grammars is not None and any(g is not None for g in grammars):
-            return False
-        return not trees or all(w <= 1 for t in trees for w in (t or ()))
+            return None
+        depth = num_drafts[keep[0]]
+        tree = trees[keep[0]] if trees else ()
+        shape = (depth, max(tree[:depth], default=1))
+        return shape if shape in self._chain_shapes else None
 
     @torch.inference_mode()
     def _chain(self, tokens: list[int], prev_hidden: torch.Tensor, chunks: list[SeqChunk], query: list[int],
-               steps: int) -> tuple[list[list[int]], list[list[float]]] | None:
+               steps: int, width: int = 1) -> tuple[list[list[int]], list[list[float]], list | None] | None:
         """`steps` drafts of each chunk in `query` as one compiled graph (`CausalLM.mtp_draft_chain`):
         the first step feeds every chunk's rows, as `_forward` does, and each later one drafts from
         the last, with its attention planned here beforehand (`chain_plans`). The same drafts as
         `steps` separate steps, without the host work between them (a graph call, a plan, a read
-        of the draft). None where the native attention plan cannot hold the chain."""
+        of the draft). Returns the drafts, their probabilities and, with `width` > 1, each step's
+        `width` best tokens [chunk][step][width]; None where the native attention plan cannot hold
+        the chain."""
         ends = list(itertools.accumulate(c.num_tokens for c in chunks))
         plan = build_plan(self.cache, chunks)
         own = len(query) == len(chunks) and ends[-1] == len(chunks)
@@ -259,9 +270,9 @@ class MTPProposer(DraftProposer):
         if self._compiled_chain is None:
             self._compiled_chain = compile_step(self.model.mtp_draft_chain)
         with forward_context(paged, self.model, chain=later) as ctx:
-            drafts, probs = self._compiled_chain(token_tensor, prev_hidden, plan.positions, ctx, rows, steps,
-                                                 CHAIN_ATTENTION)
-        return drafts.tolist(), probs.tolist()
+            got = self._compiled_chain(token_tensor, prev_hidden, plan.positions, ctx, rows, steps, CHAIN_ATTENTION,
+                                       width)
+        return got[0].tolist(), got[1].tolist(), got[2].tolist() if width > 1 else None
 
     def _distribution(self, hidden: torch.Tensor):
         """Draft logits of the rows `hidden` [B, H] -> (logits in float32 [B, V], arg-max [B], its
@@ -315,19 +326,20 @@ class MTPProposer(DraftProposer):
             self._distribution(out)
 
     @torch.inference_mode()
-    def warm_up_chain(self, chunks: list[SeqChunk], steps: int) -> bool:
-        """Compile the chained drafts (`_chain`) of `steps` drafts after a first step over `chunks`
-        (one sequence; the caller reserved its positions up to `steps - 1` past the chunk and gives
-        up its drafter cells there); from then on a one-sequence propose of that depth runs as one
-        graph. The graphs differ by the first step's row count (one, several). False when the
-        chain cannot run here (not compiled, no native attention plan)."""
-        if not self._compile or len(chunks) != 1 or not 2 <= steps < MAX_CHAIN:
+    def warm_up_chain(self, chunks: list[SeqChunk], steps: int, width: int = 1) -> bool:
+        """Compile the chained drafts (`_chain`) of `steps` drafts (a tree's spine when `width`, its
+        widest count, is above 1) after a first step over `chunks` (one sequence; the caller
+        reserved its positions up to `steps - 1` past the chunk and gives up its drafter cells
+        there); from then on a one-sequence propose of that shape runs as one graph. The graphs
+        differ by the first step's row count (one, several). False when the chain cannot run here
+        (not compiled, no native attention plan)."""
+        if not self._compile or len(chunks) != 1 or not 2 <= steps < MAX_CHAIN or width < 1:
             return False
         rows = chunks[0].num_tokens
         hidden = torch.zeros(rows, self.model.config.hidden_size, dtype=self.model.dtype, device=self.cache.device)
-        if self._chain([0] * rows, hidden, chunks, [0], steps) is None:
+        if self._chain([0] * rows, hidden, chunks, [0], steps, width) is None:
             return False
-        self._chain_depths.add(steps)
+        self._chain_shapes.add((steps, width))
         return True
 
     def num_final(self, state: ProposerState, num_computed: int) -> int:

@@ -42,7 +42,7 @@ def measure(model: str, k: int, prompts: list[str], max_tokens: int, enforce_eag
     engine = llm.engine
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
     if not chained and engine.proposer is not None:
-        engine.proposer._chain_depths = set()
+        engine.proposer._chain_shapes = set()
     bucket: dict[str, float] = {}
     if engine.proposer is not None:
         timed(engine.proposer, "propose_batch", bucket)
@@ -55,7 +55,7 @@ def measure(model: str, k: int, prompts: list[str], max_tokens: int, enforce_eag
     wall = time.perf_counter() - t0
     steps = engine.num_steps - steps0
     draft, target = bucket.get("propose_batch", 0.0), bucket["forward"] + bucket["logits"]
-    return {"drafts": k, "chained": "yes" if chained and k > 1 and getattr(engine.proposer, "_chain_depths", None)
+    return {"drafts": k, "chained": "yes" if chained and k > 1 and getattr(engine.proposer, "_chain_shapes", None)
             else "no", "steps": steps, "tokens": tokens, "tok_s": round(tokens / wall, 1),
             "tokens_per_step": round(tokens / steps, 3), "step_ms": round(1000 * wall / steps, 2),
             "draft_ms": round(1000 * draft / steps, 2), "target_ms": round(1000 * target / steps, 2),

@@ -39,7 +39,7 @@ def test_compiled_float32_equals_eager_on_the_embedded_model():
     assert ("7 steps (target 2 rows, target 1 row, drafter 2 rows, drafter 1 row, drafter 2 rows of 2 sequences, "
             "drafter chain 3 drafts after 2 rows, drafter chain 3 drafts after 1 row), 9 graphs"
             in mtp.deployment.compile_report)
-    assert mtp.engine.proposer._chain_depths == {3}
+    assert mtp.engine.proposer._chain_shapes == {(3, 1)}
     cache = mtp.engine.runner.cache
     assert cache.num_free_blocks == cache.num_blocks         # the warm-up's rows are given back
     graphs = counters["stats"]["unique_graphs"]
@@ -62,7 +62,7 @@ def test_compiled_float32_equals_eager_on_the_embedded_model():
     runs: dict[bool, tuple] = {}
     draft = proposer.draft
     for chained in (True, False):
-        proposer._chain_depths = {3} if chained else set()
+        proposer._chain_shapes = {(3, 1)} if chained else set()
         calls: list = []
         chains = proposer._compiled_chain.direct_calls
         def record(*a, _calls=calls, **k):
@@ -76,7 +76,7 @@ def test_compiled_float32_equals_eager_on_the_embedded_model():
     assert runs[True][:2] == runs[False][:2] and len(runs[True][1]) > 5
     assert runs[True][0] == want[:2]
     assert runs[True][2] > 5 and runs[False][2] == 0      # chained, and not
-    proposer._chain_depths = {3}
+    proposer._chain_shapes = {(3, 1)}
     # The compiled drafter drafts what the eager one drafts, up to rounding: on held-out code its
     # acceptance stays within a few percent of an eager float32 engine's.
     held = [mtp.encode(json.loads(line)["prompt"]) for line in (MODEL / "heldout_prompts.jsonl").read_text().splitlines()[:3]]
@@ -97,3 +97,37 @@ def test_float64_and_enforce_eager_stay_eager(monkeypatch):
     assert not LLM(MODEL, dtype="float64", kv_cache_tokens=512, enforce_eager=False).engine.runner.compiled
     assert not LLM(MODEL, dtype="float32", kv_cache_tokens=512, enforce_eager=True).engine.runner.compiled
     assert calls == []
+
+
+def test_a_compiled_draft_tree_chains_its_spine_and_hedges():
+    """With a tree shape the compiled drafter chains one sequence's spine in one graph and takes
+    each depth's hedges from the graph's top tokens: float32 drafts, probabilities and hedges bit
+    for bit as the separate steps give them, and the same tokens."""
+    prompts = [[5, 17, 200, 3], [300, 4]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    llm = LLM(MODEL, dtype="float32", kv_cache_tokens=2048, spec="mtp", num_drafts=3, tree_shape="1,2,2",
+              enforce_eager=False)
+    llm.deployment.warm_up()
+    assert "drafter chain tree of 3 depths after 2 rows" in llm.deployment.compile_report
+    proposer = llm.engine.proposer
+    assert proposer._chain_shapes == {(3, 2)}
+    draft = proposer.draft
+    runs = {}
+    for chained in (True, False):
+        proposer._chain_shapes = {(3, 2)} if chained else set()
+        calls: list = []
+
+        def record(*a, _calls=calls, **k):
+            out = draft(*a, **k)
+            _calls.append([(d.tokens, d.probs, d.hedges) for d in out])
+            return out
+        proposer.draft = record
+        chains = proposer._compiled_chain.direct_calls
+        tokens = [llm.generate([p], params)[0].token_ids for p in prompts]
+        proposer.draft = draft
+        runs[chained] = (tokens, calls, proposer._compiled_chain.direct_calls - chains)
+    assert runs[True][:2] == runs[False][:2]
+    assert runs[True][2] > 3 and runs[False][2] == 0
+    # One hedge at each of depths 2 and 3 of the 1,2,2 tree, at every propose of three drafts.
+    full = [h for call in runs[True][1] for tokens, _, h in call if len(tokens) == 3]
+    assert len(full) > 3 and all(sorted(d for d, _ in h) == [2, 3] for h in full)
