@@ -205,9 +205,12 @@ class Engine:
         updates = self.verify_and_sample(batch, chunks, items, vplan, hidden)
         self.postprocess(updates, hidden, len(batch))
         depth = self.depth.step_depth_taken
-        if self.depth.auto is not None and depth is not None and all(i.num_tokens == 1 for i in batch):
-            # A pure decode step: what it cost at this width and depth, for the controller.
-            self.depth.auto.record(width, depth, time.perf_counter() - t0)
+        if self.depth.auto is not None:
+            if depth is not None and all(i.num_tokens == 1 for i in batch):
+                # A pure decode step: what it cost at this width and depth, for the controller.
+                self.depth.auto.record(width, depth, time.perf_counter() - t0)
+            else:   # a prefill ran: the decode steps after it are not settled yet
+                self.depth.auto.break_run(width)
         return [u.seq for u in updates if u.commit or u.seq.is_finished]
 
     def plan(self) -> dict[int, DraftPlan]:

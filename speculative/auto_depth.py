@@ -111,6 +111,11 @@ class AutoDepthController:
             self.reached[i] += 1
             self.accepted[i] += i < num_accepted
 
+    def break_run(self, n_active: int) -> None:
+        """A step that was not a pure decode (a prefill in it) ran at width `n_active`: the next
+        decode steps start a new run, so their first `settle` are not measured either."""
+        self._band(n_active).run_depth = -1
+
     def record(self, n_active: int, depth: int, seconds: float) -> None:
         """One pure decode step at width `n_active` and `depth` took `seconds`."""
         if seconds <= 0:

@@ -144,6 +144,19 @@ def test_steps_just_after_a_change_of_depth_do_not_count():
     assert one_step.bands[1].current == 3
 
 
+def test_a_prefill_unsettles_the_run():
+    ctrl = AutoDepthController(3)
+    for _ in range(4):
+        ctrl.record(1, 3, 0.002)
+    assert len(ctrl.bands[1].recent) == 2           # the first two steps of the run were not measured
+    ctrl.break_run(1)                               # a step with a prefill in it
+    ctrl.record(1, 3, 0.009)
+    ctrl.record(1, 3, 0.005)
+    assert len(ctrl.bands[1].recent) == 2           # nor the two decode steps after it
+    ctrl.record(1, 3, 0.002)
+    assert len(ctrl.bands[1].recent) == 3
+
+
 def test_engine_auto_policy_is_lossless(ckpt_mtp):
     from serving.llm import LLM
     from runtime.sampler import SamplingParams
