@@ -64,6 +64,12 @@ def grammar_masked(logits: torch.Tensor, grammars: list[GrammarMatcher | None],
     return logits.masked_fill(refused, float("-inf"))
 
 
+def hedges(depth: int, best: list[int], spine: int, count: int) -> list[tuple[int, int]]:
+    """A tree depth's hedges: the spine is the arg-max, the hedges the best of the rest, `count - 1`
+    of them, from that depth's best tokens `best` (best first)."""
+    return [(depth, t) for t in best if t != spine][:count - 1]
+
+
 class MTPProposer(DraftProposer):
     writes_cache_rows = True
     # Whether the spine is picked from the grammar-masked logits. The sharded drafter (ep.driver)
@@ -185,8 +191,8 @@ class MTPProposer(DraftProposer):
                     d.probs.extend(probs[j])
                     tree = trees[i] if trees else ()
                     for depth, (count, top) in enumerate(zip(tree, drafts[j]), start=1):
-                        if count > 1:   # the spine is the arg-max; the hedges the best of the rest
-                            d.hedges.extend((depth, t) for t in [t for t in best[j][depth - 1] if t != top][:count - 1])
+                        if count > 1:
+                            d.hedges.extend(hedges(depth, best[j][depth - 1], top, count))
                 return out
         hidden, dist = self._forward(tokens, prev, chunks, keep)
         active = [live[j] for j in keep]
@@ -212,9 +218,8 @@ class MTPProposer(DraftProposer):
             for j, i in enumerate(active):
                 out[i].tokens.append(top_t[j])
                 out[i].probs.append(top_p[j])
-                if widths[j] > 1:  # the spine is the arg-max; the hedges the best of the rest
-                    depth = len(out[i].tokens)
-                    out[i].hedges.extend((depth, t) for t in [t for t in cand[j] if t != top_t[j]][:widths[j] - 1])
+                if widths[j] > 1:
+                    out[i].hedges.extend(hedges(len(out[i].tokens), cand[j], top_t[j], widths[j]))
             # The confidence stop (docs/design.md §5.4): a chain whose last draft fell below TAU is not extended.
             keep = [j for j, i in enumerate(active) if len(out[i].tokens) < num_drafts[i]
                     and (ln_tau is None or extends(out[i].probs, ln_tau))]
@@ -256,22 +261,15 @@ class MTPProposer(DraftProposer):
         of the draft). Returns the drafts, their probabilities and, with `width` > 1, each step's
         `width` best tokens [chunk][step][width]; None where the native attention plan cannot hold
         the chain."""
-        ends = list(itertools.accumulate(c.num_tokens for c in chunks))
-        plan = build_plan(self.cache, chunks)
-        own = len(query) == len(chunks) and ends[-1] == len(chunks)
-        queries = None if own else last_row_plan(self.cache, [chunks[j] for j in query])
-        paged = PagedAttention(self.cache, plan, queries)
+        paged, rows, token_tensor = self._step_inputs(tokens, chunks, query)
         if not chains_natively(paged):
             return None
-        rows = plan.last_rows if own else torch.tensor([ends[j] - 1 for j in query], dtype=torch.long,
-                                                        device=self.cache.device)
         later = chain_plans(self.cache, [chunks[j].seq_id for j in query], [chunks[j].end - 1 for j in query], steps)
-        token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
         if self._compiled_chain is None:
             self._compiled_chain = compile_step(self.model.mtp_draft_chain)
         with forward_context(paged, self.model, chain=later) as ctx:
-            got = self._compiled_chain(token_tensor, prev_hidden, plan.positions, ctx, rows, steps, CHAIN_ATTENTION,
-                                       width)
+            got = self._compiled_chain(token_tensor, prev_hidden, paged.plan.positions, ctx, rows, steps,
+                                       CHAIN_ATTENTION, width)
         return got[0].tolist(), got[1].tolist(), got[2].tolist() if width > 1 else None
 
     def _distribution(self, hidden: torch.Tensor):
@@ -279,6 +277,20 @@ class MTPProposer(DraftProposer):
         probability [B]), as `CausalLM.mtp_draft` computes them."""
         logits = self.model.mtp_logits(hidden).float()
         return logits, *top_one(logits)
+
+    def _step_inputs(self, tokens: list[int], chunks: list[SeqChunk],
+                     query: list[int]) -> tuple[PagedAttention, torch.Tensor, torch.Tensor]:
+        """A drafter step's attention over `chunks` (every row writes its keys and values; the
+        last rows of the chunks `query` attend), those rows' indices [B] and the tokens [T]."""
+        ends = list(itertools.accumulate(c.num_tokens for c in chunks))
+        plan = build_plan(self.cache, chunks)
+        # One row per chunk, every chunk asked: the step's own plan already attends for those rows.
+        own = len(query) == len(chunks) and ends[-1] == len(chunks)
+        queries = None if own else last_row_plan(self.cache, [chunks[j] for j in query])
+        rows = plan.last_rows if own else torch.tensor([ends[j] - 1 for j in query], dtype=torch.long,
+                                                        device=self.cache.device)
+        token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
+        return PagedAttention(self.cache, plan, queries), rows, token_tensor
 
     def _forward(self, tokens: list[int], prev_hidden: torch.Tensor, chunks: list[SeqChunk],
                  query: list[int] | None = None):
@@ -292,14 +304,8 @@ class MTPProposer(DraftProposer):
         if shape is not None:
             h, _ = self.graphs.run(tokens, chunks, shape, prev_hidden)
             return h[torch.tensor([ends[j] - 1 for j in query], dtype=torch.long, device=self.cache.device)], None
-        plan = build_plan(self.cache, chunks)
-        # One row per chunk, every chunk asked: the step's own plan already attends for those rows.
-        own = len(query) == len(chunks) and ends[-1] == len(chunks)
-        queries = None if own else last_row_plan(self.cache, [chunks[j] for j in query])
-        rows = plan.last_rows if own else torch.tensor([ends[j] - 1 for j in query], dtype=torch.long,
-                                                        device=self.cache.device)
-        token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
-        paged = PagedAttention(self.cache, plan, queries)
+        paged, rows, token_tensor = self._step_inputs(tokens, chunks, query)
+        plan = paged.plan
         if self._compile and self._compiled_forward is None:
             self._compiled_forward = compile_step(self.model.mtp_draft)
         if self._compiled_forward is not None:   # the step and its distribution in one graph
