@@ -29,7 +29,7 @@ from torch import nn
 from ep.comm import Communicator
 from ep.topology import EPTopology
 from runtime import batch_invariant as bi
-from runtime.attention import step_model
+from runtime.step_context import step_model
 from runtime.config import ModelConfig
 from runtime.experts import RoutedExperts
 from runtime.layers import Linear, MoE, linear
@@ -43,7 +43,7 @@ ShardSpecs = dict[str, tuple[int, int, int]]  # param name -> (dim, start, stop)
 # A compiled EP step calls its collectives through opaque ops (Dynamo cannot trace a process
 # group, and a graph broken at every collective would fuse otherwise than one rank's graph). An
 # op finds its layer by its index among the model's `ep_collectives`, through the forward
-# context of the model running (runtime.attention.step_model): an index, unlike an object, is
+# context of the model running (runtime.step_context.step_model): an index, unlike an object, is
 # the same in every process and model instance, so one rank's graph hits inductor's disk cache
 # when it restarts. The graph around the ops is the one a single rank compiles, so EP N runs the
 # same generated kernels as EP 1 (batch-invariant mode relies on it: EP 2 equals EP 1).

@@ -214,7 +214,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return out[:n].reshape(*x.shape[:-1], weight.shape[0])
 
 
-# The low-level registration, as runtime.attention's paged_attention (fewer wrappers per call).
+# The low-level registration, as runtime.step_context's paged_attention (fewer wrappers per call).
 torch.library.define("metrale::bi_linear", "(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 torch.library.impl("metrale::bi_linear", "CompositeExplicitAutograd")(_linear)
 

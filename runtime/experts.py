@@ -267,7 +267,7 @@ def _planned_linear(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, dtype: 
 
 def _experts_op(name: str, impl):
     """`impl` as an opaque op of a compiled graph, with the low-level registration, as
-    `runtime.attention.paged_attention` (fewer Python wrappers per call)."""
+    `runtime.step_context.paged_attention` (fewer Python wrappers per call)."""
     torch.library.define(f"metrale::{name}", "(Tensor x, Tensor weights, Tensor ids, Tensor gate_up_proj, "
                          "Tensor down_proj, int expert_offset) -> Tensor")
     torch.library.impl(f"metrale::{name}", "CompositeExplicitAutograd")(impl)

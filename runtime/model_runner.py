@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.attention import PagedAttention, SeqChunk, StepPlan, build_plan, forward_context
+from runtime.attention import PagedAttention, SeqChunk, StepPlan, build_plan
+from runtime.step_context import forward_context
 from runtime.batch_invariant import set_batch_invariant
 from runtime.compiled import compile_step
 from runtime.device import kv_tokens_for_memory

@@ -24,13 +24,13 @@ import struct
 
 import torch
 
-from runtime.attention import (CHAIN_ATTENTION, MAX_CHAIN, KVWrites, PagedAttention, SeqChunk, build_plan,
-                               chain_plans, chains_natively, forward_context, last_row_plan)
+from runtime.attention import KVWrites, PagedAttention, SeqChunk, build_plan, chain_plans, last_row_plan
 from runtime.compiled import compile_step
 from runtime.grammar import GrammarMatcher
 from runtime.kv_cache import PagedKVCache
 from runtime.model import CausalLM, top_one
 from runtime.static_step import StepGraphs
+from runtime.step_context import CHAIN_ATTENTION, MAX_CHAIN, chains_natively, forward_context
 from speculative.draft_stop import chain_depth
 from speculative.fingerprint import hidden_fingerprint
 from speculative.knobs import DrafterKnobs

@@ -97,7 +97,8 @@ def test_the_planned_op_is_the_attend_method_with_its_plan_set_once(step, latent
     """What a compiled step calls per layer when the forward context set the plan natively
     (`NativeContextAttention`): the same output and cache writes, bit for bit, as `attend`;
     the drafter's query plan (last rows only) included."""
-    from runtime.attention import NATIVE_ATTENTION, NativeContextAttention, forward_context, last_row_plan
+    from runtime.attention import last_row_plan
+    from runtime.step_context import NATIVE_ATTENTION, NativeContextAttention, forward_context
     assert cpu_ops.load(), cpu_ops.error()
     chunks = STEPS[step]
     t = sum(c.num_tokens for c in chunks)
