@@ -24,7 +24,7 @@ class CommError(RuntimeError):
     """A collective failed: a peer died, the link broke, or it timed out."""
 
 
-def u32_to_words(values: list[int] | np.ndarray, device: torch.device | str = "cpu") -> torch.Tensor:
+def u32_to_words(values: list[int] | np.ndarray, device: torch.device | str) -> torch.Tensor:
     """u32 values -> int32 words on `device` (the communicator's: NCCL sends device tensors only)."""
     arr = np.asarray(values, dtype=np.uint64)
     if arr.size and int(arr.max()) > 0xFFFFFFFF:
@@ -45,7 +45,7 @@ def backend_for(device: torch.device) -> str:
 
 class Communicator:
     def __init__(self, *, rank: int, world_size: int, init_method: str | None, timeout_s: float = 60.0,
-                 device: torch.device | str = "cpu", join_group: bool | None = None) -> None:
+                 device: torch.device | str, join_group: bool | None = None) -> None:
         """A rank of the group at `init_method`, joined now; None builds it unjoined (a warm standby
         loads its shard first), and `join` joins later. The layers made parallel keep this object,
         so a rank that `join`s a fresh group after `close` keeps its shard. This rank's tensors

@@ -36,7 +36,7 @@ def row_depths(parents: Sequence[int]) -> list[int]:
     return depths
 
 
-def ancestor_mask(parents: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+def ancestor_mask(parents: Sequence[int], device: torch.device | str) -> torch.Tensor:
     """[n, n] bool on `device`: row i may see row j when j is i or one of its ancestors."""
     row_depths(parents)  # checks the list
     n = len(parents)
@@ -71,7 +71,7 @@ class SeqChunk:
     def end(self) -> int:
         return self.start + self.num_tokens
 
-    def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
+    def positions(self, device: torch.device | str) -> torch.Tensor:
         """[num_tokens] the rotary position of each row, on `device`."""
         if self.parents is None:
             return torch.arange(self.start, self.end, device=device)

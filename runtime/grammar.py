@@ -81,7 +81,7 @@ class GrammarCompiler:
     time its matchers spend."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int],
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str) -> None:
         """Masks are built on `device` (the logits' device)."""
         self.device = torch.device(device)
         self.tokenizer_json = tokenizer_json
@@ -119,7 +119,7 @@ class GrammarCompiler:
 class GrammarMatcher:
     """One sequence's grammar state: its committed output consumed."""
 
-    def __init__(self, matcher, vocab_size: int, stats: GrammarStats, device: torch.device | str = "cpu") -> None:
+    def __init__(self, matcher, vocab_size: int, stats: GrammarStats, device: torch.device | str) -> None:
         self._m = matcher
         self.vocab_size = vocab_size
         self.stats = stats

@@ -67,7 +67,7 @@ class BlockBook:
 class PagedKVCache:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 16, dtype: torch.dtype = torch.float32, latent_dim: int | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be at least 1")
         if latent_dim is not None and not (num_kv_heads == 1 and 0 < latent_dim <= head_dim):

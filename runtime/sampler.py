@@ -262,7 +262,7 @@ def choice_seed(seed: int, index: int) -> int:
     return seed if index == 0 else splitmix64(splitmix64(seed) ^ splitmix64(index)) & ((1 << 63) - 1)
 
 
-def position_generator(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Generator:
+def position_generator(seed: int, position: int, device: torch.device | str) -> torch.Generator:
     """The generator on `device` for the token at absolute `position` of a request seeded `seed`
     (each device type has its own stream: a seed gives the same tokens on every run on one
     device type, not across CPU and CUDA)."""

@@ -109,7 +109,7 @@ ShardSpecs = dict[str, tuple[int, int, int]]  # param -> (dim, start, stop) of t
 def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
                expert_range: range | None = None,
                transform: Callable[[CausalLM], ShardSpecs] | None = None,
-               mtp_only: bool = False, device: torch.device | str = "cpu") -> CausalLM:
+               mtp_only: bool = False, *, device: torch.device | str) -> CausalLM:
     """Build the model on `device` and fill it from the checkpoint.
 
     `mtp_only`: no target layers (a drafter on its own): embeddings, final norm, head and the MTP

@@ -29,7 +29,7 @@ def rank_main(rank: int, port: int, model: str, iters: int, out) -> None:
     from runtime.layers import MoE
     torch.manual_seed(0)
     cfg = load_config(model)
-    comm = Communicator(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=60)
+    comm = Communicator(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=60, device="cpu")
     topo = EPTopology.of(cfg, rank, 2)
     moe = MoE(cfg)
     with torch.no_grad():

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     print(f"{'dtype':>9} {'rows':>5} {'loop_us':>9} {'grouped_us':>11} {'speedup':>8}")
     for dtype in args.dtypes.split(","):
-        model = load_model(args.model, dtype)
+        model = load_model(args.model, dtype, device="cpu")   # the CPU routed-expert paths
         moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
         g = torch.Generator().manual_seed(0)
         with torch.inference_mode():

@@ -28,7 +28,7 @@ DIGITS = StructuredOutput.regex("[0-9]{1,6}")
 @pytest.fixture(scope="module")
 def grammars() -> GrammarCompiler:
     tok = Tokenizer(EMBEDDED)
-    return GrammarCompiler(tok.to_json(), V, [0])
+    return GrammarCompiler(tok.to_json(), V, [0], device="cpu")
 
 
 def row(*best: int) -> list[float]:

@@ -39,7 +39,7 @@ def _rank_main(rank: int, port: int, results, corrupt: bool) -> None:
         from ep.comm import Communicator
         from ep.parallel import EPMoE
         from ep.topology import EPTopology
-        comm = Communicator(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=15)
+        comm = Communicator(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=15, device="cpu")
         cfg, moe = make_moe()
         topo = EPTopology.of(cfg, rank, 2)
         ep = EPMoE(moe, topo, comm, "alltoall").double()

@@ -116,7 +116,7 @@ def test_width_two_sends_only_the_batched_form_and_equals_one_rank(ckpt_mtp):
 def mtp_runner(ckpt_mtp):
     from runtime.model_runner import ModelRunner
     from runtime.weights import load_model
-    return ModelRunner(load_model(ckpt_mtp, "float64"), kv_cache_tokens=256)
+    return ModelRunner(load_model(ckpt_mtp, "float64", device="cpu"), kv_cache_tokens=256)
 
 
 def test_workers_dispatch_every_command_through_one_table():

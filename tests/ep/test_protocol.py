@@ -17,8 +17,8 @@ def roundtrip(cmd: Command) -> Command:
     header, bulk = encode(cmd)
     assert len(header) == HEADER_WORDS
     # through the wire format: int32 bit patterns
-    header = words_to_u32(u32_to_words(header))
-    bulk = words_to_u32(u32_to_words(bulk)) if bulk else []
+    header = words_to_u32(u32_to_words(header, device="cpu"))
+    bulk = words_to_u32(u32_to_words(bulk, device="cpu")) if bulk else []
     return decode(header, bulk)
 
 
@@ -30,11 +30,11 @@ def test_codes_are_at_the_top_of_u32_and_unique():
 
 def test_u32_words_survive_int32_transport():
     values = [0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFE, 0xFFFFFFFF]
-    w = u32_to_words(values)
+    w = u32_to_words(values, device="cpu")
     assert w.dtype == torch.int32 and w.tolist()[3] == -(1 << 31)
     assert words_to_u32(w) == values
     with pytest.raises(ValueError, match="u32"):
-        u32_to_words([1 << 32])
+        u32_to_words([1 << 32], device="cpu")
 
 
 def test_every_command_round_trips():

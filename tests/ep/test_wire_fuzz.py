@@ -100,7 +100,7 @@ def worker(ckpt_mtp):
     """A worker's command checks over a real shard (one rank: a check runs no collective)."""
     from runtime.model_runner import ModelRunner
     from runtime.weights import load_model
-    runner = ModelRunner(load_model(ckpt_mtp, "float64"), kv_cache_tokens=256)
+    runner = ModelRunner(load_model(ckpt_mtp, "float64", device="cpu"), kv_cache_tokens=256)
     w = Worker(runner, None, confidence_stop=None)
     # A last forward to read observations, logits rows and three-word proposes off.
     runner.cache.reserve(1, 4)
@@ -152,9 +152,9 @@ def _worker(init_method: str, model_dir: str, conn) -> None:
 
 def _send_raw(comm: Communicator, header: list[int], bulk: list[int]) -> int:
     """Rank 0's half of one command, with whatever words: header, bulk, then the status word."""
-    comm.broadcast(u32_to_words(header))
+    comm.broadcast(u32_to_words(header, device="cpu"))
     if bulk:
-        comm.broadcast(u32_to_words(bulk))
+        comm.broadcast(u32_to_words(bulk, device="cpu"))
     return report_status(comm, 0)
 
 
@@ -179,7 +179,7 @@ def test_a_worker_process_refuses_garbage_in_one_line_each_and_stays_in_step(ckp
     proc = ctx.Process(target=_worker, args=(init_method, str(ckpt_plain), theirs), daemon=True)
     proc.start()
     ours.send((init_method, 7))   # the generation the worker was started for
-    comm = Communicator(rank=0, world_size=2, init_method=init_method, timeout_s=30)
+    comm = Communicator(rank=0, world_size=2, init_method=init_method, timeout_s=30, device="cpu")
     try:
         driver_handshake(comm, ckpt_plain, "float32", generation=7)
         local = load_shard(ckpt_plain, "float32", comm, "alltoall", 256, False)
@@ -222,7 +222,7 @@ def test_a_handshake_of_another_generation_or_protocol_is_refused_in_one_line(ck
     proc = ctx.Process(target=_worker, args=(init_method, str(ckpt_plain), theirs), daemon=True)
     proc.start()
     ours.send((init_method, 1))
-    comm = Communicator(rank=0, world_size=2, init_method=init_method, timeout_s=30)
+    comm = Communicator(rank=0, world_size=2, init_method=init_method, timeout_s=30, device="cpu")
     try:
         if field == "group generation":
             with pytest.raises(HandshakeError, match="rank 1 has another group generation than rank 0"):
@@ -230,7 +230,7 @@ def test_a_handshake_of_another_generation_or_protocol_is_refused_in_one_line(ck
         else:   # rank 0's words, but a protocol version from the future
             words = [*handshake_words(ckpt_plain, 2, "float32"), 0]
             words[0] = PROTOCOL_VERSION + 1
-            comm.broadcast(u32_to_words(encode(Command(EP_CMD_HANDSHAKE, 1, tuple(words)))[0]))
+            comm.broadcast(u32_to_words(encode(Command(EP_CMD_HANDSHAKE, 1, tuple(words)))[0], device="cpu"))
             reason = check_status(comm, report_status(comm, 0), "HANDSHAKE", HANDSHAKE_FIELDS)
             assert reason == (1, 1) and HANDSHAKE_FIELDS[1] == "protocol version"
         proc.join(timeout=30)
@@ -246,7 +246,7 @@ def test_a_handshake_of_another_generation_or_protocol_is_refused_in_one_line(ck
 
 def test_garbage_in_the_start_gathers_is_a_failed_peer():
     """The pid/host and weight-size gathers refuse impossible words (one rank: the gather is the row itself)."""
-    one = Communicator(rank=0, world_size=1, init_method=None)
+    one = Communicator(rank=0, world_size=1, init_method=None, device="cpu")
     runner = type("R", (), {"model": torch.nn.Linear(0, 0)})()
     with pytest.raises(PeerGarbage, match="reports 0 weight bytes"):
         gather_weight_bytes(one, runner)

@@ -202,7 +202,7 @@ def test_sdpa_and_tiled_attention_agree_with_plain_attention():
     gen = torch.Generator().manual_seed(0)
     nkv, nh, d = 2, 4, 64
     cache = PagedKVCache(num_layers=1, num_kv_heads=nkv, head_dim=d, num_blocks=64, block_size=16,
-                         dtype=torch.float64)
+                         dtype=torch.float64, device="cpu")
     cache.k.normal_(generator=gen)
     cache.v.normal_(generator=gen)
     chunks = [SeqChunk(0, 70, 3), SeqChunk(1, 0, 5), SeqChunk(2, 90, 4, parents=(-1, 0, 0, 1)),
@@ -244,7 +244,7 @@ def test_attention_row_is_the_same_in_decode_chain_tree_and_any_batch(dtype, ker
     row whose ancestors are its chain's rows at other row indices, and beside 2 or 60 others."""
     gen = torch.Generator().manual_seed(0)
     nkv, nh, d = 2, 4, 64
-    cache = PagedKVCache(num_layers=1, num_kv_heads=nkv, head_dim=d, num_blocks=1200, block_size=16, dtype=dtype)
+    cache = PagedKVCache(num_layers=1, num_kv_heads=nkv, head_dim=d, num_blocks=1200, block_size=16, dtype=dtype, device="cpu")
     cache.k.normal_(generator=gen)
     cache.v.normal_(generator=gen)
     lengths = [38 + 5] + [int(torch.randint(1, 300, (1,), generator=gen)) for _ in range(60)]

@@ -56,13 +56,13 @@ def test_sharded_checkpoint_loads_like_one_file(ckpt_grouped, tmp_path):
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
     shutil.copy(ckpt_grouped / "config.json", out / "config.json")
-    a, b = load_model(ckpt_grouped, "float64"), load_model(out, "float64")
+    a, b = load_model(ckpt_grouped, "float64", device="cpu"), load_model(out, "float64", device="cpu")
     for (na, ta), (nb, tb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert na == nb and torch.equal(ta, tb)
 
 
 def test_round_trip_names(ckpt_grouped):
-    model = load_model(ckpt_grouped, "float32")
+    model = load_model(ckpt_grouped, "float32", device="cpu")
     ours = dict(iter_hf_state(model))
     theirs = load_file(str(ckpt_grouped / "model.safetensors"))
     assert set(ours) == set(theirs)
@@ -81,20 +81,20 @@ def _rewrite(src, dst, edit):
 def test_missing_tensor_is_named(ckpt_plain, tmp_path):
     path = _rewrite(ckpt_plain, tmp_path / "m", lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"expert\(s\) \[3\]"):
-        load_model(path)
+        load_model(path, device="cpu")
     path = _rewrite(ckpt_plain, tmp_path / "m2", lambda t: t.pop("model.norm.weight"))
     with pytest.raises(CheckpointError, match="norm.weight"):
-        load_model(path)
+        load_model(path, device="cpu")
 
 
 def test_unexpected_or_misshapen_tensor_is_named(ckpt_plain, tmp_path):
     path = _rewrite(ckpt_plain, tmp_path / "u", lambda t: t.update({"model.layers.0.mystery.weight": torch.ones(2)}))
     with pytest.raises(CheckpointError, match="mystery"):
-        load_model(path)
+        load_model(path, device="cpu")
     path = _rewrite(ckpt_plain, tmp_path / "s",
                     lambda t: t.update({"model.norm.weight": torch.ones(7)}))
     with pytest.raises(CheckpointError, match=r"model.norm.weight.*\(7,\)"):
-        load_model(path)
+        load_model(path, device="cpu")
 
 
 def test_mtp_layer_loads_into_its_own_module(ckpt_plain, tmp_path):
@@ -113,10 +113,10 @@ def test_mtp_layer_loads_into_its_own_module(ckpt_plain, tmp_path):
         t[f"model.layers.{layers}.shared_head.norm.weight"] = torch.ones(h)
 
     path = _rewrite(ckpt_plain, tmp_path / "mtp", add_mtp)
-    model = load_model(path, "float32")
+    model = load_model(path, "float32", device="cpu")
     assert model.mtp is not None and model.mtp.shared_head.head is None  # falls back to lm_head
     assert torch.equal(model.mtp.enorm.weight, torch.full((h,), 2.0))
     src = load_file(str(path / "model.safetensors"))
     assert torch.equal(model.mtp.block.mlp.experts.down_proj[5], src[f"model.layers.{layers}.mlp.experts.5.down_proj.weight"])
-    base = load_model(ckpt_plain, "float32")
+    base = load_model(ckpt_plain, "float32", device="cpu")
     assert base.mtp is None  # config announces one MTP layer, the checkpoint has none

@@ -47,10 +47,10 @@ def test_seeded_sampling_depends_on_seed(llm64):
 
 
 def test_kv_rewind_equals_never_going_ahead(ckpt_grouped):
-    model = load_model(ckpt_grouped, torch.float64)
+    model = load_model(ckpt_grouped, torch.float64, device="cpu")
     cfg = model.config
     cache = PagedKVCache(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                         head_dim=cfg.head_dim, num_blocks=32, block_size=4, dtype=torch.float64)
+                         head_dim=cfg.head_dim, num_blocks=32, block_size=4, dtype=torch.float64, device="cpu")
 
     def run(seq_id: int, tokens: list[int], start: int) -> torch.Tensor:
         cache.reserve(seq_id, start + len(tokens))
@@ -74,7 +74,7 @@ def test_kv_rewind_equals_never_going_ahead(ckpt_grouped):
 
 
 def test_kv_cache_accounting():
-    cache = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=4, block_size=4)
+    cache = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=4, block_size=4, device="cpu")
     assert cache.num_free_tokens() == 16
     assert cache.can_reserve(0, 16) and not cache.can_reserve(0, 17)
     cache.reserve(0, 5)

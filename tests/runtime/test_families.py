@@ -38,7 +38,7 @@ def test_unknown_architecture_is_refused_naming_it_and_the_supported(family_ckpt
 def test_layers_are_what_transformers_builds(family_ckpt, case):
     """Attention kind, MoE or dense MLP per layer and shared experts, as the reference has them."""
     path = family_ckpt(case)
-    ref, ours = reference(path, torch.float32), load_model(path, "float32")
+    ref, ours = reference(path, torch.float32), load_model(path, "float32", device="cpu")
     cfg = load_config(path)
     assert cfg.architecture == json.loads((path / "config.json").read_text())["architectures"][0]
     for theirs, mine in zip(ref.model.layers, ours.layers, strict=True):
@@ -54,7 +54,7 @@ def test_logits_match_transformers_prefill_and_decode(request, family_ckpt, case
     if dtype == torch.float64:
         request.getfixturevalue("float64_islands")
     path = family_ckpt(case)
-    ref, ours = reference(path, dtype), load_model(path, dtype)
+    ref, ours = reference(path, dtype), load_model(path, dtype, device="cpu")
     for prefill in (20, 7):
         expected = reference_logits_stepwise(ref, IDS, prefill)
         assert expected.abs().max() > 0.1

@@ -24,7 +24,7 @@ STEPS = {
 def _cache(latent: bool, dtype: torch.dtype) -> PagedKVCache:
     heads, dim = (1, 48) if latent else (2, 32)
     cache = PagedKVCache(num_layers=2, num_kv_heads=heads, head_dim=dim, num_blocks=24, block_size=8, dtype=dtype,
-                         latent_dim=40 if latent else None)
+                         latent_dim=40 if latent else None, device="cpu")
     for seq in range(3):
         cache.reserve(seq, 48)
     torch.manual_seed(0)

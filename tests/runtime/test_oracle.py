@@ -77,7 +77,7 @@ def our_logits_stepwise(model, ids: list[int], prefill: int) -> torch.Tensor:
     """Prefill the first `prefill` tokens in one chunk, then one token per step; logits of every row."""
     cfg = model.config
     cache = PagedKVCache(num_layers=cfg.num_hidden_layers, num_blocks=16, block_size=4, dtype=model.dtype,
-                         **model.cache_layout())
+                         device=model.device, **model.cache_layout())
     rows = []
     start = 0
     with torch.no_grad():
@@ -111,7 +111,7 @@ def test_logits_match_transformers_prefill_and_decode(request, which, dtype):
         request.getfixturevalue("float64_islands")
     path = request.getfixturevalue(which)
     ref = reference(path, dtype)
-    ours = load_model(path, dtype)
+    ours = load_model(path, dtype, device="cpu")
     ids = torch.randint(0, ref.config.vocab_size, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     for prefill in (20, 7):
         expected = reference_logits_stepwise(ref, ids, prefill)

@@ -22,7 +22,7 @@ def _unpacked_copy(model: CausalLM) -> CausalLM:
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_packed_model_computes_what_the_plain_one_does(ckpt_grouped, dtype):
-    packed = load_model(ckpt_grouped, dtype)
+    packed = load_model(ckpt_grouped, dtype, device="cpu")
     fused = [m for m in packed.modules() if isinstance(m, FusedProjection)]
     attn = [m for m in packed.modules() if isinstance(m, Attention)]
     mlps = [m for m in packed.modules() if isinstance(m, MLP)]
@@ -43,7 +43,7 @@ def test_packed_model_computes_what_the_plain_one_does(ckpt_grouped, dtype):
 
 
 def test_packing_keeps_names_and_shares_memory(ckpt_grouped):
-    model = load_model(ckpt_grouped, "float32")
+    model = load_model(ckpt_grouped, "float32", device="cpu")
     attn = next(m for m in model.modules() if isinstance(m, Attention))
     storage = attn.qkv.weight.untyped_storage().data_ptr()
     for lin in (attn.q_proj, attn.k_proj, attn.v_proj):   # views of the fused rows, not copies
@@ -58,7 +58,7 @@ def test_packing_keeps_names_and_shares_memory(ckpt_grouped):
 
 
 def test_packing_twice_changes_nothing(ckpt_grouped):
-    model = load_model(ckpt_grouped, "float64")
+    model = load_model(ckpt_grouped, "float64", device="cpu")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     fused = [id(m) for m in model.modules() if isinstance(m, FusedProjection)]
     pack_for_inference(model)
@@ -74,11 +74,11 @@ def test_fusion_refuses_linears_of_different_inputs():
 
 def test_cache_gather_equals_advanced_indexing():
     cache = PagedKVCache(num_layers=1, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=3,
-                         dtype=torch.float32)
+                         dtype=torch.float32, device="cpu")
     cache.k.copy_(torch.randn_like(cache.k))
     cells = torch.tensor([[5, 1, 7, 0], [2, 2, 30, 9]])
     assert torch.equal(cache.gather(cache.k[0], cells), cache.k[0][cells])
-    latent = PagedKVCache(num_layers=1, num_blocks=8, block_size=4, num_kv_heads=1, head_dim=6, latent_dim=4)
+    latent = PagedKVCache(num_layers=1, num_blocks=8, block_size=4, num_kv_heads=1, head_dim=6, latent_dim=4, device="cpu")
     latent.k.copy_(torch.randn_like(latent.k))
     assert not latent.v[0].is_contiguous()   # values are a view of the keys' first channels
     assert torch.equal(latent.gather(latent.v[0], cells), latent.v[0][cells])

@@ -15,7 +15,7 @@ ROOT = root_key("model-a", "torch.float64")
 
 
 def make(num_blocks: int = 8) -> tuple[PagedKVCache, PrefixCache]:
-    cache = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=num_blocks, block_size=BS)
+    cache = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=num_blocks, block_size=BS, device="cpu")
     return cache, PrefixCache(cache, ROOT)
 
 
@@ -120,7 +120,7 @@ def test_the_journal_replays_to_identical_tables_and_free_order():
     prefix.free(0)
     compute(cache, prefix, 2, tokens)
     assert ("attach", 1, cache.block_table(1)[0]) in cache.journal
-    mirror = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=6, block_size=BS)
+    mirror = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=6, block_size=BS, device="cpu")
     for op in cache.journal:
         mirror.replay(*op)
     for s in (1, 2):

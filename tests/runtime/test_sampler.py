@@ -27,7 +27,7 @@ def test_keyed_draws_are_reproducible_and_position_dependent():
     assert a == [draw(probs, 42, pos) for pos in range(20)]
     assert len(set(a)) > 10
     assert a != [draw(probs, 43, pos) for pos in range(20)]
-    g1, g2 = position_generator(1, 5), position_generator(1, 5)
+    g1, g2 = position_generator(1, 5, device="cpu"), position_generator(1, 5, device="cpu")
     assert torch.equal(torch.rand(4, generator=g1), torch.rand(4, generator=g2))
 
 

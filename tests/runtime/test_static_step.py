@@ -72,7 +72,7 @@ def test_arrangements_of_one_depth_multiset_share_a_bucket_and_padding_stays_in_
     """Two verify steps over the same slots with the depths laid out differently (what canonical
     order makes one key) reuse one bucket; each gives the rows the unpadded forward gives, and
     every cache cell but the scratch one matches the unpadded run."""
-    model = load_model(MODEL, "float64")
+    model = load_model(MODEL, "float64", device="cpu")
     eager = ModelRunner(model, kv_cache_tokens=1024, batch_invariant=False)
     static = ModelRunner(model, kv_cache_tokens=1024, batch_invariant=False, static_steps=True)
     g = torch.Generator(device="cpu").manual_seed(0)

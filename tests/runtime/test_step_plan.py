@@ -43,7 +43,7 @@ def _expected(cache: PagedKVCache, chunks: list[SeqChunk]) -> dict[str, torch.Te
 def test_several_causal_chunks_plan_as_defined(rows):
     rng = random.Random(rows)
     cache = PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=512, block_size=16,
-                         dtype=torch.float32)
+                         dtype=torch.float32, device="cpu")
     lengths = {}
     for seq in rng.sample(range(100), 30):     # tables of scattered blocks: seq ids and blocks interleave
         lengths[seq] = rng.randint(1, 200)
@@ -70,7 +70,7 @@ def test_chained_steps_plan_as_build_plan_plans_each_step(num_seqs):
     keys masked off (where build_plan pads with cell 0)."""
     rng = random.Random(num_seqs)
     cache = PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=512, block_size=16,
-                         dtype=torch.float32)
+                         dtype=torch.float32, device="cpu")
     seqs = rng.sample(range(100), num_seqs)
     positions = []
     for seq in seqs:

@@ -36,7 +36,7 @@ def client(server):
 def local(ckpt_plain):
     """The same checkpoint in-process: the engine (for token ids) and a separate runner (for logits)."""
     llm = LLM(ckpt_plain, dtype="float64", kv_cache_tokens=2048)
-    runner = ModelRunner(load_model(ckpt_plain, torch.float64), kv_cache_tokens=2048)
+    runner = ModelRunner(load_model(ckpt_plain, torch.float64, device="cpu"), kv_cache_tokens=2048)
     return llm, runner
 
 

@@ -28,7 +28,7 @@ PROMPTS = ["def fib(n):\n", "x = {", "class Stack:\n", "import os\n"]
 
 @pytest.fixture(scope="module")
 def grammars() -> GrammarCompiler:
-    return GrammarCompiler(Tokenizer(EMBEDDED).to_json(), V, [0])
+    return GrammarCompiler(Tokenizer(EMBEDDED).to_json(), V, [0], device="cpu")
 
 
 @pytest.fixture

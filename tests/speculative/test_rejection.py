@@ -135,7 +135,7 @@ def test_engine_rejection_mode_samples_the_target_distribution(ckpt_mtp):
     assert sum(o.token_ids[1] != r.token_ids[1] for o, r in zip(plain, rej)) > 0.05 * n
     # The exact target distribution of the second token after each first token, summed over seeds.
     firsts = sorted({o.token_ids[0] for o in plain})
-    model = load_model(ckpt_mtp, torch.float64)
+    model = load_model(ckpt_mtp, torch.float64, device="cpu")
     ids = torch.tensor([prompt + [t] for t in firsts])                         # [B, L]
     b, length = ids.shape
     with torch.no_grad():

@@ -73,7 +73,7 @@ def test_accepted_path_spine_before_hedges_in_list_order():
 def test_masks_and_parent_lists():
     parents = TreeShape.parse("1,2,2").parents(3)
     assert row_depths(parents) == [0, 1, 2, 3, 2, 3]
-    block = ancestor_mask(parents)
+    block = ancestor_mask(parents, device="cpu")
     assert block.int().tolist() == [[1, 0, 0, 0, 0, 0],
                                     [1, 1, 0, 0, 0, 0],
                                     [1, 1, 1, 0, 0, 0],
@@ -81,7 +81,7 @@ def test_masks_and_parent_lists():
                                     [1, 1, 0, 0, 1, 0],
                                     [1, 1, 1, 0, 0, 1]]
     # A tree chunk in a step: rows at start + depth, seeing the committed context and their ancestors.
-    cache = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=4, block_size=4)
+    cache = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=4, block_size=4, device="cpu")
     cache.reserve(0, 9)
     plan = build_plan(cache, [SeqChunk(0, 3, 6, tuple(parents))])
     assert plan.positions.tolist() == [3, 4, 5, 6, 5, 6]

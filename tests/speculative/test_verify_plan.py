@@ -73,8 +73,8 @@ def test_engine_dispatch_takes_the_canonical_order_at_the_threshold():
 
 
 def test_kv_move_copies_every_layer_and_replays():
-    a = PagedKVCache(num_layers=2, num_kv_heads=1, head_dim=2, num_blocks=4, block_size=4, dtype=torch.float64)
-    b = PagedKVCache(num_layers=2, num_kv_heads=1, head_dim=2, num_blocks=4, block_size=4, dtype=torch.float64)
+    a = PagedKVCache(num_layers=2, num_kv_heads=1, head_dim=2, num_blocks=4, block_size=4, dtype=torch.float64, device="cpu")
+    b = PagedKVCache(num_layers=2, num_kv_heads=1, head_dim=2, num_blocks=4, block_size=4, dtype=torch.float64, device="cpu")
     a.journal = []
     a.reserve(0, 9)
     a.k.copy_(torch.arange(a.k.numel(), dtype=torch.float64).view_as(a.k))
