@@ -80,6 +80,7 @@ class RowParallelLinear(Linear):
     EP 1 adds."""
 
     gemm_takes_bias = False   # the bias is added once, after the all-reduce
+    packed_weights: dict[str, str] = {}   # F.linear on its slice: no packed copy
 
     def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = False,
                  in_parts: int = 1) -> None:
@@ -104,14 +105,16 @@ class VocabParallelHead(nn.Module):
 
     batch_invariant = False
     column_major_weights = True   # runtime.layers.pack_for_inference
+    packed_weights = {"packed": "weight"}   # and packs it for the few-row kernel
 
     def __init__(self, hidden: int, topo: EPTopology, comm: Communicator) -> None:
         super().__init__()
         self.topo, self.comm = topo, comm
         self.weight = nn.Parameter(torch.empty(len(topo.vocab_range()), hidden))
+        self.register_buffer("packed", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = (bi.linear if self.batch_invariant else linear)(x, self.weight)   # [T, Vr]
+        local = bi.linear(x, self.weight) if self.batch_invariant else linear(x, self.weight, None, self.packed)   # [T, Vr]
         pad = self.topo.max_vocab_shard - local.shape[1]
         if pad:
             local = F.pad(local, (0, pad))

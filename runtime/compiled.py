@@ -37,6 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from runtime import cpu_ops
 
 log = logging.getLogger("metrale.compiled")
 
@@ -95,6 +98,19 @@ class _Direct:
     result: Callable                         # the graph's outputs -> what the function returns
 
 
+class NativeOpsKey(CustomGraphPass):
+    """A pass that changes nothing, there for its `uuid`: the native CPU library's name, which
+    changes with its source (runtime.cpu_ops.library_path). Inductor's on-disk cache hashes it into
+    every key, so a graph compiled against another build of the native ops (whose schemas its
+    C++ wrapper baked in: an argument added to an op crashed such a stale graph) is never reused."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return cpu_ops.library_path().name
+
+
 class CompiledStep:
     """`torch.compile` (inductor, dynamic shapes) of the bound method `model.f` of one model: its
     graphs are kept for this model alone, without guards on its modules, and called directly once
@@ -113,7 +129,8 @@ class CompiledStep:
         # On the CPU inductor writes the graph's own wrapper in C++ (`cpp_wrapper`): its ~100
         # buffer allocations, views and kernel calls a step cost no Python bytecode.
         device = getattr(self._model, "device", None)
-        opts = {"size_asserts": False, "cpp_wrapper": getattr(device, "type", None) == "cpu", **(options or {}),
+        opts = {"size_asserts": False, "cpp_wrapper": getattr(device, "type", None) == "cpu",
+                "post_grad_custom_post_pass": NativeOpsKey(), **(options or {}),
                 "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self._dynamo = torch.compile(own_code(method), dynamic=True, backend=self._backend, options=opts)
         self.direct_calls = 0          # calls that skipped Dynamo (for tests and profiles)

@@ -159,6 +159,20 @@ def takes_all_rows(dtype: torch.dtype, weight: torch.Tensor) -> bool:
             and weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) == weight.shape[0])
 
 
+def packs(weight: torch.Tensor) -> bool:
+    """Whether `pack_for_inference` keeps a packed copy of `weight` (`pack`): a CPU bfloat16
+    [N, K] or [E, N, K] matrix with N a multiple of 32, the library loaded."""
+    return (bool(LOADED) and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and weight.dim() in (2, 3) and weight.shape[-2] % 32 == 0 and weight.shape[-1] > 0)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight`'s packed form for `metrale_cpu::packed_linear` and the routed experts' few-row
+    GEMMs (`metrale_cpu::pack_bf16`: 256-column panels of interleaved pairs down the depth, one
+    stream a task; the same bits as the unpacked weight). A copy: the weight must not change after."""
+    return torch.ops.metrale_cpu.pack_bf16(weight.detach())
+
+
 def _register_fakes() -> None:
     """Output shapes of the ops a compiled step calls directly (the others run inside opaque
     Python ops that have their own); once a process."""
@@ -170,8 +184,13 @@ def _register_fakes() -> None:
     def _(x, w, bias, max_rows):
         return x.new_empty(*x.shape[:-1], w.shape[0])
 
+    @torch.library.register_fake("metrale_cpu::packed_linear")
+    def _(x, packed, bias):
+        return x.new_empty(*x.shape[:-1], packed.shape[0])
+
     @torch.library.register_fake("metrale_cpu::routed_experts")
-    def _(x, weights, ids, gate_up, down, expert_offset, padded_min_experts, few_rows_max):
+    def _(x, weights, ids, gate_up, down, expert_offset, padded_min_experts, few_rows_max, gate_up_packed=None,
+          down_packed=None):
         return x.new_empty(x.shape)
 
     @torch.library.register_fake("metrale_cpu::planned_attention")

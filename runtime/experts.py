@@ -23,12 +23,15 @@ class RoutedExperts(nn.Module):
 
     batch_invariant = False   # each touched expert's GEMMs through runtime.batch_invariant.linear
     column_major_weights = True   # `pack_for_inference` lays each expert's matrices out for the CPU GEMM
+    packed_weights = {"gate_up_packed": "gate_up_proj", "down_packed": "down_proj"}   # and packs them
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, expert_offset: int = 0) -> None:
         super().__init__()
         self.expert_offset = expert_offset
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.register_buffer("gate_up_packed", None, persistent=False)   # cpu_ops.pack of each, or None
+        self.register_buffer("down_packed", None, persistent=False)
 
     @property
     def num_local_experts(self) -> int:
@@ -53,9 +56,20 @@ class RoutedExperts(nn.Module):
             return _invariant_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
         if torch.compiler.is_compiling():   # opaque to inductor: grouped_mm has no float32 meta kernel
             if x.device.type == "cpu" and cpu_ops.LOADED:   # the native op itself, no Python op around it
-                return _native_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
+                return _native_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset,
+                                       self._packed(x))
             return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
+        if x.device.type == "cpu" and cpu_ops.load():
+            return _native_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset,
+                                   self._packed(x))
         return routed_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
+
+    def _packed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The packed expert matrices (`pack_for_inference`) where the native op reads them: kept,
+        and x of their type."""
+        if self.gate_up_packed is None or self.down_packed is None or x.dtype != self.gate_up_packed.dtype:
+            return None
+        return self.gate_up_packed, self.down_packed
 
     def _per_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, mm=F.linear) -> torch.Tensor:
         """The CPU's path: choices sorted by local expert as in `_grouped`, then one pair of
@@ -209,10 +223,13 @@ def _take_padded(x: torch.Tensor, ids: torch.Tensor, expert_offset: int, num_loc
 
 
 def _native_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
-                    down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
-    """The routed experts through the native op (`metrale_cpu::routed_experts`, loaded)."""
+                    down_proj: torch.Tensor, expert_offset: int,
+                    packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The routed experts through the native op (`metrale_cpu::routed_experts`, loaded); its
+    few-row GEMMs from `packed` (`cpu_ops.pack` of gate_up_proj and down_proj) when given."""
     return torch.ops.metrale_cpu.routed_experts(x, weights, ids, gate_up_proj, down_proj, expert_offset,
-                                                PADDED_MIN_EXPERTS.get(x.dtype, 0), cpu_ops.few_rows_max(x.dtype))
+                                                PADDED_MIN_EXPERTS.get(x.dtype, 0), cpu_ops.few_rows_max(x.dtype),
+                                                *(packed or ()))
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,

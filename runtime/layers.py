@@ -48,17 +48,21 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`; on the CPU, float32 and bfloat16 GEMMs of few rows run through the native
     few-row kernel (`runtime.cpu_ops.few_rows_max`: a stream of the column-major weights, each
     row's result its own), called straight from a compiled step (`cpu_ops.load` registers its
-    fake)."""
+    fake); from `packed` (`cpu_ops.pack` of `weight`) where one is kept, the same bits."""
     if cpu_ops.LOADED is None and not torch.compiler.is_compiling():
         cpu_ops.load()
     if x.device.type != "cpu" or not cpu_ops.LOADED or x.dtype not in cpu_ops.FEW_ROWS or (
             torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):   # training: autograd's
         return F.linear(x, weight, bias)
-    return torch.ops.metrale_cpu.linear(x, weight, bias, cpu_ops.few_rows_max(x.dtype))
+    few = cpu_ops.few_rows_max(x.dtype)
+    if packed is not None and x.dtype == packed.dtype and x.numel() <= few * x.shape[-1]:
+        return torch.ops.metrale_cpu.packed_linear(x, packed, bias)
+    return torch.ops.metrale_cpu.linear(x, weight, bias, few)
 
 
 class Linear(nn.Linear):
@@ -67,12 +71,17 @@ class Linear(nn.Linear):
     projection's two halves of its heads: `runtime.batch_invariant.split_linear`)."""
 
     batch_invariant = False
+    packed_weights = {"packed": "weight"}   # buffer: weight it packs (`pack_for_inference`)
     in_parts = 1
     bi_rows: tuple[int, int] | None = None   # its GEMM plan (`bi.set_batch_invariant`)
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("packed", None, persistent=False)   # `pack_for_inference`: cpu_ops.pack(weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.batch_invariant:
-            return linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias, self.packed)
         if self.in_parts == 1:
             return bi.linear(x, self.weight, self.bias, self.bi_rows)
         out = bi.split_linear(x, self.weight, self.in_parts, self.bi_rows)
@@ -87,6 +96,7 @@ class FusedProjection(nn.Module):
     float32, 30-50 in bfloat16 (one CPU thread, design §3.2)."""
 
     batch_invariant = False
+    packed_weights = {"packed": "weight"}   # buffer: weight it packs (`pack_for_inference`)
     bi_rows: tuple[int, int] | None = None   # its GEMM plan (`bi.set_batch_invariant`)
 
     def __init__(self, linears: list[Linear]) -> None:
@@ -102,6 +112,7 @@ class FusedProjection(nn.Module):
         self.register_buffer("weight", fused, persistent=False)
         biases = [lin.bias for lin in linears]
         self.register_buffer("bias", None if biases[0] is None else torch.cat(biases), persistent=False)
+        self.register_buffer("packed", None, persistent=False)   # `pack_for_inference`: cpu_ops.pack(weight)
         start = 0
         for lin, n in zip(linears, self.sizes):
             lin.weight.data = fused[start:start + n]
@@ -112,7 +123,7 @@ class FusedProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.batch_invariant:
             return bi.linear(x, self.weight, self.bias, self.bi_rows).split(self.sizes, dim=-1)
-        return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return linear(x, self.weight, self.bias, self.packed).split(self.sizes, dim=-1)
 
 
 def pack_for_inference(model: nn.Module) -> None:
@@ -142,6 +153,13 @@ def pack_for_inference(model: nn.Module) -> None:
             if (isinstance(mod, nn.Linear) or getattr(mod, "column_major_weights", False)) \
                     and not p.data.transpose(-1, -2).is_contiguous():
                 p.data = p.data.transpose(-1, -2).contiguous().transpose(-1, -2)
+    for mod in model.modules():   # packed copies for the few-row bfloat16 kernel (`cpu_ops.pack`)
+        if id(mod) in fused:   # its weight is a view of a fused projection's, which is packed
+            continue
+        for name, weight in getattr(mod, "packed_weights", {}).items():
+            w = getattr(mod, weight)
+            if getattr(mod, name) is None and cpu_ops.packs(w):
+                setattr(mod, name, cpu_ops.pack(w))
 
 
 class RMSNorm(nn.Module):

@@ -286,6 +286,28 @@ void pair_tile_native(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* 
   }
 }
 
+// One k-pair of the emulated bfloat16 sums for MR rows (x at the pair's first k): acc = (acc +
+// x[k + 1] * odd) + x[k] * even, the odd one 0 for an odd K's last k (`single`).
+template <int MR, int V>
+__attribute__((always_inline)) inline void emulated_pair_step(vec_t<float> (&acc)[MR][V], const c10::BFloat16* x,
+                                                              int64_t ldx, bool single, const vec_t<float>* even,
+                                                              const vec_t<float>* odd) {
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) {
+    const float xe = static_cast<float>(x[m * ldx]);
+    const float xo = single ? 0.0f : static_cast<float>(x[m * ldx + 1]);
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) acc[m][j] = (acc[m][j] + xo * odd[j]) + xe * even[j];
+  }
+}
+
+template <int MR, int V>
+__attribute__((always_inline)) inline void store_sums(const vec_t<float> (&acc)[MR][V], float* y, int64_t ldy) {
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < V; ++j) std::memcpy(y + m * ldy + j * kLanes<float>, &acc[m][j], sizeof(vec_t<float>));
+  }
+}
+
 // The same sums with float multiplies and adds.
 template <int MR>
 __attribute__((target_clones("avx2", "default")))
@@ -302,17 +324,9 @@ void pair_tile_emulated(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16
       even[j] = load_vec<float, c10::BFloat16>(wt + k * ldw + j * kLanes<float>);
       odd[j] = single ? vec_t<float>{} : load_vec<float, c10::BFloat16>(wt + (k + 1) * ldw + j * kLanes<float>);
     }
-#pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m) {
-      const float xe = static_cast<float>(x[m * ldx + k]);
-      const float xo = single ? 0.0f : static_cast<float>(x[m * ldx + k + 1]);
-#pragma GCC unroll 4
-      for (int j = 0; j < V; ++j) acc[m][j] = (acc[m][j] + xo * odd[j]) + xe * even[j];
-    }
+    emulated_pair_step<MR, V>(acc, x + k, ldx, single, even, odd);
   }
-  for (int m = 0; m < MR; ++m) {
-    for (int j = 0; j < V; ++j) std::memcpy(y + m * ldy + j * kLanes<float>, &acc[m][j], sizeof(vec_t<float>));
-  }
+  store_sums<MR, V>(acc, y, ldy);
 }
 
 // T tiles (of 32 columns) side by side for MR rows: MR x T <= 8 (16 accumulators).
@@ -391,6 +405,152 @@ void pair_gemm_span(const c10::BFloat16* x, int64_t m_rows, int64_t kdim, const 
   }
 }
 
+// ---- Packed bfloat16 weights: one stream per task ----
+// A bfloat16 weight w [N, K] (N a multiple of 32) packed for the few-row kernel, stored as a
+// [N, ceil(K/2), 2] tensor whose storage is in panel order: panels of kPanel columns (the last one
+// N mod kPanel wide when that is not 0), each panel its ceil(K/2) pair rows one after another, a
+// pair row its columns' (w[n, k], w[n, k + 1]) in column order (0 for the partner of an odd K's
+// last k). Each step down the depth then reads the next bytes of one stream instead of two weight
+// rows N x 2 bytes apart, and the pairs arrive interleaved as the dot-product instruction takes
+// them. Same sums in the same order as the unpacked tiles above, so the same bits (tests/runtime/
+// test_native_linear.py). AVX-512 EPYC, two threads, weights hot, us a call, unpacked / packed:
+// 4096 x 256 1 row 24.1/16.3, 4 rows 60.3/24.8, 16: 130/84; 512 x 256 1: 5.9/5.1, 4: 7.9/6.3.
+constexpr int64_t kPanel = 256;   // columns of one panel: 8 tiles, the widest one-row task
+
+// MR rows of x against T tiles of 32 columns side by side from one panel: `wp` is the first tile's
+// first pair row, pair rows `pw` columns apart.
+template <int MR, int T>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void packed_tile_native(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t pw, float* y,
+                        int64_t ldy, int64_t kdim) {
+  __m512 acc[MR][2 * T];
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < 2 * T; ++v) acc[m][v] = _mm512_setzero_ps();
+  }
+  const int64_t pairs = (kdim + 1) / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const c10::BFloat16* row = wp + p * 2 * pw;
+    __m512bh w[2 * T];
+#pragma GCC unroll 16
+    for (int v = 0; v < 2 * T; ++v) w[v] = (__m512bh)_mm512_loadu_si512(row + v * 32);
+    const bool single = 2 * p + 1 == kdim;
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(bf16_pair(x + m * ldx + 2 * p, single)));
+#pragma GCC unroll 16
+      for (int v = 0; v < 2 * T; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], xv, w[v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < 2 * T; ++v) _mm512_storeu_ps(y + m * ldy + v * 16, acc[m][v]);
+  }
+}
+
+// One tile's sums with float multiplies and adds, as pair_tile_emulated: each 32-bit lane of a
+// pair row holds a column's (even, odd) bfloat16 pair, widened by shifting.
+template <int MR>
+__attribute__((target_clones("avx2", "default")))
+void packed_tile_emulated(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t pw, float* y,
+                          int64_t ldy, int64_t kdim) {
+  typedef uint32_t bits_t __attribute__((vector_size(32)));
+  constexpr int V = kPairColumns / kLanes<float>;
+  vec_t<float> acc[MR][V] = {};
+  const int64_t pairs = (kdim + 1) / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const bool single = 2 * p + 1 == kdim;
+    vec_t<float> even[V], odd[V];
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) {
+      bits_t u, lo, hi;
+      std::memcpy(&u, wp + p * 2 * pw + j * 2 * kLanes<float>, sizeof u);
+      lo = u << 16;
+      hi = u & 0xffff0000u;
+      std::memcpy(&even[j], &lo, sizeof lo);
+      std::memcpy(&odd[j], &hi, sizeof hi);
+    }
+    emulated_pair_step<MR, V>(acc, x + 2 * p, ldx, single, even, odd);
+  }
+  store_sums<MR, V>(acc, y, ldy);
+}
+
+template <int MR, int T>
+void packed_tile_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t pw, float* y,
+                      int64_t ldy, int64_t kdim) {
+  if (g_bf16_dot) {
+    packed_tile_native<MR, T>(x, ldx, wp, pw, y, ldy, kdim);
+    return;
+  }
+  for (int t = 0; t < T; ++t) packed_tile_emulated<MR>(x, ldx, wp + t * 2 * kPairColumns, pw, y + t * kPairColumns, ldy, kdim);
+}
+
+// mr (1-4) rows against `tiles` (1, 2, 4 or 8; mr x tiles <= 8) tiles side by side.
+void packed_tile(int64_t mr, int64_t tiles, const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t pw,
+                 float* y, int64_t ldy, int64_t kdim) {
+  switch (mr * 16 + tiles) {
+    case 16 + 1: packed_tile_rows<1, 1>(x, ldx, wp, pw, y, ldy, kdim); break;
+    case 16 + 2: packed_tile_rows<1, 2>(x, ldx, wp, pw, y, ldy, kdim); break;
+    case 16 + 4: packed_tile_rows<1, 4>(x, ldx, wp, pw, y, ldy, kdim); break;
+    case 16 + 8: packed_tile_rows<1, 8>(x, ldx, wp, pw, y, ldy, kdim); break;
+    case 32 + 1: packed_tile_rows<2, 1>(x, ldx, wp, pw, y, ldy, kdim); break;
+    case 32 + 2: packed_tile_rows<2, 2>(x, ldx, wp, pw, y, ldy, kdim); break;
+    case 32 + 4: packed_tile_rows<2, 4>(x, ldx, wp, pw, y, ldy, kdim); break;
+    case 48 + 1: packed_tile_rows<3, 1>(x, ldx, wp, pw, y, ldy, kdim); break;
+    case 48 + 2: packed_tile_rows<3, 2>(x, ldx, wp, pw, y, ldy, kdim); break;
+    case 64 + 1: packed_tile_rows<4, 1>(x, ldx, wp, pw, y, ldy, kdim); break;
+    case 64 + 2: packed_tile_rows<4, 2>(x, ldx, wp, pw, y, ldy, kdim); break;
+    default: TORCH_CHECK(false, "packed_tile: ", mr, " rows x ", tiles, " tiles");
+  }
+}
+
+// Span `span` (span_tiles tiles of 32 columns) of y[M, N] = x[M, K] . w^T from the packed w: one
+// row 8 tiles side by side (one panel's whole pair row a step), two 4, more 2 for every 4 rows
+// (measured against 8 rows of one tile: the same at 8 and 16 rows, 4096 x 256 45 / 47 us).
+void packed_gemm_span(const c10::BFloat16* x, int64_t m_rows, int64_t kdim, const c10::BFloat16* packed,
+                      int64_t n_cols, float* y, int64_t ldy, int64_t span, int64_t span_tiles) {
+  const int64_t pairs = (kdim + 1) / 2;
+  const int64_t n0 = span * span_tiles * kPairColumns, n1 = std::min(n_cols, n0 + span_tiles * kPairColumns);
+  const int64_t side = m_rows == 1 ? 8 : m_rows == 2 ? 4 : 2, group = m_rows <= 2 ? m_rows : 4;
+  for (int64_t c = n0; c < n1;) {
+    const int64_t panel = c / kPanel, pw = std::min(kPanel, n_cols - panel * kPanel);
+    const int64_t left = (std::min(n1, panel * kPanel + pw) - c) / kPairColumns;
+    const int64_t tiles = left >= side ? side : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    const c10::BFloat16* wp = packed + panel * kPanel * pairs * 2 + (c - panel * kPanel) * 2;
+    for (int64_t m0 = 0; m0 < m_rows; m0 += group) {
+      packed_tile(std::min(group, m_rows - m0), tiles, x + m0 * kdim, kdim, wp, pw, y + m0 * ldy + c, ldy, kdim);
+    }
+    c += tiles * kPairColumns;
+  }
+}
+
+// w [N, K] or [E, N, K] bfloat16 (any strides), N a multiple of 32 -> its packed form, [N,
+// ceil(K/2), 2] or [E, N, ceil(K/2), 2] (each matrix packed on its own, one after another).
+at::Tensor pack_bf16(const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.device().is_cpu() && (w.dim() == 2 || w.dim() == 3),
+              "pack_bf16: a CPU bfloat16 [N, K] or [E, N, K] weight expected, got ", w.scalar_type(), " ", w.sizes());
+  const at::Tensor w3 = w.dim() == 2 ? w.unsqueeze(0) : w;
+  const int64_t e_count = w3.size(0), n_cols = w3.size(1), kdim = w3.size(2), pairs = (kdim + 1) / 2;
+  TORCH_CHECK(n_cols % kPairColumns == 0 && kdim > 0, "pack_bf16: N must be a multiple of ", kPairColumns,
+              " and K positive, got ", w.sizes());
+  at::Tensor out = at::zeros({e_count, n_cols, pairs, 2}, w.options());
+  const auto src = w3.accessor<c10::BFloat16, 3>();
+  c10::BFloat16* dst = out.mutable_data_ptr<c10::BFloat16>();
+  at::parallel_for(0, e_count * n_cols, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = i / n_cols, n = i % n_cols, panel = n / kPanel, pw = std::min(kPanel, n_cols - panel * kPanel);
+      c10::BFloat16* base = dst + e * n_cols * pairs * 2 + panel * kPanel * pairs * 2 + (n - panel * kPanel) * 2;
+      for (int64_t k = 0; k < kdim; ++k) base[(k / 2) * 2 * pw + k % 2] = src[e][n][k];
+    }
+  });
+  return w.dim() == 2 ? out.squeeze(0) : out;
+}
+
+void check_packed(const at::Tensor& packed, int64_t dims, int64_t kdim, const char* what) {
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == dims && packed.size(-1) == 2 &&
+              packed.size(-2) == (kdim + 1) / 2 && packed.size(-3) % kPairColumns == 0 && packed.is_contiguous(),
+              what, ": a packed bfloat16 weight (pack_bf16) for K = ", kdim, " expected, got ", packed.scalar_type(),
+              " ", packed.sizes());
+}
+
 // Tiles of a span: kSpan, fewer when `parts` matrices of `n_cols` columns would then give fewer
 // spans than threads.
 int64_t span_tiles(int64_t n_cols, int64_t parts, int64_t columns = kColumns, int64_t most = kSpan) {
@@ -434,6 +594,38 @@ float* scratch_floats(int64_t n) {
   return buf.data();
 }
 
+// x [..., K] (rows of it) . w^T (+ bias) -> bfloat16 [..., N] (`shape`): each task runs
+// `span_sums(x, sums, span, tiles)` for its span of the columns into a reused float buffer of the
+// calling thread, then rounds its columns' sums (bias added first, in float) into the output.
+template <typename F>
+at::Tensor bf16_linear(const at::Tensor& x, int64_t rows, int64_t kdim, int64_t n_cols,
+                       const c10::optional<at::Tensor>& bias, const std::vector<int64_t>& shape, F&& span_sums) {
+  const bool has_bias = bias.has_value() && bias->defined();
+  const at::Tensor xb = x.reshape({rows, kdim}).contiguous();
+  const at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  TORCH_CHECK(!has_bias || bf.numel() == n_cols, "linear: bias of ", bf.numel(), " for ", n_cols, " columns");
+  at::Tensor y = at::empty({rows, n_cols}, x.options());
+  const c10::BFloat16* xp = xb.const_data_ptr<c10::BFloat16>();
+  const float* bp = has_bias ? bf.const_data_ptr<float>() : nullptr;
+  c10::BFloat16* out = y.mutable_data_ptr<c10::BFloat16>();
+  float* sums = scratch_floats(rows * n_cols);
+  const int64_t tiles = span_tiles(n_cols, 1, kPairColumns, kPairSpan);
+  at::parallel_for(0, column_spans(n_cols, tiles, kPairColumns), 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      span_sums(xp, sums, b, tiles);
+      const int64_t n0 = b * tiles * kPairColumns, n1 = std::min(n_cols, n0 + tiles * kPairColumns);
+      for (int64_t m = 0; m < rows; ++m) {
+        float* row = sums + m * n_cols;
+        if (bp != nullptr) {
+          for (int64_t n = n0; n < n1; ++n) row[n] = row[n] + bp[n];
+        }
+        round_to_bf16(row + n0, out + m * n_cols + n0, n1 - n0);
+      }
+    }
+  });
+  return y.view(shape);
+}
+
 // x [..., K] . w^T (+ bias) through the few-row kernel when x has at most `max_rows` rows, its
 // type is float32 or bfloat16 and w is column-major; at::linear otherwise. With bfloat16 weights
 // each task rounds its own columns' float sums to the bfloat16 output (bias added first, in float).
@@ -454,30 +646,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   const bool has_bias = bias.has_value() && bias->defined();
   const int64_t ldw = w.stride(1);
   if (w.scalar_type() == at::kBFloat16) {   // bfloat16 rows on bfloat16 dot products
-    const at::Tensor xb = x.reshape({rows, kdim}).contiguous();
-    const at::Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-    TORCH_CHECK(!has_bias || bf.numel() == n_cols, "linear: bias of ", bf.numel(), " for ", n_cols, " columns");
-    at::Tensor y = at::empty({rows, n_cols}, x.options());
-    const c10::BFloat16* xp = xb.const_data_ptr<c10::BFloat16>();
     const c10::BFloat16* wp = w.const_data_ptr<c10::BFloat16>();
-    const float* bp = has_bias ? bf.const_data_ptr<float>() : nullptr;
-    c10::BFloat16* out = y.mutable_data_ptr<c10::BFloat16>();
-    float* sums = scratch_floats(rows * n_cols);
-    const int64_t tiles = span_tiles(n_cols, 1, kPairColumns, kPairSpan);
-    at::parallel_for(0, column_spans(n_cols, tiles, kPairColumns), 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        pair_gemm_span(xp, rows, kdim, wp, ldw, n_cols, sums, n_cols, b, tiles);
-        const int64_t n0 = b * tiles * kPairColumns, n1 = std::min(n_cols, n0 + tiles * kPairColumns);
-        for (int64_t m = 0; m < rows; ++m) {
-          float* row = sums + m * n_cols;
-          if (bp != nullptr) {
-            for (int64_t n = n0; n < n1; ++n) row[n] = row[n] + bp[n];
-          }
-          round_to_bf16(row + n0, out + m * n_cols + n0, n1 - n0);
-        }
-      }
+    return bf16_linear(x, rows, kdim, n_cols, bias, shape, [&](const c10::BFloat16* xp, float* sums, int64_t b, int64_t tiles) {
+      pair_gemm_span(xp, rows, kdim, wp, ldw, n_cols, sums, n_cols, b, tiles);
     });
-    return y.view(shape);
   }
   const at::ScalarType acc_type = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor yf = at::empty({rows, n_cols}, x.options().dtype(acc_type));
@@ -497,6 +669,26 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     yf.add_(*bias);
   }
   return (x.scalar_type() == acc_type ? yf : yf.to(x.scalar_type())).view(shape);
+}
+
+// x [..., K] bfloat16 . w^T (+ bias) from w's packed form (pack_bf16 [N, ceil(K/2), 2]), any row
+// count -> bfloat16 [..., N]: the same bits as `linear` on w (the Python side takes it where
+// `linear` would run the few-row kernel).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() >= 1,
+              "metrale_cpu::packed_linear: CPU bfloat16 x [..., K] expected, got ", x.scalar_type(), " ", x.sizes());
+  const int64_t kdim = x.size(-1);
+  check_packed(packed, 3, kdim, "metrale_cpu::packed_linear");
+  const int64_t n_cols = packed.size(0), rows = kdim == 0 ? 0 : x.numel() / kdim;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n_cols;
+  if (rows == 0) {
+    return at::empty(shape, x.options());
+  }
+  const c10::BFloat16* wp = packed.const_data_ptr<c10::BFloat16>();
+  return bf16_linear(x, rows, kdim, n_cols, bias, shape, [&](const c10::BFloat16* xp, float* sums, int64_t b, int64_t tiles) {
+    packed_gemm_span(xp, rows, kdim, wp, n_cols, sums, n_cols, b, tiles);
+  });
 }
 
 // exp of eight floats as Cephes' expf computes it: the argument clamped to [-87, 88], reduced by
@@ -555,10 +747,12 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
 // projection spread over the threads together: xs [L, H] rows in expert-major order (float; the
 // weights' type for bfloat16, whose GEMMs run on pair sums), expert e's rows at first[e] for
 // counts[e]. silu(gate) * up in float, rounded to bfloat16 before the down projection only when the
-// weights are bfloat16 -> ys [L, H] float.
+// weights are bfloat16 -> ys [L, H] float. `gate_up_packed` / `down_packed` (bfloat16 only; nullptr:
+// none): the same matrices packed (pack_bf16), read instead of gate_up / down, the same bits.
 template <typename W>
 at::Tensor few_row_experts(const at::Tensor& xs, const at::Tensor& gate_up, const at::Tensor& down,
-                           const std::vector<int64_t>& first, const std::vector<int64_t>& counts) {
+                           const std::vector<int64_t>& first, const std::vector<int64_t>& counts,
+                           const c10::BFloat16* gate_up_packed = nullptr, const c10::BFloat16* down_packed = nullptr) {
   constexpr bool pairs = std::is_same_v<W, c10::BFloat16>;
   using X = std::conditional_t<pairs, c10::BFloat16, float>;   // the GEMMs' row type
   const int64_t rows = xs.size(0), h = xs.size(1), two_i = gate_up.size(1), inter = two_i / 2;
@@ -582,9 +776,13 @@ at::Tensor few_row_experts(const at::Tensor& xs, const at::Tensor& gate_up, cons
   const int64_t gt = span_tiles(two_i, nt, columns, most), dt = span_tiles(h, nt, columns, most);
   const int64_t gb = column_spans(two_i, gt, columns), db = column_spans(h, dt, columns);
   const auto span_gemm = [&](const X* x, int64_t m, int64_t kdim, const W* w, int64_t n, float* y, int64_t span,
-                             int64_t tiles) {
+                             int64_t tiles, const c10::BFloat16* packed) {
     if constexpr (pairs) {
-      pair_gemm_span(x, m, kdim, w, n, n, y, n, span, tiles);
+      if (packed != nullptr) {
+        packed_gemm_span(x, m, kdim, packed, n, y, n, span, tiles);
+      } else {
+        pair_gemm_span(x, m, kdim, w, n, n, y, n, span, tiles);
+      }
     } else {
       gemm_span(x, m, kdim, w, n, n, y, n, span, tiles);
     }
@@ -594,7 +792,8 @@ at::Tensor few_row_experts(const at::Tensor& xs, const at::Tensor& gate_up, cons
   at::parallel_for(0, nt * gb, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t i = b0; i < b1; ++i) {
       const int64_t e = touched[i / gb];
-      span_gemm(xp + first[e] * h, counts[e], h, gw + e * gs, two_i, gp + first[e] * two_i, i % gb, gt);
+      span_gemm(xp + first[e] * h, counts[e], h, gw + e * gs, two_i, gp + first[e] * two_i, i % gb, gt,
+                gate_up_packed == nullptr ? nullptr : gate_up_packed + e * two_i * ((h + 1) / 2) * 2);
     }
   });
   std::vector<float> row(pairs ? inter : 0);
@@ -610,7 +809,8 @@ at::Tensor few_row_experts(const at::Tensor& xs, const at::Tensor& gate_up, cons
   at::parallel_for(0, nt * db, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t i = b0; i < b1; ++i) {
       const int64_t e = touched[i / db];
-      span_gemm(ap + first[e] * inter, counts[e], inter, dw + e * ds, h, yp + first[e] * h, i % db, dt);
+      span_gemm(ap + first[e] * inter, counts[e], inter, dw + e * ds, h, yp + first[e] * h, i % db, dt,
+                down_packed == nullptr ? nullptr : down_packed + e * h * ((inter + 1) / 2) * 2);
     }
   });
   return ys;
@@ -623,7 +823,8 @@ at::Tensor few_row_experts(const at::Tensor& xs, const at::Tensor& gate_up, cons
 // per touched expert (`_per_expert`).
 at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
                           const at::Tensor& gate_up, const at::Tensor& down, int64_t expert_offset,
-                          int64_t padded_min_experts, int64_t few_rows_max) {
+                          int64_t padded_min_experts, int64_t few_rows_max,
+                          const c10::optional<at::Tensor>& gate_up_packed, const c10::optional<at::Tensor>& down_packed) {
   TORCH_CHECK(x.device().is_cpu(), "metrale_cpu::routed_experts runs on the CPU, got ", x.device());
   TORCH_CHECK(x.dim() == 2, "x must be [T, H], got ", x.sizes());
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0), "ids must be [T, k] for x ", x.sizes(), ", got ", ids.sizes());
@@ -673,7 +874,22 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const 
     at::Tensor ys;
     AT_DISPATCH_SWITCH(x.scalar_type(), "metrale_cpu::routed_experts",
       AT_DISPATCH_CASE(at::kFloat, [&] { ys = few_row_experts<float>(xs, gate_up, down, first, expert_counts); })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] { ys = few_row_experts<c10::BFloat16>(xs, gate_up, down, first, expert_counts); }));
+      AT_DISPATCH_CASE(at::kBFloat16, [&] {
+        const bool packed = gate_up_packed.has_value() && gate_up_packed->defined();
+        TORCH_CHECK(packed == (down_packed.has_value() && down_packed->defined()),
+                    "routed_experts: both packed weights or neither");
+        if (packed) {
+          check_packed(*gate_up_packed, 4, h, "routed_experts: gate_up_packed");
+          check_packed(*down_packed, 4, gate_up.size(1) / 2, "routed_experts: down_packed");
+          TORCH_CHECK(gate_up_packed->size(0) == e_local && gate_up_packed->size(1) == gate_up.size(1) &&
+                      down_packed->size(0) == e_local && down_packed->size(1) == h,
+                      "routed_experts: packed weights ", gate_up_packed->sizes(), " and ", down_packed->sizes(),
+                      " do not match gate_up ", gate_up.sizes(), " and down ", down.sizes());
+        }
+        ys = few_row_experts<c10::BFloat16>(xs, gate_up, down, first, expert_counts,
+                                            packed ? gate_up_packed->const_data_ptr<c10::BFloat16>() : nullptr,
+                                            packed ? down_packed->const_data_ptr<c10::BFloat16>() : nullptr);
+      }));
     const at::Tensor wf = weights.to(at::kFloat).contiguous();
     const float* wp = wf.const_data_ptr<float>();
     const float* yp = ys.const_data_ptr<float>();
@@ -1099,10 +1315,15 @@ bool use_bf16_dot_products(bool on) {
 TORCH_LIBRARY(metrale_cpu, m) {
   m.def("use_bf16_dot_products(bool on) -> bool", &use_bf16_dot_products);
   m.def("routed_experts(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down, "
-        "int expert_offset, int padded_min_experts, int few_rows_max) -> Tensor");
+        "int expert_offset, int padded_min_experts, int few_rows_max, Tensor? gate_up_packed=None, "
+        "Tensor? down_packed=None) -> Tensor");
   m.impl("routed_experts", c10::DispatchKey::CPU, TORCH_FN(routed_experts));
   m.def("linear(Tensor x, Tensor w, Tensor? bias, int max_rows) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(packed_linear));
+  m.def("pack_bf16(Tensor w) -> Tensor");
+  m.impl("pack_bf16", c10::DispatchKey::CPU, TORCH_FN(pack_bf16));
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_plane, Tensor(b!) v_plane, bool write_v, "
         "Tensor cell_mapping, Tensor gather, Tensor? q_index, Tensor? valid, Tensor? mask, str mode, float scale) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));

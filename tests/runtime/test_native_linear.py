@@ -159,3 +159,75 @@ def test_training_keeps_autograd():
     lin(x).sum().backward()
     assert x.grad is not None and lin.weight.grad is not None
     assert torch.equal(linear(x, lin.weight, lin.bias), F.linear(x, lin.weight, lin.bias))
+
+
+@pytest.mark.parametrize("n, k", [(32, 7), (96, 256), (288, 64), (544, 101), (4096, 96)])
+def test_packed_weights_give_the_unpacked_bits(n, k):
+    """`metrale_cpu::packed_linear` on `cpu_ops.pack(w)` equals `linear` on w bit for bit, with and
+    without the dot-product instruction: one panel and a narrower last one, panels' boundaries
+    inside a task's span, odd K, 1 to 33 rows (every row-group and tile width), with and without
+    bias, 3-D input."""
+    w = column_major(n, k, torch.bfloat16)
+    packed = cpu_ops.pack(w)
+    assert packed.shape == (n, (k + 1) // 2, 2) and packed.dtype == torch.bfloat16
+    x = torch.randn(33, k).to(torch.bfloat16)
+    bias = (torch.randn(n) * 0.1).to(torch.bfloat16)
+    native = torch.ops.metrale_cpu.use_bf16_dot_products(True)
+    try:
+        for on in (True, False):
+            assert torch.ops.metrale_cpu.use_bf16_dot_products(on) == (on and native)
+            for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 33):
+                for b in (None, bias):
+                    want = torch.ops.metrale_cpu.linear(x[:rows], w, b, BIG)
+                    assert torch.equal(torch.ops.metrale_cpu.packed_linear(x[:rows], packed, b), want), (on, rows)
+        x3 = x[:32].view(4, 8, k)
+        assert torch.equal(torch.ops.metrale_cpu.packed_linear(x3, packed, None),
+                           torch.ops.metrale_cpu.linear(x3, w, None, BIG))
+    finally:
+        torch.ops.metrale_cpu.use_bf16_dot_products(True)
+
+
+def test_packed_experts_give_the_unpacked_bits():
+    """The routed experts' few-row GEMMs from packed matrices: the same bits as from the unpacked
+    ones, for a whole layer and for a shard of it (rows routed elsewhere give zero)."""
+    e, h, inter = 8, 64, 96
+    g = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(e, h, 2 * inter, generator=g) * 0.1).to(torch.bfloat16).transpose(1, 2)
+    down = (torch.randn(e, inter, h, generator=g) * 0.1).to(torch.bfloat16).transpose(1, 2)
+    for rows in (1, 4, 17):
+        x = torch.randn(rows, h, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(rows)])
+        weights = torch.rand(rows, 2, generator=g)
+        for offset, gu, dn in ((0, gate_up, down), (4, gate_up[:4], down[:4])):
+            want = torch.ops.metrale_cpu.routed_experts(x, weights, ids, gu, dn, offset, 3, 32)
+            got = torch.ops.metrale_cpu.routed_experts(x, weights, ids, gu, dn, offset, 3, 32,
+                                                       cpu_ops.pack(gu), cpu_ops.pack(dn))
+            assert torch.equal(got, want), (rows, offset)
+
+
+def test_pack_refuses_what_it_cannot_pack():
+    assert not cpu_ops.packs(torch.zeros(40, 8, dtype=torch.bfloat16))     # N not a multiple of 32
+    assert not cpu_ops.packs(torch.zeros(64, 8))                           # float32
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_ops.pack(torch.zeros(40, 8, dtype=torch.bfloat16))
+    packed = cpu_ops.pack(column_major(64, 8, torch.bfloat16))
+    with pytest.raises(RuntimeError, match="packed bfloat16 weight"):
+        torch.ops.metrale_cpu.packed_linear(torch.zeros(2, 10, dtype=torch.bfloat16), packed, None)
+
+
+def test_a_packed_layer_uses_its_packed_copy_up_to_the_few_row_limit():
+    """`pack_for_inference` keeps a packed copy of a bfloat16 layer's weight; `Linear` reads it for
+    few rows (compiled too) and the unpacked weight above the limit, the same values either way."""
+    from runtime.layers import pack_for_inference
+    torch.manual_seed(0)
+    lin = Linear(64, 96).to(torch.bfloat16)
+    pack_for_inference(lin)
+    assert lin.packed is not None and "packed" not in lin.state_dict()
+    few = cpu_ops.few_rows_max(torch.bfloat16)
+    with torch.no_grad():
+        for rows in (1, 4, few, few + 1):
+            x = torch.randn(rows, 64).to(torch.bfloat16)
+            assert torch.equal(lin(x), torch.ops.metrale_cpu.linear(x, lin.weight, lin.bias, few))
+        x = torch.randn(3, 64).to(torch.bfloat16)
+        compiled = torch.compile(lin, fullgraph=True, dynamic=False)
+        assert torch.equal(compiled(x), lin(x))
