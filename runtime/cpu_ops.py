@@ -167,7 +167,7 @@ def packs(weight: torch.Tensor) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight`'s packed form for `metrale_cpu::packed_linear` and the routed experts' few-row
+    """`weight`'s packed form for `metrale_cpu::linear` and the routed experts' few-row
     GEMMs (`metrale_cpu::pack_bf16`: 256-column panels of interleaved pairs down the depth, one
     stream a task; the same bits as the unpacked weight). A copy: the weight must not change after."""
     return torch.ops.metrale_cpu.pack_bf16(weight.detach())
@@ -181,12 +181,8 @@ def _register_fakes() -> None:
     _FAKES.append("metrale_cpu::linear")
 
     @torch.library.register_fake("metrale_cpu::linear")
-    def _(x, w, bias, max_rows):
+    def _(x, w, bias, max_rows, packed=None):
         return x.new_empty(*x.shape[:-1], w.shape[0])
-
-    @torch.library.register_fake("metrale_cpu::packed_linear")
-    def _(x, packed, bias):
-        return x.new_empty(*x.shape[:-1], packed.shape[0])
 
     @torch.library.register_fake("metrale_cpu::routed_experts")
     def _(x, weights, ids, gate_up, down, expert_offset, padded_min_experts, few_rows_max, gate_up_packed=None,

@@ -59,10 +59,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != "cpu" or not cpu_ops.LOADED or x.dtype not in cpu_ops.FEW_ROWS or (
             torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):   # training: autograd's
         return F.linear(x, weight, bias)
-    few = cpu_ops.few_rows_max(x.dtype)
-    if packed is not None and x.dtype == packed.dtype and x.numel() <= few * x.shape[-1]:
-        return torch.ops.metrale_cpu.packed_linear(x, packed, bias)
-    return torch.ops.metrale_cpu.linear(x, weight, bias, few)
+    if packed is not None and x.dtype == packed.dtype:   # the op picks: no guard on the rows in a compiled step
+        return torch.ops.metrale_cpu.linear(x, weight, bias, cpu_ops.few_rows_max(x.dtype), packed)
+    return torch.ops.metrale_cpu.linear(x, weight, bias, cpu_ops.few_rows_max(x.dtype))
 
 
 class Linear(nn.Linear):

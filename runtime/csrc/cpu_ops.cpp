@@ -628,17 +628,25 @@ at::Tensor bf16_linear(const at::Tensor& x, int64_t rows, int64_t kdim, int64_t 
 }
 
 // x [..., K] . w^T (+ bias) through the few-row kernel when x has at most `max_rows` rows, its
-// type is float32 or bfloat16 and w is column-major; at::linear otherwise. With bfloat16 weights
+// type is float32 or bfloat16 and w is column-major; at::linear otherwise. `packed` (bfloat16:
+// pack_bf16 of w, or none) is read instead of w by that kernel, the same bits: the choice stays
+// in here, so a compiled step's graph holds for every row count (no guard on the rows). With bfloat16 weights
 // each task rounds its own columns' float sums to the bfloat16 output (bias added first, in float).
 // Measured and not kept: GEMMs of up to 256 KB of bfloat16 weights on the calling thread alone
 // (faster alone, e.g. 256 x 256 at one row 6.4 against 7.1 us) gave the embedded model 1.08x with
 // no speculation but 0.90x / 0.89x with 1 / 3 drafts (one process, interleaved).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t max_rows) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t max_rows,
+                  const c10::optional<at::Tensor>& packed) {
   TORCH_CHECK(x.device().is_cpu(), "metrale_cpu::linear runs on the CPU, got ", x.device());
   TORCH_CHECK(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1),
               "linear: x [..., K] and w [N, K] expected, got ", x.sizes(), " and ", w.sizes());
   const int64_t kdim = w.size(1), n_cols = w.size(0);
   const int64_t rows = kdim == 0 ? 0 : x.numel() / kdim;
+  const bool from_packed = packed.has_value() && packed->defined();
+  if (from_packed) {
+    check_packed(*packed, 3, kdim, "metrale_cpu::linear");
+    TORCH_CHECK(packed->size(0) == n_cols, "linear: packed weight of ", packed->size(0), " columns for w ", w.sizes());
+  }
   if (!few_row_kernel(x, w, rows, max_rows) || rows == 0 || kdim == 0) {
     return at::linear(x, w, bias);
   }
@@ -646,6 +654,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   shape.back() = n_cols;
   const bool has_bias = bias.has_value() && bias->defined();
   const int64_t ldw = w.stride(1);
+  if (w.scalar_type() == at::kBFloat16 && from_packed) {   // the same sums from the packed copy
+    const c10::BFloat16* pp = packed->const_data_ptr<c10::BFloat16>();
+    return bf16_linear(x, rows, kdim, n_cols, bias, shape, [&](const c10::BFloat16* xp, float* sums, int64_t b, int64_t tiles) {
+      packed_gemm_span(xp, rows, kdim, pp, n_cols, sums, n_cols, b, tiles);
+    });
+  }
   if (w.scalar_type() == at::kBFloat16) {   // bfloat16 rows on bfloat16 dot products
     const c10::BFloat16* wp = w.const_data_ptr<c10::BFloat16>();
     return bf16_linear(x, rows, kdim, n_cols, bias, shape, [&](const c10::BFloat16* xp, float* sums, int64_t b, int64_t tiles) {
@@ -670,26 +684,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     yf.add_(*bias);
   }
   return (x.scalar_type() == acc_type ? yf : yf.to(x.scalar_type())).view(shape);
-}
-
-// x [..., K] bfloat16 . w^T (+ bias) from w's packed form (pack_bf16 [N, ceil(K/2), 2]), any row
-// count -> bfloat16 [..., N]: the same bits as `linear` on w (the Python side takes it where
-// `linear` would run the few-row kernel).
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() >= 1,
-              "metrale_cpu::packed_linear: CPU bfloat16 x [..., K] expected, got ", x.scalar_type(), " ", x.sizes());
-  const int64_t kdim = x.size(-1);
-  check_packed(packed, 3, kdim, "metrale_cpu::packed_linear");
-  const int64_t n_cols = packed.size(0), rows = kdim == 0 ? 0 : x.numel() / kdim;
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n_cols;
-  if (rows == 0) {
-    return at::empty(shape, x.options());
-  }
-  const c10::BFloat16* wp = packed.const_data_ptr<c10::BFloat16>();
-  return bf16_linear(x, rows, kdim, n_cols, bias, shape, [&](const c10::BFloat16* xp, float* sums, int64_t b, int64_t tiles) {
-    packed_gemm_span(xp, rows, kdim, wp, n_cols, sums, n_cols, b, tiles);
-  });
 }
 
 // exp of eight floats as Cephes' expf computes it: the argument clamped to [-87, 88], reduced by
@@ -1346,10 +1340,8 @@ TORCH_LIBRARY(metrale_cpu, m) {
         "int expert_offset, int padded_min_experts, int few_rows_max, Tensor? gate_up_packed=None, "
         "Tensor? down_packed=None) -> Tensor");
   m.impl("routed_experts", c10::DispatchKey::CPU, TORCH_FN(routed_experts));
-  m.def("linear(Tensor x, Tensor w, Tensor? bias, int max_rows) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, Tensor? bias, int max_rows, Tensor? packed=None) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
-  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
-  m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(packed_linear));
   m.def("pack_bf16(Tensor w) -> Tensor");
   m.impl("pack_bf16", c10::DispatchKey::CPU, TORCH_FN(pack_bf16));
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_plane, Tensor(b!) v_plane, bool write_v, "

@@ -163,7 +163,7 @@ def test_training_keeps_autograd():
 
 @pytest.mark.parametrize("n, k", [(32, 7), (96, 256), (288, 64), (544, 101), (4096, 96)])
 def test_packed_weights_give_the_unpacked_bits(n, k):
-    """`metrale_cpu::packed_linear` on `cpu_ops.pack(w)` equals `linear` on w bit for bit, with and
+    """`metrale_cpu::linear` from `cpu_ops.pack(w)` equals it from w alone bit for bit, with and
     without the dot-product instruction: one panel and a narrower last one, panels' boundaries
     inside a task's span, odd K, 1 to 33 rows (every row-group and tile width), with and without
     bias, 3-D input."""
@@ -179,9 +179,10 @@ def test_packed_weights_give_the_unpacked_bits(n, k):
             for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 33):
                 for b in (None, bias):
                     want = torch.ops.metrale_cpu.linear(x[:rows], w, b, BIG)
-                    assert torch.equal(torch.ops.metrale_cpu.packed_linear(x[:rows], packed, b), want), (on, rows)
+                    got = torch.ops.metrale_cpu.linear(x[:rows], w, b, BIG, packed)
+                    assert torch.equal(got, want), (on, rows)
         x3 = x[:32].view(4, 8, k)
-        assert torch.equal(torch.ops.metrale_cpu.packed_linear(x3, packed, None),
+        assert torch.equal(torch.ops.metrale_cpu.linear(x3, w, None, BIG, packed),
                            torch.ops.metrale_cpu.linear(x3, w, None, BIG))
     finally:
         torch.ops.metrale_cpu.use_bf16_dot_products(True)
@@ -211,13 +212,15 @@ def test_pack_refuses_what_it_cannot_pack():
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu_ops.pack(torch.zeros(40, 8, dtype=torch.bfloat16))
     packed = cpu_ops.pack(column_major(64, 8, torch.bfloat16))
-    with pytest.raises(RuntimeError, match="packed bfloat16 weight"):
-        torch.ops.metrale_cpu.packed_linear(torch.zeros(2, 10, dtype=torch.bfloat16), packed, None)
+    with pytest.raises(RuntimeError, match="packed bfloat16 weight"):   # packed for K = 8, x and w have 10
+        torch.ops.metrale_cpu.linear(torch.zeros(2, 10, dtype=torch.bfloat16), column_major(64, 10, torch.bfloat16),
+                                     None, BIG, packed)
 
 
 def test_a_packed_layer_uses_its_packed_copy_up_to_the_few_row_limit():
     """`pack_for_inference` keeps a packed copy of a bfloat16 layer's weight; `Linear` reads it for
-    few rows (compiled too) and the unpacked weight above the limit, the same values either way."""
+    few rows (compiled too) and the unpacked weight above the limit, the same values either way;
+    one compiled graph serves row counts on both sides of the limit (the op picks, no guard)."""
     from runtime.layers import pack_for_inference
     torch.manual_seed(0)
     lin = Linear(64, 96).to(torch.bfloat16)
@@ -228,6 +231,11 @@ def test_a_packed_layer_uses_its_packed_copy_up_to_the_few_row_limit():
         for rows in (1, 4, few, few + 1):
             x = torch.randn(rows, 64).to(torch.bfloat16)
             assert torch.equal(lin(x), torch.ops.metrale_cpu.linear(x, lin.weight, lin.bias, few))
-        x = torch.randn(3, 64).to(torch.bfloat16)
-        compiled = torch.compile(lin, fullgraph=True, dynamic=False)
-        assert torch.equal(compiled(x), lin(x))
+        torch._dynamo.reset()
+        compiled = torch.compile(lin, fullgraph=True, dynamic=True)
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        for rows in (3, 5, few + 3, 7):
+            x = torch.randn(rows, 64).to(torch.bfloat16)
+            assert torch.equal(compiled(x), lin(x))
+        assert counters["stats"]["unique_graphs"] == 1
