@@ -69,6 +69,25 @@ def test_follows_a_change_and_bands_are_independent():
     assert ctrl.bands[16].current == 0 and ctrl.bands[2].current == 2
 
 
+def test_a_new_band_starts_no_deeper_than_a_settled_narrower_one():
+    """Width 1 learns that speculation does not pay; width 2, opened after, starts at depth 0, not
+    at the static ladder's 3. A band opened before any narrower one settled starts at the ladder's,
+    and a settled narrower band never raises a start above it."""
+    costs = {0: 0.010, 1: 0.020, 2: 0.030, 3: 0.040}
+    ctrl = AutoDepthController(3, start_depth=lambda n: 3 if n <= 4 else 1, probe_every=4)
+    ctrl.depth_for(8)                            # opened first: the ladder's depth
+    assert ctrl.bands[8].current == 1
+    simulate(ctrl, 1, costs.get, [0.8, 0.7, 0.5], 300)
+    assert ctrl.bands[1].current == 0
+    assert ctrl.depth_for(2) == 0 and ctrl.bands[2].current == 0
+    assert ctrl.bands[8].current == 1            # unchanged: it had started already
+    deep = AutoDepthController(3, start_depth=lambda n: 3 if n <= 4 else 1, probe_every=4)
+    simulate(deep, 1, {0: 0.010, 1: 0.0105, 2: 0.011, 3: 0.0115}.get, [0.9, 0.9, 0.9], 300)
+    assert deep.bands[1].current == 3
+    deep.depth_for(16)
+    assert deep.bands[16].current == 1           # the ladder's 1, not the narrower band's 3
+
+
 def test_hysteresis_keeps_a_near_tie():
     # Acceptance already well measured; every other depth earns 2% more per second than the
     # start depth: not worth a switch.
