@@ -114,7 +114,10 @@ class VocabParallelHead(nn.Module):
         self.register_buffer("packed", None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = bi.linear(x, self.weight) if self.batch_invariant else linear(x, self.weight, None, self.packed)   # [T, Vr]
+        if self.batch_invariant:
+            local = bi.linear(x, self.weight)                          # [T, Vr]
+        else:
+            local = linear(x, self.weight, None, self.packed)
         pad = self.topo.max_vocab_shard - local.shape[1]
         if pad:
             local = F.pad(local, (0, pad))

@@ -59,10 +59,7 @@ class RoutedExperts(nn.Module):
                 return _native_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset,
                                        self._packed(x))
             return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
-        if x.device.type == "cpu" and cpu_ops.load():
-            return _native_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset,
-                                   self._packed(x))
-        return routed_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
+        return routed_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset, self._packed(x))
 
     def _packed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The packed expert matrices (`pack_for_inference`) where the native op reads them: kept,
@@ -233,14 +230,15 @@ def _native_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
-                   down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
+                   down_proj: torch.Tensor, expert_offset: int,
+                   packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The float32 / bfloat16 routed experts: on the CPU through the native op when it is built
     (runtime.cpu_ops: without the host cost of ~30 small tensor ops a layer; each expert's GEMMs
     through the few-row kernel up to `cpu_ops.few_rows_max` rows, else the Python paths' kernels
     bit for bit), or per expert, or padded batched matmuls from `PADDED_MIN_EXPERTS` touched
-    experts (16-bit types); grouped elsewhere."""
+    experts (16-bit types); grouped elsewhere. `packed`: the native op's packed matrices, if any."""
     if x.device.type == "cpu" and cpu_ops.load():
-        return _native_experts(x, weights, ids, gate_up_proj, down_proj, expert_offset)
+        return _native_experts(x, weights, ids, gate_up_proj, down_proj, expert_offset, packed)
     experts = _Experts(gate_up_proj, down_proj, expert_offset)
     if x.device.type != "cpu":
         return RoutedExperts._grouped(experts, x, weights, ids)

@@ -16,8 +16,8 @@ less noisy than tokens per step:
 The expected committed tokens per sequence at depth d are 1 + sum_{i<=d} prod_{j<=i} a_j, and the
 depth served is the one with the most expected tokens per unit of step cost. Depths with fewer than
 `min_samples` ratios are probed (a run of `probe_run` steps each) every `probe_every / 4` steps of
-the band (at least `probe_run + settle + 2`), then the known ones are re-probed in turn so their ratios stay current, every `probe_every` steps at
-first and half as often after each round of probes that changes nothing (down to one in
+the band (at least `probe_run + settle + 2`), then the known ones are re-probed in turn so their
+ratios stay current, every `probe_every` steps at first and half as often after each round of probes that changes nothing (down to one in
 `probe_every * 2**max_doublings`: a probe at a worse depth costs that step its difference); the
 band switches only when another depth beats its current one by more than `hysteresis`, and then
 probes at the shortest interval again. A band starts from the static ladder, or from the depth of the
