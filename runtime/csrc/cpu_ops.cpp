@@ -406,34 +406,48 @@ void pair_gemm_span(const c10::BFloat16* x, int64_t m_rows, int64_t kdim, const 
   }
 }
 
-// ---- Packed bfloat16 weights: one stream per task ----
+// ---- Packed bfloat16 weights: one stream per panel ----
 // A bfloat16 weight w [N, K] (N a multiple of 32) packed for the few-row kernel, stored as a
 // [N, ceil(K/2), 2] tensor whose storage is in panel order: panels of kPanel columns (the last one
-// N mod kPanel wide when that is not 0), each panel its ceil(K/2) pair rows one after another, a
-// pair row its columns' (w[n, k], w[n, k + 1]) in column order (0 for the partner of an odd K's
-// last k). Each step down the depth then reads the next bytes of one stream instead of two weight
-// rows N x 2 bytes apart, and the pairs arrive interleaved as the dot-product instruction takes
-// them. Same sums in the same order as the unpacked tiles above, so the same bits (tests/runtime/
-// test_native_linear.py). AVX-512 EPYC, two threads, weights hot, us a call, unpacked / packed:
-// 4096 x 256 1 row 24.1/16.3, 4 rows 60.3/24.8, 16: 130/84; 512 x 256 1: 5.9/5.1, 4: 7.9/6.3.
-constexpr int64_t kPanel = 256;   // columns of one panel: 8 tiles, the widest one-row task
+// 32 wide when N mod kPanel is 32), each panel its ceil(K/2) pair rows one after another, a pair
+// row its columns' (w[n, k], w[n, k + 1]) in column order (0 for the partner of an odd K's last
+// k). A panel is two tiles, so each step down the depth reads the next bytes of one stream per
+// panel instead of two weight rows N x 2 bytes apart, the pairs interleaved as the dot-product
+// instruction takes them, and a panel's whole depth (K = 256: 16 KB) stays in L1 while every
+// 4 rows of x pass over it. Same sums in the same order as the unpacked tiles above, so the same
+// bits (tests/runtime/test_native_linear.py). AVX-512 EPYC, two threads, weights hot, us a call,
+// unpacked / packed: 4096 x 256 1 row 24.1 / 18.8, 4 rows 60.3 / 28.7; 512 x 256 16 rows ~27 /
+// 15.8. (Panels of 256 columns, one row's 8 tiles a single stream, gave 4096 x 256 1 row 16.3 and
+// 4 rows 24.8 but 512 x 256 16 rows 27: at a 1 KB pair-row stride the 4-row passes over a
+// 2-tile strip missed L1. In the model, bfloat16, 256 -> 64 columns: 16 sequences 1.05-1.5x,
+// 3 drafts at one sequence 1.24-1.35x, processes alternating.)
+constexpr int64_t kPanel = 64;
 
-// MR rows of x against T tiles of 32 columns side by side from one panel: `wp` is the first tile's
-// first pair row, pair rows `pw` columns apart.
+// The first element of tile `tile` (of 32 columns) of a packed weight with `pairs` pair rows, and
+// the elements from one of its pair rows to the next.
+inline const c10::BFloat16* packed_tile_at(const c10::BFloat16* packed, int64_t pairs, int64_t tile) {
+  return packed + (tile / 2) * kPanel * pairs * 2 + (tile % 2) * 2 * kPairColumns;
+}
+inline int64_t packed_row_stride(int64_t n_cols, int64_t tile) {
+  return 2 * std::min(kPanel, n_cols - (tile / 2) * kPanel);
+}
+
+// MR rows of x against T tiles side by side from T / 2 panels (T = 1: one tile of any panel):
+// tile t's first pair row at `wp` + (t / 2) * `ps` + (t % 2) * 64, pair rows `rs` apart.
 template <int MR, int T>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-void packed_tile_native(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t pw, float* y,
-                        int64_t ldy, int64_t kdim) {
+void packed_tile_native(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t rs, int64_t ps,
+                        float* y, int64_t ldy, int64_t kdim) {
   __m512 acc[MR][2 * T];
   for (int m = 0; m < MR; ++m) {
     for (int v = 0; v < 2 * T; ++v) acc[m][v] = _mm512_setzero_ps();
   }
   const int64_t pairs = (kdim + 1) / 2;
   for (int64_t p = 0; p < pairs; ++p) {
-    const c10::BFloat16* row = wp + p * 2 * pw;
+    const c10::BFloat16* row = wp + p * rs;
     __m512bh w[2 * T];
 #pragma GCC unroll 16
-    for (int v = 0; v < 2 * T; ++v) w[v] = (__m512bh)_mm512_loadu_si512(row + v * 32);
+    for (int v = 0; v < 2 * T; ++v) w[v] = (__m512bh)_mm512_loadu_si512(row + (v / 4) * ps + (v % 4) * 32);
     const bool single = 2 * p + 1 == kdim;
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
@@ -451,7 +465,7 @@ void packed_tile_native(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16
 // pair row holds a column's (even, odd) bfloat16 pair, widened by shifting.
 template <int MR>
 __attribute__((target_clones("avx2", "default")))
-void packed_tile_emulated(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t pw, float* y,
+void packed_tile_emulated(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t rs, float* y,
                           int64_t ldy, int64_t kdim) {
   typedef uint32_t bits_t __attribute__((vector_size(32)));
   constexpr int V = kPairColumns / kLanes<float>;
@@ -463,7 +477,7 @@ void packed_tile_emulated(const c10::BFloat16* x, int64_t ldx, const c10::BFloat
 #pragma GCC unroll 4
     for (int j = 0; j < V; ++j) {
       bits_t u, lo, hi;
-      std::memcpy(&u, wp + p * 2 * pw + j * 2 * kLanes<float>, sizeof u);
+      std::memcpy(&u, wp + p * rs + j * 2 * kLanes<float>, sizeof u);
       lo = u << 16;
       hi = u & 0xffff0000u;
       std::memcpy(&even[j], &lo, sizeof lo);
@@ -475,51 +489,55 @@ void packed_tile_emulated(const c10::BFloat16* x, int64_t ldx, const c10::BFloat
 }
 
 template <int MR, int T>
-void packed_tile_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t pw, float* y,
-                      int64_t ldy, int64_t kdim) {
+void packed_tile_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t rs, int64_t ps,
+                      float* y, int64_t ldy, int64_t kdim) {
   if (g_bf16_dot) {
-    packed_tile_native<MR, T>(x, ldx, wp, pw, y, ldy, kdim);
+    packed_tile_native<MR, T>(x, ldx, wp, rs, ps, y, ldy, kdim);
     return;
   }
-  for (int t = 0; t < T; ++t) packed_tile_emulated<MR>(x, ldx, wp + t * 2 * kPairColumns, pw, y + t * kPairColumns, ldy, kdim);
+  for (int t = 0; t < T; ++t) {
+    packed_tile_emulated<MR>(x, ldx, wp + (t / 2) * ps + (t % 2) * 2 * kPairColumns, rs, y + t * kPairColumns, ldy, kdim);
+  }
 }
 
 // mr (1-4) rows against `tiles` (1, 2, 4 or 8; mr x tiles <= 8) tiles side by side.
-void packed_tile(int64_t mr, int64_t tiles, const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t pw,
-                 float* y, int64_t ldy, int64_t kdim) {
+void packed_tile(int64_t mr, int64_t tiles, const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t rs,
+                 int64_t ps, float* y, int64_t ldy, int64_t kdim) {
   switch (mr * 16 + tiles) {
-    case 16 + 1: packed_tile_rows<1, 1>(x, ldx, wp, pw, y, ldy, kdim); break;
-    case 16 + 2: packed_tile_rows<1, 2>(x, ldx, wp, pw, y, ldy, kdim); break;
-    case 16 + 4: packed_tile_rows<1, 4>(x, ldx, wp, pw, y, ldy, kdim); break;
-    case 16 + 8: packed_tile_rows<1, 8>(x, ldx, wp, pw, y, ldy, kdim); break;
-    case 32 + 1: packed_tile_rows<2, 1>(x, ldx, wp, pw, y, ldy, kdim); break;
-    case 32 + 2: packed_tile_rows<2, 2>(x, ldx, wp, pw, y, ldy, kdim); break;
-    case 32 + 4: packed_tile_rows<2, 4>(x, ldx, wp, pw, y, ldy, kdim); break;
-    case 48 + 1: packed_tile_rows<3, 1>(x, ldx, wp, pw, y, ldy, kdim); break;
-    case 48 + 2: packed_tile_rows<3, 2>(x, ldx, wp, pw, y, ldy, kdim); break;
-    case 64 + 1: packed_tile_rows<4, 1>(x, ldx, wp, pw, y, ldy, kdim); break;
-    case 64 + 2: packed_tile_rows<4, 2>(x, ldx, wp, pw, y, ldy, kdim); break;
+    case 16 + 1: packed_tile_rows<1, 1>(x, ldx, wp, rs, ps, y, ldy, kdim); break;
+    case 16 + 2: packed_tile_rows<1, 2>(x, ldx, wp, rs, ps, y, ldy, kdim); break;
+    case 16 + 4: packed_tile_rows<1, 4>(x, ldx, wp, rs, ps, y, ldy, kdim); break;
+    case 16 + 8: packed_tile_rows<1, 8>(x, ldx, wp, rs, ps, y, ldy, kdim); break;
+    case 32 + 1: packed_tile_rows<2, 1>(x, ldx, wp, rs, ps, y, ldy, kdim); break;
+    case 32 + 2: packed_tile_rows<2, 2>(x, ldx, wp, rs, ps, y, ldy, kdim); break;
+    case 32 + 4: packed_tile_rows<2, 4>(x, ldx, wp, rs, ps, y, ldy, kdim); break;
+    case 48 + 1: packed_tile_rows<3, 1>(x, ldx, wp, rs, ps, y, ldy, kdim); break;
+    case 48 + 2: packed_tile_rows<3, 2>(x, ldx, wp, rs, ps, y, ldy, kdim); break;
+    case 64 + 1: packed_tile_rows<4, 1>(x, ldx, wp, rs, ps, y, ldy, kdim); break;
+    case 64 + 2: packed_tile_rows<4, 2>(x, ldx, wp, rs, ps, y, ldy, kdim); break;
     default: TORCH_CHECK(false, "packed_tile: ", mr, " rows x ", tiles, " tiles");
   }
 }
 
 // Span `span` (span_tiles tiles of 32 columns) of y[M, N] = x[M, K] . w^T from the packed w: one
-// row 8 tiles side by side (one panel's whole pair row a step), two 4, more 2 for every 4 rows
-// (measured against 8 rows of one tile: the same at 8 and 16 rows, 4096 x 256 45 / 47 us).
+// row 8 tiles side by side (4 panels, 4 streams), two 4, more 2 (one panel) for every 4 rows
+// (measured against 8 rows of one tile: the same at 8 and 16 rows, 4096 x 256 45 / 47 us). A tile
+// that starts a group off a panel's first tile, or lies in a 32-wide last panel, goes alone.
 void packed_gemm_span(const c10::BFloat16* x, int64_t m_rows, int64_t kdim, const c10::BFloat16* packed,
                       int64_t n_cols, float* y, int64_t ldy, int64_t span, int64_t span_tiles) {
-  const int64_t pairs = (kdim + 1) / 2;
-  const int64_t n0 = span * span_tiles * kPairColumns, n1 = std::min(n_cols, n0 + span_tiles * kPairColumns);
+  const int64_t pairs = (kdim + 1) / 2, full_tiles = n_cols / kPanel * 2;   // tiles in 64-wide panels
+  const int64_t t0 = span * span_tiles, t1 = std::min(n_cols / kPairColumns, t0 + span_tiles);
   const int64_t side = m_rows == 1 ? 8 : m_rows == 2 ? 4 : 2, group = m_rows <= 2 ? m_rows : 4;
-  for (int64_t c = n0; c < n1;) {
-    const int64_t panel = c / kPanel, pw = std::min(kPanel, n_cols - panel * kPanel);
-    const int64_t left = (std::min(n1, panel * kPanel + pw) - c) / kPairColumns;
-    const int64_t tiles = left >= side ? side : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-    const c10::BFloat16* wp = packed + panel * kPanel * pairs * 2 + (c - panel * kPanel) * 2;
+  for (int64_t t = t0; t < t1;) {
+    const int64_t left = std::min(t1, full_tiles) - t;
+    const int64_t tiles = t % 2 != 0 || left < 2 ? 1 : left >= side ? side : left >= 4 ? 4 : 2;
+    const c10::BFloat16* wp = packed_tile_at(packed, pairs, t);
+    const int64_t rs = packed_row_stride(n_cols, t), ps = kPanel * pairs * 2;
     for (int64_t m0 = 0; m0 < m_rows; m0 += group) {
-      packed_tile(std::min(group, m_rows - m0), tiles, x + m0 * kdim, kdim, wp, pw, y + m0 * ldy + c, ldy, kdim);
+      packed_tile(std::min(group, m_rows - m0), tiles, x + m0 * kdim, kdim, wp, rs, ps, y + m0 * ldy + t * kPairColumns,
+                  ldy, kdim);
     }
-    c += tiles * kPairColumns;
+    t += tiles;
   }
 }
 
@@ -576,8 +594,21 @@ bool few_row_kernel(const at::Tensor& x, const at::Tensor& w, int64_t rows, int6
 }
 
 // float -> bfloat16, rounded to nearest even as c10::BFloat16 (and at::to) round; NaN -> 0x7fc0.
-inline void round_to_bf16(const float* src, c10::BFloat16* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
+// Sixteen at a time in vectors (the same integer steps), the tail one by one.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void round_to_bf16(const float* src, c10::BFloat16* dst, int64_t n) {
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    u32x16 u;
+    std::memcpy(&u, src + i, sizeof u);
+    const u32x16 nan = (u & 0x7fffffffu) > 0x7f800000u;   // all ones where NaN
+    const u32x16 r = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16 & ~nan) | (nan & 0x7fc0u);
+    const u16x16 h = __builtin_convertvector(r, u16x16);
+    std::memcpy(dst + i, &h, sizeof h);
+  }
+  for (; i < n; ++i) {
     uint32_t u;
     std::memcpy(&u, src + i, 4);
     const uint16_t r = (u & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);

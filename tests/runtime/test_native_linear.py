@@ -161,12 +161,12 @@ def test_training_keeps_autograd():
     assert torch.equal(linear(x, lin.weight, lin.bias), F.linear(x, lin.weight, lin.bias))
 
 
-@pytest.mark.parametrize("n, k", [(32, 7), (96, 256), (288, 64), (544, 101), (4096, 96)])
+@pytest.mark.parametrize("n, k", [(32, 7), (96, 256), (192, 64), (288, 64), (544, 101), (4096, 96)])
 def test_packed_weights_give_the_unpacked_bits(n, k):
     """`metrale_cpu::linear` from `cpu_ops.pack(w)` equals it from w alone bit for bit, with and
     without the dot-product instruction: one panel and a narrower last one, panels' boundaries
-    inside a task's span, odd K, 1 to 33 rows (every row-group and tile width), with and without
-    bias, 3-D input."""
+    inside a task's span, a span starting at a panel's second tile (192 columns), odd K, 1 to 33
+    rows (every row-group and tile width), with and without bias, 3-D input."""
     w = column_major(n, k, torch.bfloat16)
     packed = cpu_ops.pack(w)
     assert packed.shape == (n, (k + 1) // 2, 2) and packed.dtype == torch.bfloat16
