@@ -1037,6 +1037,89 @@ inline void lane_dot8(const float* q, const T* const* keys, int64_t d, float* ou
   }
 }
 
+// Sixteen floats: two query heads' 8-lane vectors side by side (scores), or 16 elements of one
+// head's value sum. Each lane's operations are those of the 8-lane code, so the same bits; a
+// 64-byte vector is one AVX-512 register and two or four narrower ones elsewhere.
+typedef float v16f __attribute__((vector_size(64)));
+
+template <typename T>
+inline v16f load16(const T* p) {
+  v16f v;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, sizeof v);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    typedef uint16_t raw_t __attribute__((vector_size(32)));
+    typedef uint32_t wide_t __attribute__((vector_size(64)));
+    raw_t raw;
+    std::memcpy(&raw, p, sizeof raw);
+    const wide_t wide = __builtin_convertvector(raw, wide_t) << 16;
+    std::memcpy(&v, &wide, sizeof v);
+  } else {
+    float wide[16];
+    for (int i = 0; i < 16; ++i) wide[i] = static_cast<float>(p[i]);
+    std::memcpy(&v, wide, sizeof v);
+  }
+  return v;
+}
+
+// lane_dot8 of two query rows (q0, q1: two heads) against the same 8 keys in one pass: each key's
+// 8 lanes widened once and set beside themselves, so lanes 0-7 of an accumulator sum head q0's
+// products and lanes 8-15 head q1's, in lane_dot8's order; then both 8 x 8 blocks transposed by
+// shuffles and the lane vectors added in lane_dot8's fixed tree. out0 / out1: the 8 scores.
+template <typename T>
+inline void lane_dot8_pair(const float* q0, const float* q1, const T* const* keys, int64_t d, float* out0,
+                           float* out1) {
+  using V = vec_t<float>;
+  constexpr int L = kLanes<float>;
+  static_assert(L == 8, "8 float lanes");
+  v16f acc[8] = {};
+  int64_t x = 0;
+  for (; x + L <= d; x += L) {
+    const V a = load_vec<float, float>(q0 + x), b = load_vec<float, float>(q1 + x);
+    const v16f qv = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      const V kv = load_row<float, T>(keys[k] + x);
+      acc[k] = acc[k] + qv * __builtin_shufflevector(kv, kv, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    }
+  }
+  // 128-bit block b of lo[j] / hi[j]: acc[2j], acc[2j+1] interleaved at lanes 4b, 4b+1 / 4b+2, 4b+3.
+  v16f lo[4], hi[4];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    lo[j] = __builtin_shufflevector(acc[2 * j], acc[2 * j + 1], 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29);
+    hi[j] = __builtin_shufflevector(acc[2 * j], acc[2 * j + 1], 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  }
+  // m[c] / n[c], block b: lane 4b + c of acc[0..3] / acc[4..7].
+  const v16f m[4] = {
+      __builtin_shufflevector(lo[0], lo[1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+      __builtin_shufflevector(lo[0], lo[1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31),
+      __builtin_shufflevector(hi[0], hi[1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+      __builtin_shufflevector(hi[0], hi[1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31)};
+  const v16f n[4] = {
+      __builtin_shufflevector(lo[2], lo[3], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+      __builtin_shufflevector(lo[2], lo[3], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31),
+      __builtin_shufflevector(hi[2], hi[3], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+      __builtin_shufflevector(hi[2], hi[3], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31)};
+  // t[l]: lane l of acc[0..7] (head q0), then lane 8 + l of acc[0..7] (head q1).
+  v16f t[8];
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    t[c] = __builtin_shufflevector(m[c], n[c], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    t[4 + c] = __builtin_shufflevector(m[c], n[c], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  const v16f sum = ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+  std::memcpy(out0, &sum, 8 * sizeof(float));
+  std::memcpy(out1, reinterpret_cast<const float*>(&sum) + 8, 8 * sizeof(float));
+  for (int k = 0; k < 8; ++k) {
+    for (int64_t y = x; y < d; ++y) {
+      const float kv = to_acc<float>(keys[k][y]);
+      out0[k] = out0[k] + q0[y] * kv;
+      out1[k] = out1[k] + q1[y] * kv;
+    }
+  }
+}
+
 // The pointers, sizes and strides of one `paged_rows` call.
 template <typename scalar_t>
 struct PagedRows {
@@ -1057,7 +1140,10 @@ struct PagedRows {
 // element, so no clone rounds differently. 16 sequences of 150 cached tokens, 4 query and 2
 // key/value heads of 64, one layer, two threads: bfloat16 158 -> 98 us, float32 140 -> 87 us
 // (values summed in registers, 32 elements of two heads at a time, instead of through memory; a
-// vector bfloat16 widening).
+// vector bfloat16 widening); 98 -> 72-76 us, float32 79 -> 58 (float accumulation: two query heads'
+// scores a pass over the keys in 16-float vectors, transposed by shuffles, and the value sums 64
+// elements of two heads at a time; the same bits, in the model bf16 / f32 at 16 sequences 1.037x /
+// 1.025x, one process, interleaved).
 template <typename scalar_t>
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void paged_tasks(const PagedRows<scalar_t>& a, int64_t begin, int64_t end) {
@@ -1080,12 +1166,20 @@ void paged_tasks(const PagedRows<scalar_t>& a, int64_t begin, int64_t end) {
       int64_t j = 0;
       if constexpr (std::is_same_v<acc_t, float>) {   // 8 keys at a time (a masked key reads zeros)
         const scalar_t* keys[8];
-        float block[8];
+        float block[16];
         for (; j + 8 <= kk; j += 8) {
           for (int u = 0; u < 8; ++u) {
             keys[u] = vis && !vis[j + u] ? zeros.data() : a.kp + cells[j + u] * a.ks0 + g * a.ks1;
           }
-          for (int64_t hh = 0; hh < group; ++hh) {
+          int64_t hh = 0;
+          for (; hh + 2 <= group; hh += 2) {   // two heads a pass over the keys
+            lane_dot8_pair<scalar_t>(qf.data() + hh * d, qf.data() + (hh + 1) * d, keys, d, block, block + 8);
+            for (int u = 0; u < 8; ++u) {
+              s[hh * kk + j + u] = vis && !vis[j + u] ? kNeg : block[u];
+              s[(hh + 1) * kk + j + u] = vis && !vis[j + u] ? kNeg : block[8 + u];
+            }
+          }
+          for (; hh < group; ++hh) {
             lane_dot8<scalar_t>(qf.data() + hh * d, keys, d, block);
             for (int u = 0; u < 8; ++u) s[hh * kk + j + u] = vis && !vis[j + u] ? kNeg : block[u];
           }
@@ -1123,8 +1217,31 @@ void paged_tasks(const PagedRows<scalar_t>& a, int64_t begin, int64_t end) {
       // The weighted sum of the values, per element acc += p * v over the keys in order: 32
       // elements of two heads at a time in registers (8 vectors), the rest one element at a time.
       constexpr int64_t kSumVecs = 4, kSumWidth = kSumVecs * kLanes<acc_t>;
-      const int64_t wide_end = dv / kSumWidth * kSumWidth;
-      for (int64_t x0 = 0; x0 < wide_end; x0 += kSumWidth) {
+      int64_t wide_end = 0;
+      if constexpr (std::is_same_v<acc_t, float>) {   // 64 elements of two heads at a time (8 x 16 floats)
+        constexpr int64_t kWide = 4 * 16;
+        wide_end = dv / kWide * kWide;
+        for (int64_t x0 = 0; x0 < wide_end; x0 += kWide) {
+          for (int64_t h0 = 0; h0 < group; h0 += 2) {
+            const int64_t heads = std::min<int64_t>(2, group - h0);
+            v16f sum[2][4] = {};
+            for (int64_t j = 0; j < kk; ++j) {
+              if (vis && !vis[j]) continue;
+              const scalar_t* val = a.vp + cells[j] * a.vs0 + g * a.vs1 + x0;
+              v16f v[4];
+#pragma GCC unroll 4
+              for (int u = 0; u < 4; ++u) v[u] = load16<scalar_t>(val + u * 16);
+              for (int64_t h = 0; h < heads; ++h) {
+                const float p = s[(h0 + h) * kk + j];
+#pragma GCC unroll 4
+                for (int u = 0; u < 4; ++u) sum[h][u] = sum[h][u] + p * v[u];
+              }
+            }
+            for (int64_t h = 0; h < heads; ++h) std::memcpy(acc.data() + (h0 + h) * dv + x0, sum[h], sizeof sum[h]);
+          }
+        }
+      }
+      for (int64_t x0 = wide_end; x0 + kSumWidth <= dv; x0 += kSumWidth) {
         for (int64_t h0 = 0; h0 < group; h0 += 2) {
           const int64_t heads = std::min<int64_t>(2, group - h0);
           vec_t<acc_t> sum[2][kSumVecs] = {};
@@ -1143,6 +1260,7 @@ void paged_tasks(const PagedRows<scalar_t>& a, int64_t begin, int64_t end) {
           for (int64_t h = 0; h < heads; ++h) std::memcpy(acc.data() + (h0 + h) * dv + x0, sum[h], sizeof sum[h]);
         }
       }
+      wide_end = dv / kSumWidth * kSumWidth;
       for (int64_t j = 0; wide_end < dv && j < kk; ++j) {
         if (vis && !vis[j]) continue;
         const scalar_t* val = a.vp + cells[j] * a.vs0 + g * a.vs1;

@@ -24,7 +24,9 @@ def test_warm_up_freezes_the_heap_and_shutdown_thaws_it():
         # The model's modules and the engine are among the frozen objects.
         assert frozen > 10_000
         llm.generate([[9, 9, 9, 100]], SamplingParams(max_tokens=2, ignore_eos=True))
-        assert gc.get_freeze_count() == frozen     # a warm deployment does not freeze again
+        # A warm deployment does not freeze again: the count does not grow (it may fall, by frozen
+        # objects that their last reference let go of since, e.g. an earlier test's in this worker).
+        assert gc.get_freeze_count() <= frozen
     finally:
         llm.shutdown()
     assert gc.get_freeze_count() == 0

@@ -120,3 +120,36 @@ def test_the_planned_op_is_the_attend_method_with_its_plan_set_once(step, latent
         assert torch.equal(got, want) and torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
     with pytest.raises(RuntimeError, match="no attention plan"):
         NativeContextAttention().attend(1, q, k, v, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("d, dv", [(64, 64), (36, 96), (20, 24)])
+def test_two_query_heads_a_pass_give_each_head_its_own_bits(dtype, d, dv):
+    """In-place attention scores a kv head's query heads two at a time (one pass over the keys)
+    and sums their values two at a time: each head's output is the bits of that head attending
+    alone (the same keys and values as a kv head of its own). Lengths with and without a tail of
+    8 keys, heads of 64 and with a lane tail, masked keys, 1 and 4 rows a sequence."""
+    assert cpu_ops.load(), cpu_ops.error()
+    g = torch.Generator().manual_seed(d + dv)
+    b, n, nh = 3, 1024, 4
+    for length in (7, 8, 45):
+        for rows in (1, 4):
+            keys = torch.randn(n, 1, d, generator=g).to(dtype)
+            values = torch.randn(n, 1, dv, generator=g).to(dtype)
+            gather = torch.randperm(n, generator=g)[:b * length].view(b, length)
+            t = b * rows
+            q = torch.randn(t, nh, d, generator=g).to(dtype)
+            k, v = torch.randn(t, 1, d, generator=g).to(dtype), torch.randn(t, 1, dv, generator=g).to(dtype)
+            cells = gather[:, -1].repeat_interleave(rows)[:t] if rows == 1 else torch.randperm(n, generator=g)[:t]
+            q_index, valid = torch.arange(t).view(b, rows), torch.ones(b, rows, dtype=torch.bool)
+            mask = torch.rand(b, 1, rows, length, generator=g) < 0.8
+            mask[..., 0] = True
+
+            def attend(qs, kp, vp, ks, vs):
+                return torch.ops.metrale_cpu.paged_attention(qs, ks, vs, kp, vp, True, cells, gather, q_index, valid,
+                                                             mask, "padded", 0.125)
+
+            shared = attend(q, keys.clone(), values.clone(), k, v)   # one kv head for the 4 query heads
+            own = attend(q, keys.expand(n, nh, d).clone(), values.expand(n, nh, dv).clone(),
+                         k.expand(t, nh, d), v.expand(t, nh, dv))   # a kv head of its own each
+            assert torch.equal(shared, own), (length, rows)
