@@ -161,16 +161,19 @@ def takes_all_rows(dtype: torch.dtype, weight: torch.Tensor) -> bool:
 
 def packs(weight: torch.Tensor) -> bool:
     """Whether `pack_for_inference` keeps a packed copy of `weight` (`pack`): a CPU bfloat16
-    [N, K] or [E, N, K] matrix with N a multiple of 32, the library loaded."""
-    return (bool(LOADED) and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and weight.dim() in (2, 3) and weight.shape[-2] % 32 == 0 and weight.shape[-1] > 0)
+    [N, K] or [E, N, K] matrix with N a multiple of 32, or a float32 one with N a multiple of 16,
+    the library loaded."""
+    multiple = {torch.bfloat16: 32, torch.float32: 16}.get(weight.dtype)
+    return (bool(LOADED) and weight.device.type == "cpu" and multiple is not None
+            and weight.dim() in (2, 3) and weight.shape[-2] % multiple == 0 and weight.shape[-1] > 0)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """`weight`'s packed form for `metrale_cpu::linear` and the routed experts' few-row
-    GEMMs (`metrale_cpu::pack_bf16`: 256-column panels of interleaved pairs down the depth, one
-    stream a task; the same bits as the unpacked weight). A copy: the weight must not change after."""
-    return torch.ops.metrale_cpu.pack_bf16(weight.detach())
+    GEMMs (`metrale_cpu::pack`; the same bits as the unpacked weight): bfloat16 in 64-column
+    panels of interleaved pairs down the depth, float32 in 16-column panels down the depth, each
+    panel one stream. A copy: the weight must not change after."""
+    return torch.ops.metrale_cpu.pack(weight.detach())
 
 
 def _register_fakes() -> None:

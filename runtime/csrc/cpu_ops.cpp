@@ -19,6 +19,7 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -541,14 +542,136 @@ void packed_gemm_span(const c10::BFloat16* x, int64_t m_rows, int64_t kdim, cons
   }
 }
 
+// ---- Packed float32 weights: one stream per 16 columns ----
+// A float32 weight w [N, K] (N a multiple of 16) packed for the few-row kernel: a [N, K] tensor
+// whose storage holds panels of kColumns (16) columns one after another, a panel its K rows of 16
+// floats, so a tile reads one contiguous stream down the depth (its 16 KB at K = 256 stay in L1
+// while every group of rows passes over it) and several tiles side by side are several streams.
+// The unpacked column-major weight's tile reads 64 bytes a row N x 4 bytes apart. Same sums in
+// the same order (each column: its products added in k order from zero), so the same bits
+// (tests/runtime/test_native_linear.py).
+
+// MR rows of x against T panels side by side (T streams): MR x T accumulators of 16 floats.
+template <int MR, int T>
+__attribute__((target("avx512f")))
+void packed_f32_native(const float* x, int64_t ldx, const float* wp, int64_t ps, float* y, int64_t ldy,
+                       int64_t kdim) {
+  __m512 acc[MR][T];
+  for (int m = 0; m < MR; ++m) {
+    for (int t = 0; t < T; ++t) acc[m][t] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < kdim; ++k) {
+    __m512 w[T];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) w[t] = _mm512_loadu_ps(wp + t * ps + k * kColumns);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) acc[m][t] = _mm512_add_ps(acc[m][t], _mm512_mul_ps(xv, w[t]));
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + m * ldy + t * kColumns, acc[m][t]);
+  }
+}
+
+// mr (1-8) rows against `tiles` (1, 2, 4 or 8; mr x tiles <= 16) panels; without AVX-512, the
+// float tile (tile16: the same bits) on each panel, its rows kColumns floats apart.
+void packed_f32_tile(int64_t mr, int64_t tiles, const float* x, int64_t ldx, const float* wp, int64_t ps, float* y,
+                     int64_t ldy, int64_t kdim) {
+  if (!g_avx512) {
+    for (int64_t t = 0; t < tiles; ++t) {
+      for (int64_t m0 = 0; m0 < mr; m0 += kRows) {
+        tile<float, float>(std::min(kRows, mr - m0), x + m0 * ldx, ldx, wp + t * ps, kColumns,
+                           y + m0 * ldy + t * kColumns, ldy, kdim, false);
+      }
+    }
+    return;
+  }
+  switch (mr * 16 + tiles) {
+    case 16 + 1: packed_f32_native<1, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 16 + 2: packed_f32_native<1, 2>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 16 + 4: packed_f32_native<1, 4>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 16 + 8: packed_f32_native<1, 8>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 32 + 1: packed_f32_native<2, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 32 + 2: packed_f32_native<2, 2>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 32 + 4: packed_f32_native<2, 4>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 48 + 1: packed_f32_native<3, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 48 + 2: packed_f32_native<3, 2>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 48 + 4: packed_f32_native<3, 4>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 64 + 1: packed_f32_native<4, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 64 + 2: packed_f32_native<4, 2>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 64 + 4: packed_f32_native<4, 4>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 80 + 1: packed_f32_native<5, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 80 + 2: packed_f32_native<5, 2>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 96 + 1: packed_f32_native<6, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 96 + 2: packed_f32_native<6, 2>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 112 + 1: packed_f32_native<7, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 112 + 2: packed_f32_native<7, 2>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 128 + 1: packed_f32_native<8, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
+    case 128 + 2: packed_f32_native<8, 2>(x, ldx, wp, ps, y, ldy, kdim); break;
+    default: TORCH_CHECK(false, "packed_f32_tile: ", mr, " rows x ", tiles, " tiles");
+  }
+}
+
+// Span `span` (span_tiles tiles of 16 columns) of y[M, N] = x[M, K] . w^T from the packed float32
+// w: one row 8 panels side by side, two 4, 3-4 rows 2, more one panel for every 8 rows (as the
+// unpacked AVX-512 tile; 4 rows x 4 panels and 8 x 2 were slower: 512 x 256 at 4 rows 18.5
+// against 14.6 us unpacked, at 16 rows 32.5 against 26.4). Two threads, hot, us, unpacked /
+// packed: 512 x 256 1 row 10.1 / 7.2, 4 rows 14.9 / 11.4, 16 rows 26.0 / 25.4; 1536 x 256 1 row
+// 22.5 / 14.6, 4 rows 35.2 / 26.8; 256 x 768 4 rows 42.4 / 18.1. In the model (float32, one
+// process, two engines interleaved, same tokens): one sequence 1.68x, 3 drafts 1.53x, 16
+// sequences 1.31x.
+void packed_f32_span(const float* x, int64_t m_rows, int64_t kdim, const float* packed, int64_t n_cols, float* y,
+                     int64_t ldy, int64_t span, int64_t span_tiles) {
+  const int64_t t0 = span * span_tiles, t1 = std::min(n_cols / kColumns, t0 + span_tiles);
+  const int64_t side = m_rows == 1 ? 8 : m_rows == 2 ? 4 : m_rows <= 4 ? 2 : 1, group = m_rows <= 4 ? m_rows : 8;
+  const int64_t ps = kColumns * kdim;   // floats of one panel
+  for (int64_t t = t0; t < t1;) {
+    const int64_t left = t1 - t;
+    const int64_t tiles = left >= side ? side : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    for (int64_t m0 = 0; m0 < m_rows; m0 += group) {
+      packed_f32_tile(std::min(group, m_rows - m0), tiles, x + m0 * kdim, kdim, packed + t * ps, ps,
+                      y + m0 * ldy + t * kColumns, ldy, kdim);
+    }
+    t += tiles;
+  }
+}
+
+// w [N, K] or [E, N, K] float32 (any strides), N a multiple of 16 -> its packed form, the same
+// shape (each matrix packed on its own, one after another).
+at::Tensor pack_f32(const at::Tensor& w) {
+  const at::Tensor w3 = w.dim() == 2 ? w.unsqueeze(0) : w;
+  const int64_t e_count = w3.size(0), n_cols = w3.size(1), kdim = w3.size(2);
+  TORCH_CHECK(n_cols % kColumns == 0 && kdim > 0, "pack: a float32 weight's N must be a multiple of ", kColumns,
+              " and K positive, got ", w.sizes());
+  at::Tensor out = at::empty({e_count, n_cols, kdim}, w.options());
+  const auto src = w3.accessor<float, 3>();
+  float* dst = out.mutable_data_ptr<float>();
+  at::parallel_for(0, e_count * n_cols, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = i / n_cols, n = i % n_cols;
+      float* base = dst + e * n_cols * kdim + (n / kColumns) * kColumns * kdim + n % kColumns;
+      for (int64_t k = 0; k < kdim; ++k) base[k * kColumns] = src[e][n][k];
+    }
+  });
+  return w.dim() == 2 ? out.squeeze(0) : out;
+}
+
 // w [N, K] or [E, N, K] bfloat16 (any strides), N a multiple of 32 -> its packed form, [N,
-// ceil(K/2), 2] or [E, N, ceil(K/2), 2] (each matrix packed on its own, one after another).
-at::Tensor pack_bf16(const at::Tensor& w) {
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.device().is_cpu() && (w.dim() == 2 || w.dim() == 3),
-              "pack_bf16: a CPU bfloat16 [N, K] or [E, N, K] weight expected, got ", w.scalar_type(), " ", w.sizes());
+// ceil(K/2), 2] or [E, N, ceil(K/2), 2] (each matrix packed on its own, one after another);
+// float32 (N a multiple of 16): pack_f32.
+at::Tensor pack_weight(const at::Tensor& w) {
+  TORCH_CHECK((w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat) && w.device().is_cpu() &&
+              (w.dim() == 2 || w.dim() == 3),
+              "pack: a CPU bfloat16 or float32 [N, K] or [E, N, K] weight expected, got ", w.scalar_type(), " ", w.sizes());
+  if (w.scalar_type() == at::kFloat) {
+    return pack_f32(w);
+  }
   const at::Tensor w3 = w.dim() == 2 ? w.unsqueeze(0) : w;
   const int64_t e_count = w3.size(0), n_cols = w3.size(1), kdim = w3.size(2), pairs = (kdim + 1) / 2;
-  TORCH_CHECK(n_cols % kPairColumns == 0 && kdim > 0, "pack_bf16: N must be a multiple of ", kPairColumns,
+  TORCH_CHECK(n_cols % kPairColumns == 0 && kdim > 0, "pack: a bfloat16 weight's N must be a multiple of ", kPairColumns,
               " and K positive, got ", w.sizes());
   at::Tensor out = at::zeros({e_count, n_cols, pairs, 2}, w.options());
   const auto src = w3.accessor<c10::BFloat16, 3>();
@@ -564,9 +687,15 @@ at::Tensor pack_bf16(const at::Tensor& w) {
 }
 
 void check_packed(const at::Tensor& packed, int64_t dims, int64_t kdim, const char* what) {
+  if (packed.scalar_type() == at::kFloat) {
+    TORCH_CHECK(packed.dim() == dims - 1 && packed.size(-1) == kdim && packed.size(-2) % kColumns == 0 &&
+                packed.is_contiguous(), what, ": a packed float32 weight (pack) for K = ", kdim, " expected, got ",
+                packed.sizes());
+    return;
+  }
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == dims && packed.size(-1) == 2 &&
               packed.size(-2) == (kdim + 1) / 2 && packed.size(-3) % kPairColumns == 0 && packed.is_contiguous(),
-              what, ": a packed bfloat16 weight (pack_bf16) for K = ", kdim, " expected, got ", packed.scalar_type(),
+              what, ": a packed bfloat16 weight (pack) for K = ", kdim, " expected, got ", packed.scalar_type(),
               " ", packed.sizes());
 }
 
@@ -660,7 +789,7 @@ at::Tensor bf16_linear(const at::Tensor& x, int64_t rows, int64_t kdim, int64_t 
 
 // x [..., K] . w^T (+ bias) through the few-row kernel when x has at most `max_rows` rows, its
 // type is float32 or bfloat16 and w is column-major; at::linear otherwise. `packed` (bfloat16:
-// pack_bf16 of w, or none) is read instead of w by that kernel, the same bits: the choice stays
+// pack_weight of w, or none) is read instead of w by that kernel, the same bits: the choice stays
 // in here, so a compiled step's graph holds for every row count (no guard on the rows). With bfloat16 weights
 // each task rounds its own columns' float sums to the bfloat16 output (bias added first, in float).
 // Measured and not kept: GEMMs of up to 256 KB of bfloat16 weights on the calling thread alone
@@ -676,7 +805,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   const bool from_packed = packed.has_value() && packed->defined();
   if (from_packed) {
     check_packed(*packed, 3, kdim, "metrale_cpu::linear");
-    TORCH_CHECK(packed->size(0) == n_cols, "linear: packed weight of ", packed->size(0), " columns for w ", w.sizes());
+    TORCH_CHECK(packed->size(0) == n_cols && packed->scalar_type() == w.scalar_type(), "linear: packed weight ",
+                packed->scalar_type(), " ", packed->sizes(), " for w ", w.scalar_type(), " ", w.sizes());
   }
   if (!few_row_kernel(x, w, rows, max_rows) || rows == 0 || kdim == 0) {
     return at::linear(x, w, bias);
@@ -701,6 +831,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   at::Tensor yf = at::empty({rows, n_cols}, x.options().dtype(acc_type));
   const at::Tensor xf = x.reshape({rows, kdim}).to(acc_type).contiguous();
   const int64_t tiles = span_tiles(n_cols, 1);
+  if (w.scalar_type() == at::kFloat && from_packed && packed->scalar_type() == at::kFloat) {   // the same sums
+    const float* pp = packed->const_data_ptr<float>();
+    const float* xp = xf.const_data_ptr<float>();
+    float* yp = yf.mutable_data_ptr<float>();
+    at::parallel_for(0, column_spans(n_cols, tiles), 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) packed_f32_span(xp, rows, kdim, pp, n_cols, yp, n_cols, b, tiles);
+    });
+    if (has_bias) {
+      yf.add_(*bias);
+    }
+    return yf.view(shape);
+  }
   const auto run = [&](const auto* xp, auto* yp, const auto* wp) {
     at::parallel_for(0, column_spans(n_cols, tiles), 1, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) gemm_span(xp, rows, kdim, wp, ldw, n_cols, yp, n_cols, b, tiles);
@@ -769,16 +911,47 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
   });
 }
 
+// Tasks [0, n) of estimated costs `cost` shared among the pool's threads, each (the costliest
+// first, ties by index) given to the thread with the least work so far: the tasks of each thread,
+// in index order. With experts of unequal row counts, or sequences of unequal lengths, a
+// contiguous split of the tasks leaves one thread waiting for the other. Which thread runs a task
+// does not change what it computes.
+std::vector<std::vector<int64_t>> balanced_tasks(const std::vector<int64_t>& cost) {
+  const int64_t n = static_cast<int64_t>(cost.size());
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  std::vector<int64_t> order(n), load(threads, 0), owner(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  for (int64_t i : order) {
+    const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+    owner[i] = t;
+    load[t] += cost[i];
+  }
+  std::vector<std::vector<int64_t>> lists(threads);
+  for (int64_t i = 0; i < n; ++i) lists[owner[i]].push_back(i);
+  return lists;
+}
+
+template <typename F>
+void run_balanced(const std::vector<int64_t>& cost, F&& task) {
+  const auto lists = balanced_tasks(cost);
+  at::parallel_for(0, static_cast<int64_t>(lists.size()), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t i : lists[t]) task(i);
+    }
+  });
+}
+
 // The routed experts through the few-row kernel, every touched expert's column blocks of one
 // projection spread over the threads together: xs [L, H] rows in expert-major order (float; the
 // weights' type for bfloat16, whose GEMMs run on pair sums), expert e's rows at first[e] for
 // counts[e]. silu(gate) * up in float, rounded to bfloat16 before the down projection only when the
-// weights are bfloat16 -> ys [L, H] float. `gate_up_packed` / `down_packed` (bfloat16 only; nullptr:
-// none): the same matrices packed (pack_bf16), read instead of gate_up / down, the same bits.
+// weights are bfloat16 -> ys [L, H] float. `gate_up_packed` / `down_packed` (nullptr: none): the
+// same matrices packed (pack_weight), read instead of gate_up / down, the same bits.
 template <typename W>
 at::Tensor few_row_experts(const at::Tensor& xs, const at::Tensor& gate_up, const at::Tensor& down,
                            const std::vector<int64_t>& first, const std::vector<int64_t>& counts,
-                           const c10::BFloat16* gate_up_packed = nullptr, const c10::BFloat16* down_packed = nullptr) {
+                           const W* gate_up_packed = nullptr, const W* down_packed = nullptr) {
   constexpr bool pairs = std::is_same_v<W, c10::BFloat16>;
   using X = std::conditional_t<pairs, c10::BFloat16, float>;   // the GEMMs' row type
   const int64_t rows = xs.size(0), h = xs.size(1), two_i = gate_up.size(1), inter = two_i / 2;
@@ -798,46 +971,62 @@ at::Tensor few_row_experts(const at::Tensor& xs, const at::Tensor& gate_up, cons
   const W* gw = gate_up.const_data_ptr<W>();
   const W* dw = down.const_data_ptr<W>();
   const int64_t gs = gate_up.stride(0), ds = down.stride(0);
+  // From packed matrices, each expert's columns in at least two spans (more where there are fewer
+  // experts than threads), so the balanced tasks below can split every expert's work between
+  // threads: a span of panels is still whole streams. Unpacked column-major ones keep spans of
+  // whole rows where they can (from DRAM, float32 at 16 sequences: half rows a task 0.91x).
   const int64_t columns = pairs ? kPairColumns : kColumns, most = pairs ? kPairSpan : kSpan;
-  const int64_t gt = span_tiles(two_i, nt, columns, most), dt = span_tiles(h, nt, columns, most);
+  const int64_t want = std::max<int64_t>(2, (at::get_num_threads() + nt - 1) / std::max<int64_t>(nt, 1));
+  const auto tiles_of = [&](int64_t n_cols) {
+    return gate_up_packed != nullptr ? std::clamp<int64_t>((n_cols + columns - 1) / columns / want, 1, most)
+                                     : span_tiles(n_cols, nt, columns, most);
+  };
+  const int64_t gt = tiles_of(two_i), dt = tiles_of(h);
   const int64_t gb = column_spans(two_i, gt, columns), db = column_spans(h, dt, columns);
+  const auto costs = [&](int64_t spans, int64_t tiles) {   // rows (+1: the weights' stream) x columns
+    std::vector<int64_t> c(nt * spans);
+    for (int64_t i = 0; i < nt * spans; ++i) c[i] = (counts[touched[i / spans]] + 1) * tiles;
+    return c;
+  };
   const auto span_gemm = [&](const X* x, int64_t m, int64_t kdim, const W* w, int64_t n, float* y, int64_t span,
-                             int64_t tiles, const c10::BFloat16* packed) {
+                             int64_t tiles, const W* packed) {
     if constexpr (pairs) {
       if (packed != nullptr) {
         packed_gemm_span(x, m, kdim, packed, n, y, n, span, tiles);
       } else {
         pair_gemm_span(x, m, kdim, w, n, n, y, n, span, tiles);
       }
+    } else if (packed != nullptr) {
+      packed_f32_span(x, m, kdim, packed, n, y, n, span, tiles);
     } else {
       gemm_span(x, m, kdim, w, n, n, y, n, span, tiles);
     }
   };
+  // Elements of one expert's packed matrix of `n` x `kdim`.
+  const auto packed_size = [&](int64_t n, int64_t kdim) { return pairs ? n * ((kdim + 1) / 2) * 2 : n * kdim; };
   // Always on the pool: each expert's GEMMs on a thread of their own beat one thread (2 experts of
   // 256 x 512 and 256 x 256 at one row, 17.1 against 21.6 us).
-  at::parallel_for(0, nt * gb, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t i = b0; i < b1; ++i) {
-      const int64_t e = touched[i / gb];
-      span_gemm(xp + first[e] * h, counts[e], h, gw + e * gs, two_i, gp + first[e] * two_i, i % gb, gt,
-                gate_up_packed == nullptr ? nullptr : gate_up_packed + e * two_i * ((h + 1) / 2) * 2);
+  run_balanced(costs(gb, gt), [&](int64_t i) {
+    const int64_t e = touched[i / gb];
+    span_gemm(xp + first[e] * h, counts[e], h, gw + e * gs, two_i, gp + first[e] * two_i, i % gb, gt,
+              gate_up_packed == nullptr ? nullptr : gate_up_packed + e * packed_size(two_i, h));
+  });
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(pairs ? inter : 0);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = gp + r * two_i;
+      if constexpr (pairs) {   // rounded as static_cast<c10::BFloat16> rounds
+        silu_mul(g, g + inter, row.data(), inter);
+        round_to_bf16(row.data(), ap + r * inter, inter);
+      } else {
+        silu_mul(g, g + inter, ap + r * inter, inter);
+      }
     }
   });
-  std::vector<float> row(pairs ? inter : 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* g = gp + r * two_i;
-    if constexpr (pairs) {
-      silu_mul(g, g + inter, row.data(), inter);
-      for (int64_t j = 0; j < inter; ++j) ap[r * inter + j] = static_cast<X>(row[j]);
-    } else {
-      silu_mul(g, g + inter, ap + r * inter, inter);
-    }
-  }
-  at::parallel_for(0, nt * db, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t i = b0; i < b1; ++i) {
-      const int64_t e = touched[i / db];
-      span_gemm(ap + first[e] * inter, counts[e], inter, dw + e * ds, h, yp + first[e] * h, i % db, dt,
-                down_packed == nullptr ? nullptr : down_packed + e * h * ((inter + 1) / 2) * 2);
-    }
+  run_balanced(costs(db, dt), [&](int64_t i) {
+    const int64_t e = touched[i / db];
+    span_gemm(ap + first[e] * inter, counts[e], inter, dw + e * ds, h, yp + first[e] * h, i % db, dt,
+              down_packed == nullptr ? nullptr : down_packed + e * packed_size(h, inter));
   });
   return ys;
 }
@@ -898,20 +1087,26 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const 
     const at::Tensor xs = (x.scalar_type() == at::kBFloat16 ? picked : picked.to(at::kFloat)).contiguous();
     const std::vector<int64_t> expert_counts(counts.begin(), counts.end() - 1);
     at::Tensor ys;
+    const bool packed = gate_up_packed.has_value() && gate_up_packed->defined();
+    TORCH_CHECK(packed == (down_packed.has_value() && down_packed->defined()),
+                "routed_experts: both packed weights or neither");
+    if (packed) {
+      check_packed(*gate_up_packed, 4, h, "routed_experts: gate_up_packed");
+      check_packed(*down_packed, 4, gate_up.size(1) / 2, "routed_experts: down_packed");
+      TORCH_CHECK(gate_up_packed->scalar_type() == x.scalar_type() && down_packed->scalar_type() == x.scalar_type() &&
+                  gate_up_packed->size(0) == e_local && gate_up_packed->size(1) == gate_up.size(1) &&
+                  down_packed->size(0) == e_local && down_packed->size(1) == h,
+                  "routed_experts: packed weights ", gate_up_packed->scalar_type(), " ", gate_up_packed->sizes(),
+                  " and ", down_packed->sizes(), " do not match gate_up ", gate_up.scalar_type(), " ",
+                  gate_up.sizes(), " and down ", down.sizes());
+    }
     AT_DISPATCH_SWITCH(x.scalar_type(), "metrale_cpu::routed_experts",
-      AT_DISPATCH_CASE(at::kFloat, [&] { ys = few_row_experts<float>(xs, gate_up, down, first, expert_counts); })
+      AT_DISPATCH_CASE(at::kFloat, [&] {
+        ys = few_row_experts<float>(xs, gate_up, down, first, expert_counts,
+                                    packed ? gate_up_packed->const_data_ptr<float>() : nullptr,
+                                    packed ? down_packed->const_data_ptr<float>() : nullptr);
+      })
       AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        const bool packed = gate_up_packed.has_value() && gate_up_packed->defined();
-        TORCH_CHECK(packed == (down_packed.has_value() && down_packed->defined()),
-                    "routed_experts: both packed weights or neither");
-        if (packed) {
-          check_packed(*gate_up_packed, 4, h, "routed_experts: gate_up_packed");
-          check_packed(*down_packed, 4, gate_up.size(1) / 2, "routed_experts: down_packed");
-          TORCH_CHECK(gate_up_packed->size(0) == e_local && gate_up_packed->size(1) == gate_up.size(1) &&
-                      down_packed->size(0) == e_local && down_packed->size(1) == h,
-                      "routed_experts: packed weights ", gate_up_packed->sizes(), " and ", down_packed->sizes(),
-                      " do not match gate_up ", gate_up.sizes(), " and down ", down.sizes());
-        }
         ys = few_row_experts<c10::BFloat16>(xs, gate_up, down, first, expert_counts,
                                             packed ? gate_up_packed->const_data_ptr<c10::BFloat16>() : nullptr,
                                             packed ? down_packed->const_data_ptr<c10::BFloat16>() : nullptr);
@@ -1128,12 +1323,13 @@ struct PagedRows {
   scalar_t* op;
   const int64_t *gp, *rp;
   const bool* mp;
+  const int64_t* ends;   // [B, Q]: 1 + the last key each (sequence, query) sees
   int64_t kk, nq, nkv, d, dv, group;
   int64_t qs0, qs1, ks0, ks1, vs0, vs1, os0, os1;
   acc_t sc;
 };
 
-// Tasks [begin, end) of `paged_rows` (task i: sequence i / nkv, kv head i % nkv), in a function
+// Tasks `tasks` of `paged_rows` (task i: sequence i / nkv, kv head i % nkv), in a function
 // of its own so that it has AVX-512, AVX2 and default clones (the lambda of at::parallel_for has
 // none: the library is built without -march; AVX-512's clone keeps the 32-byte vectors, with 32
 // registers). The scores are `lane_dot`s; the softmax and the weighted sum of the values are per
@@ -1146,19 +1342,22 @@ struct PagedRows {
 // 1.025x, one process, interleaved).
 template <typename scalar_t>
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void paged_tasks(const PagedRows<scalar_t>& a, int64_t begin, int64_t end) {
+void paged_tasks(const PagedRows<scalar_t>& a, const int64_t* tasks, int64_t n_tasks) {
   using acc_t = typename PagedRows<scalar_t>::acc_t;
   constexpr acc_t kNeg = -std::numeric_limits<acc_t>::infinity();
   const int64_t kk = a.kk, group = a.group, d = a.d, dv = a.dv;
   std::vector<acc_t> s(group * kk), qf(group * d), acc(group * dv), inv(group);
   const std::vector<scalar_t> zeros(d, scalar_t(0));
-  for (int64_t i = begin; i < end; ++i) {
-    const int64_t bi = i / a.nkv, g = i % a.nkv;
+  for (int64_t t = 0; t < n_tasks; ++t) {
+    const int64_t i = tasks[t], bi = i / a.nkv, g = i % a.nkv;
     const int64_t* cells = a.gp + bi * kk;
     for (int64_t r = 0; r < a.nq; ++r) {
       const int64_t row = a.rp[bi * a.nq + r];
       if (row < 0) continue;
       const bool* vis = a.mp ? a.mp + (bi * a.nq + r) * kk : nullptr;
+      // Keys past the row's last visible one (a shorter sequence's padding in a batch) are left out:
+      // they would add 0 to the softmax's sum and nothing to the values' sum, so the same bits.
+      const int64_t kend = a.ends[bi * a.nq + r];
       for (int64_t hh = 0; hh < group; ++hh) {
         const scalar_t* qrow = a.qp + row * a.qs0 + (g * group + hh) * a.qs1;
         for (int64_t x = 0; x < d; ++x) qf[hh * d + x] = to_acc<acc_t>(qrow[x]) * a.sc;
@@ -1167,7 +1366,7 @@ void paged_tasks(const PagedRows<scalar_t>& a, int64_t begin, int64_t end) {
       if constexpr (std::is_same_v<acc_t, float>) {   // 8 keys at a time (a masked key reads zeros)
         const scalar_t* keys[8];
         float block[16];
-        for (; j + 8 <= kk; j += 8) {
+        for (; j + 8 <= kend; j += 8) {
           for (int u = 0; u < 8; ++u) {
             keys[u] = vis && !vis[j + u] ? zeros.data() : a.kp + cells[j + u] * a.ks0 + g * a.ks1;
           }
@@ -1185,7 +1384,7 @@ void paged_tasks(const PagedRows<scalar_t>& a, int64_t begin, int64_t end) {
           }
         }
       }
-      for (; j < kk; ++j) {
+      for (; j < kend; ++j) {
         if (vis && !vis[j]) {
           for (int64_t hh = 0; hh < group; ++hh) s[hh * kk + j] = kNeg;
           continue;
@@ -1197,16 +1396,16 @@ void paged_tasks(const PagedRows<scalar_t>& a, int64_t begin, int64_t end) {
       for (int64_t hh = 0; hh < group; ++hh) {
         acc_t* sh = s.data() + hh * kk;
         acc_t m = kNeg;
-        for (int64_t j = 0; j < kk; ++j) m = std::max(m, sh[j]);
+        for (int64_t j = 0; j < kend; ++j) m = std::max(m, sh[j]);
         acc_t sum = 0;
         if constexpr (std::is_same_v<acc_t, float>) {   // exp eight scores at a time
-          map_lanes(kk, [&](int64_t j, int64_t count) {
+          map_lanes(kend, [&](int64_t j, int64_t count) {
             const vec_t<float> x = load_lanes(sh + j, count);
             store_lanes(sh + j, x == kNeg ? vec_t<float>{} : exp_lanes(x - m), count);
           });
-          for (int64_t j = 0; j < kk; ++j) sum += sh[j];
+          for (int64_t j = 0; j < kend; ++j) sum += sh[j];
         } else {
-          for (int64_t j = 0; j < kk; ++j) {
+          for (int64_t j = 0; j < kend; ++j) {
             const acc_t p = sh[j] == kNeg ? acc_t(0) : std::exp(sh[j] - m);
             sh[j] = p;
             sum += p;
@@ -1225,7 +1424,7 @@ void paged_tasks(const PagedRows<scalar_t>& a, int64_t begin, int64_t end) {
           for (int64_t h0 = 0; h0 < group; h0 += 2) {
             const int64_t heads = std::min<int64_t>(2, group - h0);
             v16f sum[2][4] = {};
-            for (int64_t j = 0; j < kk; ++j) {
+            for (int64_t j = 0; j < kend; ++j) {
               if (vis && !vis[j]) continue;
               const scalar_t* val = a.vp + cells[j] * a.vs0 + g * a.vs1 + x0;
               v16f v[4];
@@ -1245,7 +1444,7 @@ void paged_tasks(const PagedRows<scalar_t>& a, int64_t begin, int64_t end) {
         for (int64_t h0 = 0; h0 < group; h0 += 2) {
           const int64_t heads = std::min<int64_t>(2, group - h0);
           vec_t<acc_t> sum[2][kSumVecs] = {};
-          for (int64_t j = 0; j < kk; ++j) {
+          for (int64_t j = 0; j < kend; ++j) {
             if (vis && !vis[j]) continue;
             const scalar_t* val = a.vp + cells[j] * a.vs0 + g * a.vs1 + x0;
             vec_t<acc_t> v[kSumVecs];
@@ -1261,7 +1460,7 @@ void paged_tasks(const PagedRows<scalar_t>& a, int64_t begin, int64_t end) {
         }
       }
       wide_end = dv / kSumWidth * kSumWidth;
-      for (int64_t j = 0; wide_end < dv && j < kk; ++j) {
+      for (int64_t j = 0; wide_end < dv && j < kend; ++j) {
         if (vis && !vis[j]) continue;
         const scalar_t* val = a.vp + cells[j] * a.vs0 + g * a.vs1;
         for (int64_t hh = 0; hh < group; ++hh) {
@@ -1288,16 +1487,30 @@ void paged_tasks(const PagedRows<scalar_t>& a, int64_t begin, int64_t end) {
 template <typename scalar_t>
 void paged_rows(const at::Tensor& q, const at::Tensor& k_plane, const at::Tensor& v_plane, const at::Tensor& gather,
                 const at::Tensor& rows, const at::Tensor& mask, double scale, at::Tensor& out) {
-  const int64_t nh = q.size(1), nkv = k_plane.size(1);
+  const int64_t nh = q.size(1), nkv = k_plane.size(1), b = gather.size(0), nq = rows.size(1), kk = gather.size(1);
+  const bool* mp = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
+  const int64_t* rp = rows.const_data_ptr<int64_t>();
+  // Each row's keys end after its last visible one; a task (sequence, kv head) costs its rows' keys.
+  std::vector<int64_t> ends(b * nq, kk), cost(b * nkv, 0);
+  for (int64_t i = 0; i < b * nq; ++i) {
+    if (mp != nullptr) {
+      while (ends[i] > 0 && !mp[i * kk + ends[i] - 1]) --ends[i];
+    }
+    if (rp[i] >= 0) {
+      for (int64_t g = 0; g < nkv; ++g) cost[(i / nq) * nkv + g] += ends[i] + 8;
+    }
+  }
   const PagedRows<scalar_t> a{q.const_data_ptr<scalar_t>(), k_plane.const_data_ptr<scalar_t>(),
                               v_plane.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
-                              gather.const_data_ptr<int64_t>(), rows.const_data_ptr<int64_t>(),
-                              mask.defined() ? mask.const_data_ptr<bool>() : nullptr,
-                              gather.size(1), rows.size(1), nkv, q.size(2), v_plane.size(2), nh / nkv,
+                              gather.const_data_ptr<int64_t>(), rp, mp, ends.data(),
+                              kk, nq, nkv, q.size(2), v_plane.size(2), nh / nkv,
                               q.stride(0), q.stride(1), k_plane.stride(0), k_plane.stride(1),
                               v_plane.stride(0), v_plane.stride(1), out.stride(0), out.stride(1),
                               static_cast<typename PagedRows<scalar_t>::acc_t>(scale)};
-  at::parallel_for(0, gather.size(0) * nkv, 1, [&](int64_t begin, int64_t end) { paged_tasks<scalar_t>(a, begin, end); });
+  const auto lists = balanced_tasks(cost);
+  at::parallel_for(0, static_cast<int64_t>(lists.size()), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) paged_tasks<scalar_t>(a, lists[t].data(), static_cast<int64_t>(lists[t].size()));
+  });
 }
 
 // Rows per sequence up to which attention reads the cache in place (`paged_rows`): decode and
@@ -1491,8 +1704,8 @@ TORCH_LIBRARY(metrale_cpu, m) {
   m.impl("routed_experts", c10::DispatchKey::CPU, TORCH_FN(routed_experts));
   m.def("linear(Tensor x, Tensor w, Tensor? bias, int max_rows, Tensor? packed=None) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
-  m.def("pack_bf16(Tensor w) -> Tensor");
-  m.impl("pack_bf16", c10::DispatchKey::CPU, TORCH_FN(pack_bf16));
+  m.def("pack(Tensor w) -> Tensor");
+  m.impl("pack", c10::DispatchKey::CPU, TORCH_FN(pack_weight));
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_plane, Tensor(b!) v_plane, bool write_v, "
         "Tensor cell_mapping, Tensor gather, Tensor? q_index, Tensor? valid, Tensor? mask, str mode, float scale) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));

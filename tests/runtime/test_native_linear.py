@@ -188,15 +188,33 @@ def test_packed_weights_give_the_unpacked_bits(n, k):
         torch.ops.metrale_cpu.use_bf16_dot_products(True)
 
 
-def test_packed_experts_give_the_unpacked_bits():
+@pytest.mark.parametrize("n, k", [(16, 7), (48, 256), (96, 64), (272, 101), (4096, 96)])
+def test_packed_float32_weights_give_the_unpacked_bits(n, k):
+    """float32 packed in 16-column panels: `metrale_cpu::linear` from `cpu_ops.pack(w)` equals it
+    from w alone bit for bit: one panel, panels a span, odd K, 1 to 33 rows (every row group and
+    panel count), with and without bias."""
+    w = column_major(n, k, torch.float32)
+    assert cpu_ops.packs(w)
+    packed = cpu_ops.pack(w)
+    assert packed.shape == (n, k) and packed.dtype == torch.float32
+    x = torch.randn(33, k)
+    bias = torch.randn(n) * 0.1
+    for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33):
+        for b in (None, bias):
+            want = torch.ops.metrale_cpu.linear(x[:rows], w, b, BIG)
+            assert torch.equal(torch.ops.metrale_cpu.linear(x[:rows], w, b, BIG, packed), want), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_experts_give_the_unpacked_bits(dtype):
     """The routed experts' few-row GEMMs from packed matrices: the same bits as from the unpacked
     ones, for a whole layer and for a shard of it (rows routed elsewhere give zero)."""
     e, h, inter = 8, 64, 96
     g = torch.Generator().manual_seed(1)
-    gate_up = (torch.randn(e, h, 2 * inter, generator=g) * 0.1).to(torch.bfloat16).transpose(1, 2)
-    down = (torch.randn(e, inter, h, generator=g) * 0.1).to(torch.bfloat16).transpose(1, 2)
+    gate_up = (torch.randn(e, h, 2 * inter, generator=g) * 0.1).to(dtype).transpose(1, 2)
+    down = (torch.randn(e, inter, h, generator=g) * 0.1).to(dtype).transpose(1, 2)
     for rows in (1, 4, 17):
-        x = torch.randn(rows, h, generator=g).to(torch.bfloat16)
+        x = torch.randn(rows, h, generator=g).to(dtype)
         ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(rows)])
         weights = torch.rand(rows, 2, generator=g)
         for offset, gu, dn in ((0, gate_up, down), (4, gate_up[:4], down[:4])):
@@ -208,13 +226,21 @@ def test_packed_experts_give_the_unpacked_bits():
 
 def test_pack_refuses_what_it_cannot_pack():
     assert not cpu_ops.packs(torch.zeros(40, 8, dtype=torch.bfloat16))     # N not a multiple of 32
-    assert not cpu_ops.packs(torch.zeros(64, 8))                           # float32
+    assert not cpu_ops.packs(torch.zeros(40, 8))                           # float32: N not a multiple of 16
+    assert not cpu_ops.packs(torch.zeros(64, 8, dtype=torch.float64))      # float64: never
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu_ops.pack(torch.zeros(40, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu_ops.pack(torch.zeros(40, 8))
     packed = cpu_ops.pack(column_major(64, 8, torch.bfloat16))
     with pytest.raises(RuntimeError, match="packed bfloat16 weight"):   # packed for K = 8, x and w have 10
         torch.ops.metrale_cpu.linear(torch.zeros(2, 10, dtype=torch.bfloat16), column_major(64, 10, torch.bfloat16),
                                      None, BIG, packed)
+    with pytest.raises(RuntimeError, match="packed float32 weight"):    # the same for float32
+        torch.ops.metrale_cpu.linear(torch.zeros(2, 10), column_major(64, 10, torch.float32), None, BIG,
+                                     cpu_ops.pack(column_major(64, 8, torch.float32)))
+    with pytest.raises(RuntimeError, match="packed weight"):            # a packed copy of another type
+        torch.ops.metrale_cpu.linear(torch.zeros(2, 8), column_major(64, 8, torch.float32), None, BIG, packed)
 
 
 def test_a_packed_layer_uses_its_packed_copy_up_to_the_few_row_limit():
