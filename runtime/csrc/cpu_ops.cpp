@@ -551,7 +551,10 @@ void packed_gemm_span(const c10::BFloat16* x, int64_t m_rows, int64_t kdim, cons
 // the same order (each column: its products added in k order from zero), so the same bits
 // (tests/runtime/test_native_linear.py).
 
-// MR rows of x against T panels side by side (T streams): MR x T accumulators of 16 floats.
+// MR rows of x against T panels side by side (T streams): MR x T accumulators of 16 floats. From
+// 5 rows (one panel a pass) the panel's rows are prefetched 32 ahead: at 16 sequences of the
+// float32 model, weights from DRAM, 1.059x [1.04-1.08] (one process, interleaved); for 1-4 rows,
+// several panels a pass, it cost 0.93-0.96x at one sequence.
 template <int MR, int T>
 __attribute__((target("avx512f")))
 void packed_f32_native(const float* x, int64_t ldx, const float* wp, int64_t ps, float* y, int64_t ldy,
@@ -562,6 +565,9 @@ void packed_f32_native(const float* x, int64_t ldx, const float* wp, int64_t ps,
   }
   for (int64_t k = 0; k < kdim; ++k) {
     __m512 w[T];
+    if constexpr (MR > 4) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp + (k + 32) * kColumns), _MM_HINT_T0);
+    }
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t) w[t] = _mm512_loadu_ps(wp + t * ps + k * kColumns);
 #pragma GCC unroll 8
@@ -576,7 +582,7 @@ void packed_f32_native(const float* x, int64_t ldx, const float* wp, int64_t ps,
   }
 }
 
-// mr (1-8) rows against `tiles` (1, 2, 4 or 8; mr x tiles <= 16) panels; without AVX-512, the
+// mr (1-8) rows against `tiles` (1, 2, 4 or 8; up to 4 rows, mr x tiles <= 16) panels; without AVX-512, the
 // float tile (tile16: the same bits) on each panel, its rows kColumns floats apart.
 void packed_f32_tile(int64_t mr, int64_t tiles, const float* x, int64_t ldx, const float* wp, int64_t ps, float* y,
                      int64_t ldy, int64_t kdim) {
@@ -604,13 +610,9 @@ void packed_f32_tile(int64_t mr, int64_t tiles, const float* x, int64_t ldx, con
     case 64 + 2: packed_f32_native<4, 2>(x, ldx, wp, ps, y, ldy, kdim); break;
     case 64 + 4: packed_f32_native<4, 4>(x, ldx, wp, ps, y, ldy, kdim); break;
     case 80 + 1: packed_f32_native<5, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
-    case 80 + 2: packed_f32_native<5, 2>(x, ldx, wp, ps, y, ldy, kdim); break;
     case 96 + 1: packed_f32_native<6, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
-    case 96 + 2: packed_f32_native<6, 2>(x, ldx, wp, ps, y, ldy, kdim); break;
     case 112 + 1: packed_f32_native<7, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
-    case 112 + 2: packed_f32_native<7, 2>(x, ldx, wp, ps, y, ldy, kdim); break;
     case 128 + 1: packed_f32_native<8, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
-    case 128 + 2: packed_f32_native<8, 2>(x, ldx, wp, ps, y, ldy, kdim); break;
     default: TORCH_CHECK(false, "packed_f32_tile: ", mr, " rows x ", tiles, " tiles");
   }
 }
