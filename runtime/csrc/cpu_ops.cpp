@@ -582,7 +582,7 @@ void packed_f32_native(const float* x, int64_t ldx, const float* wp, int64_t ps,
   }
 }
 
-// mr (1-8) rows against `tiles` (1, 2, 4 or 8; up to 4 rows, mr x tiles <= 16) panels; without AVX-512, the
+// mr (1-8) rows against `tiles` panels as packed_f32_span groups them; without AVX-512, the
 // float tile (tile16: the same bits) on each panel, its rows kColumns floats apart.
 void packed_f32_tile(int64_t mr, int64_t tiles, const float* x, int64_t ldx, const float* wp, int64_t ps, float* y,
                      int64_t ldy, int64_t kdim) {
@@ -605,10 +605,8 @@ void packed_f32_tile(int64_t mr, int64_t tiles, const float* x, int64_t ldx, con
     case 32 + 4: packed_f32_native<2, 4>(x, ldx, wp, ps, y, ldy, kdim); break;
     case 48 + 1: packed_f32_native<3, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
     case 48 + 2: packed_f32_native<3, 2>(x, ldx, wp, ps, y, ldy, kdim); break;
-    case 48 + 4: packed_f32_native<3, 4>(x, ldx, wp, ps, y, ldy, kdim); break;
     case 64 + 1: packed_f32_native<4, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
     case 64 + 2: packed_f32_native<4, 2>(x, ldx, wp, ps, y, ldy, kdim); break;
-    case 64 + 4: packed_f32_native<4, 4>(x, ldx, wp, ps, y, ldy, kdim); break;
     case 80 + 1: packed_f32_native<5, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
     case 96 + 1: packed_f32_native<6, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
     case 112 + 1: packed_f32_native<7, 1>(x, ldx, wp, ps, y, ldy, kdim); break;
