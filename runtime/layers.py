@@ -131,8 +131,9 @@ def pack_for_inference(model: nn.Module) -> None:
     GEMM runs up to 1.7x faster for the few rows of a decode or verify step (float32: 8.0 -> 4.9 us
     for one row of 256 x 512, 34.8 -> 20.2 us for 16; design §3.2). Values are unchanged;
     shapes and names too. Modules that name `packed_weights` (buffer: weight) also get a packed
-    copy of each bfloat16 and float32 CPU weight, which the few-row kernel reads instead (`cpu_ops.pack`, the
-    same bits; a non-persistent buffer, not in the state dict): the weights must not change after."""
+    copy of each bfloat16 and float32 CPU weight, which the few-row kernel reads instead
+    (`cpu_ops.pack`, the same bits; a non-persistent buffer, not in the state dict): the weights
+    must not change after."""
     if any(p.device.type == "cpu" for p in model.parameters()):
         cpu_ops.load()   # before any step is compiled: `linear` reads its answer as a constant
     for mod in model.modules():
