@@ -1315,6 +1315,109 @@ inline void lane_dot8_pair(const float* q0, const float* q1, const T* const* key
   }
 }
 
+// ---- bfloat16 attention scores on bfloat16 dot products. A score is a key's dot product with a
+// query head's bfloat16 row, summed as AVX512-BF16's VDPBF16PS sums (the linears' pairs, above):
+// lane i of a 16-float accumulator takes the pair (32 c + 2 i, 32 c + 2 i + 1) of each 32-element
+// chunk c in order, acc = (acc + q[odd] k[odd]) + q[even] k[even] (a head size that is no multiple
+// of 32 pads its last chunk with zeros); then the 16 lanes are added in a fixed tree (lane i with
+// i + 8, then i + 4, i + 2, i + 1: `reduce16`) and the sum times the scale is the score. With the
+// instruction (two 32-element dot products a cycle) a key's scores for two heads take ~14
+// instructions against ~90 for float multiplies and adds 8 lanes at a time; without it, or after
+// `use_bf16_dot_products(false)`, the same sums run as float multiplies and adds, the same bits.
+// A score depends on its query row and key alone (the 8-key block it sits in, the heads beside it,
+// the keys' count), so a row's attention is its own in any step.
+constexpr int64_t kScoreChunk = 32;   // bfloat16 elements of one VDPBF16PS
+
+// out lane j: the 16 lanes of a[j] added in the fixed tree above (pairs of lanes 8, 4, 2, 1 apart),
+// 16 sums transposed by shuffles as they are added.
+inline v16f reduce16(const v16f* a) {
+  v16f b[8], c[4], e[2];
+#pragma GCC unroll 8
+  for (int m = 0; m < 8; ++m) {
+    b[m] = __builtin_shufflevector(a[2 * m], a[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * m], a[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+#pragma GCC unroll 4
+  for (int n = 0; n < 4; ++n) {
+    c[n] = __builtin_shufflevector(b[2 * n], b[2 * n + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * n], b[2 * n + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+#pragma GCC unroll 2
+  for (int p = 0; p < 2; ++p) {
+    e[p] = __builtin_shufflevector(c[2 * p], c[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * p], c[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Dot products of H (1 or 2) query heads' rows q[h] (bfloat16, zero-padded to whole chunks) with 8
+// keys (d elements each; a masked or missing key points at zeros): out[8 h + u], unscaled.
+template <int H>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void bf16_scores8_native(const c10::BFloat16* const* q, const c10::BFloat16* const* keys, int64_t d, float* out) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += kScoreChunk) {
+    const __mmask32 m = d - c >= kScoreChunk ? ~__mmask32(0) : (__mmask32(1) << (d - c)) - 1;
+    __m512bh qv[H];
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h) qv[h] = (__m512bh)_mm512_loadu_si512(q[h] + c);
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) {
+      const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(m, keys[u] + c);
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) acc[8 * h + u] = _mm512_dpbf16_ps(acc[8 * h + u], qv[h], kv);
+    }
+  }
+  v16f a[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) a[i] = (v16f)acc[i];
+  const v16f r = reduce16(a);
+  std::memcpy(out, &r, 8 * H * sizeof(float));
+}
+
+// The same sums as float multiplies and adds (no instruction needed): a 32-bit word of a pair
+// holds its even element in the low half and its odd one in the high half.
+template <int H>
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void bf16_scores8_emulated(const c10::BFloat16* const* q, const c10::BFloat16* const* keys, int64_t d, float* out) {
+  typedef uint32_t w16_t __attribute__((vector_size(64)));
+  v16f acc[16] = {};
+  for (int64_t c = 0; c < d; c += kScoreChunk) {
+    const int64_t n = std::min<int64_t>(kScoreChunk, d - c);
+    v16f qe[H], qo[H];
+    for (int h = 0; h < H; ++h) {
+      w16_t w;
+      std::memcpy(&w, q[h] + c, sizeof w);
+      const w16_t even = w << 16, odd = w & 0xffff0000u;
+      std::memcpy(&qe[h], &even, sizeof even);
+      std::memcpy(&qo[h], &odd, sizeof odd);
+    }
+    for (int u = 0; u < 8; ++u) {
+      w16_t w = {};
+      std::memcpy(&w, keys[u] + c, n * sizeof(c10::BFloat16));
+      const w16_t even_bits = w << 16, odd_bits = w & 0xffff0000u;
+      v16f ke, ko;
+      std::memcpy(&ke, &even_bits, sizeof ke);
+      std::memcpy(&ko, &odd_bits, sizeof ko);
+      for (int h = 0; h < H; ++h) acc[8 * h + u] = (acc[8 * h + u] + qo[h] * ko) + qe[h] * ke;
+    }
+  }
+  const v16f r = reduce16(acc);
+  std::memcpy(out, &r, 8 * H * sizeof(float));
+}
+
+template <int H>
+inline void bf16_scores8(const c10::BFloat16* const* q, const c10::BFloat16* const* keys, int64_t d, float* out) {
+  if (g_bf16_dot) {
+    bf16_scores8_native<H>(q, keys, d, out);
+  } else {
+    bf16_scores8_emulated<H>(q, keys, d, out);
+  }
+}
+
 // The pointers, sizes and strides of one `paged_rows` call.
 template <typename scalar_t>
 struct PagedRows {
@@ -1347,7 +1450,10 @@ void paged_tasks(const PagedRows<scalar_t>& a, const int64_t* tasks, int64_t n_t
   constexpr acc_t kNeg = -std::numeric_limits<acc_t>::infinity();
   const int64_t kk = a.kk, group = a.group, d = a.d, dv = a.dv;
   std::vector<acc_t> s(group * kk), qf(group * d), acc(group * dv), inv(group);
-  const std::vector<scalar_t> zeros(d, scalar_t(0));
+  // bfloat16: each query head's row zero-padded to whole dot-product chunks (`bf16_scores8`).
+  const int64_t dpad = (d + kScoreChunk - 1) / kScoreChunk * kScoreChunk;
+  std::vector<scalar_t> qb(group * dpad, scalar_t(0));
+  const std::vector<scalar_t> zeros(dpad, scalar_t(0));
   for (int64_t t = 0; t < n_tasks; ++t) {
     const int64_t i = tasks[t], bi = i / a.nkv, g = i % a.nkv;
     const int64_t* cells = a.gp + bi * kk;
@@ -1358,12 +1464,42 @@ void paged_tasks(const PagedRows<scalar_t>& a, const int64_t* tasks, int64_t n_t
       // Keys past the row's last visible one (a shorter sequence's padding in a batch) are left out:
       // they would add 0 to the softmax's sum and nothing to the values' sum, so the same bits.
       const int64_t kend = a.ends[bi * a.nq + r];
-      for (int64_t hh = 0; hh < group; ++hh) {
-        const scalar_t* qrow = a.qp + row * a.qs0 + (g * group + hh) * a.qs1;
-        for (int64_t x = 0; x < d; ++x) qf[hh * d + x] = to_acc<acc_t>(qrow[x]) * a.sc;
-      }
       int64_t j = 0;
-      if constexpr (std::is_same_v<acc_t, float>) {   // 8 keys at a time (a masked key reads zeros)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {   // dot products, 8 keys at a time
+        for (int64_t hh = 0; hh < group; ++hh) {
+          const scalar_t* qrow = a.qp + row * a.qs0 + (g * group + hh) * a.qs1;
+          std::copy(qrow, qrow + d, qb.begin() + hh * dpad);
+        }
+        const scalar_t* keys[8];
+        float block[16];
+        for (; j < kend; j += 8) {
+          const int64_t n = std::min<int64_t>(8, kend - j);
+          for (int u = 0; u < 8; ++u) {   // a masked key, and the block's tail past kend, read zeros
+            keys[u] = u >= n || (vis && !vis[j + u]) ? zeros.data() : a.kp + cells[j + u] * a.ks0 + g * a.ks1;
+          }
+          int64_t hh = 0;
+          for (; hh < group; hh += 2) {
+            const scalar_t* q2[2] = {qb.data() + hh * dpad, qb.data() + (hh + 1 < group ? hh + 1 : hh) * dpad};
+            if (hh + 1 < group) {
+              bf16_scores8<2>(q2, keys, d, block);
+            } else {
+              bf16_scores8<1>(q2, keys, d, block);
+            }
+            for (int64_t h = 0; h < std::min<int64_t>(2, group - hh); ++h) {
+              for (int64_t u = 0; u < n; ++u) {
+                s[(hh + h) * kk + j + u] = vis && !vis[j + u] ? kNeg : block[8 * h + u] * a.sc;
+              }
+            }
+          }
+        }
+        j = kend;
+      } else {
+        for (int64_t hh = 0; hh < group; ++hh) {
+          const scalar_t* qrow = a.qp + row * a.qs0 + (g * group + hh) * a.qs1;
+          for (int64_t x = 0; x < d; ++x) qf[hh * d + x] = to_acc<acc_t>(qrow[x]) * a.sc;
+        }
+      }
+      if constexpr (std::is_same_v<acc_t, float> && !std::is_same_v<scalar_t, c10::BFloat16>) {   // 8 keys at a time (a masked key reads zeros)
         const scalar_t* keys[8];
         float block[16];
         for (; j + 8 <= kend; j += 8) {
@@ -1396,15 +1532,27 @@ void paged_tasks(const PagedRows<scalar_t>& a, const int64_t* tasks, int64_t n_t
       for (int64_t hh = 0; hh < group; ++hh) {
         acc_t* sh = s.data() + hh * kk;
         acc_t m = kNeg;
-        for (int64_t j = 0; j < kend; ++j) m = std::max(m, sh[j]);
         acc_t sum = 0;
-        if constexpr (std::is_same_v<acc_t, float>) {   // exp eight scores at a time
+        if constexpr (std::is_same_v<acc_t, float>) {   // eight scores at a time
+          // The max in lanes (exact in any order); the exponentials summed in 8 lanes (lane l: the
+          // keys l, l + 8, ... in order), then the lanes in a fixed tree.
+          constexpr int L = kLanes<float>;
+          const vec_t<float> neg = vec_t<float>{} + kNeg, lane = {0, 1, 2, 3, 4, 5, 6, 7};
+          vec_t<float> top = neg, total = {};
           map_lanes(kend, [&](int64_t j, int64_t count) {
             const vec_t<float> x = load_lanes(sh + j, count);
-            store_lanes(sh + j, x == kNeg ? vec_t<float>{} : exp_lanes(x - m), count);
+            top = lane < static_cast<float>(count) && x > top ? x : top;
           });
-          for (int64_t j = 0; j < kend; ++j) sum += sh[j];
+          for (int l = 0; l < L; ++l) m = std::max(m, top[l]);
+          map_lanes(kend, [&](int64_t j, int64_t count) {
+            const vec_t<float> x = load_lanes(sh + j, count);
+            const vec_t<float> e = lane < static_cast<float>(count) && x != kNeg ? exp_lanes(x - m) : vec_t<float>{};
+            store_lanes(sh + j, e, count);
+            total = total + e;
+          });
+          sum = ((total[0] + total[4]) + (total[2] + total[6])) + ((total[1] + total[5]) + (total[3] + total[7]));
         } else {
+          for (int64_t j = 0; j < kend; ++j) m = std::max(m, sh[j]);
           for (int64_t j = 0; j < kend; ++j) {
             const acc_t p = sh[j] == kNeg ? acc_t(0) : std::exp(sh[j] - m);
             sh[j] = p;
@@ -1417,7 +1565,55 @@ void paged_tasks(const PagedRows<scalar_t>& a, const int64_t* tasks, int64_t n_t
       // elements of two heads at a time in registers (8 vectors), the rest one element at a time.
       constexpr int64_t kSumVecs = 4, kSumWidth = kSumVecs * kLanes<acc_t>;
       int64_t wide_end = 0;
-      if constexpr (std::is_same_v<acc_t, float>) {   // 64 elements of two heads at a time (8 x 16 floats)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        // 64 (then 32) elements of two heads at a time: a value's 32-element chunk is one 64-byte
+        // load whose 32-bit words hold an even element (low half) and an odd one (high half), so
+        // a shift and a mask widen it (no widening moves); the even and odd sums are interleaved
+        // back at the end. The same per-element sums as below.
+        typedef uint32_t w16_t __attribute__((vector_size(64)));
+        auto pass = [&](auto chunks) {
+          constexpr int C = decltype(chunks)::value;
+          for (int64_t h0 = 0; h0 < group; h0 += 2) {
+            const int64_t heads = std::min<int64_t>(2, group - h0);
+            v16f even_sum[2][C] = {}, odd_sum[2][C] = {};
+            for (int64_t j = 0; j < kend; ++j) {
+              if (vis && !vis[j]) continue;
+              const scalar_t* val = a.vp + cells[j] * a.vs0 + g * a.vs1 + wide_end;
+              v16f even[C], odd[C];
+#pragma GCC unroll 2
+              for (int c = 0; c < C; ++c) {
+                w16_t w;
+                std::memcpy(&w, val + c * kScoreChunk, sizeof w);
+                const w16_t lo = w << 16, hi = w & 0xffff0000u;
+                std::memcpy(&even[c], &lo, sizeof lo);
+                std::memcpy(&odd[c], &hi, sizeof hi);
+              }
+              for (int64_t h = 0; h < heads; ++h) {
+                const float p = s[(h0 + h) * kk + j];
+#pragma GCC unroll 2
+                for (int c = 0; c < C; ++c) {
+                  even_sum[h][c] = even_sum[h][c] + p * even[c];
+                  odd_sum[h][c] = odd_sum[h][c] + p * odd[c];
+                }
+              }
+            }
+            for (int64_t h = 0; h < heads; ++h) {
+              for (int c = 0; c < C; ++c) {
+                const v16f first = __builtin_shufflevector(even_sum[h][c], odd_sum[h][c], 0, 16, 1, 17, 2, 18, 3, 19,
+                                                           4, 20, 5, 21, 6, 22, 7, 23);
+                const v16f second = __builtin_shufflevector(even_sum[h][c], odd_sum[h][c], 8, 24, 9, 25, 10, 26, 11,
+                                                            27, 12, 28, 13, 29, 14, 30, 15, 31);
+                float* out = acc.data() + (h0 + h) * dv + wide_end + c * kScoreChunk;
+                std::memcpy(out, &first, sizeof first);
+                std::memcpy(out + 16, &second, sizeof second);
+              }
+            }
+          }
+          wide_end += C * kScoreChunk;
+        };
+        while (wide_end + 2 * kScoreChunk <= dv) pass(std::integral_constant<int, 2>{});
+        if (wide_end + kScoreChunk <= dv) pass(std::integral_constant<int, 1>{});
+      } else if constexpr (std::is_same_v<acc_t, float>) {   // 64 elements of two heads at a time (8 x 16 floats)
         constexpr int64_t kWide = 4 * 16;
         wide_end = dv / kWide * kWide;
         for (int64_t x0 = 0; x0 < wide_end; x0 += kWide) {
@@ -1689,6 +1885,39 @@ at::Tensor planned_attention(const at::Tensor& q, const at::Tensor& k, const at:
 
 // Whether bfloat16 GEMMs run AVX512-BF16's dot products (`on` and the CPU has them) or their float
 // emulation, which gives the same bits; returns the choice made. For tests and measurements.
+// The bfloat16 attention scores `paged_tasks` computes, unscaled: q [H, d] query heads against keys
+// [n, d] -> float32 [H, n], two heads and 8 keys a call of `bf16_scores8` as there (a test's view of
+// the sums, on the instruction or on its emulation: `use_bf16_dot_products`).
+at::Tensor attention_scores(const at::Tensor& q, const at::Tensor& keys) {
+  TORCH_CHECK(q.dim() == 2 && keys.dim() == 2 && q.size(1) == keys.size(1), "attention_scores: q [H, d] and keys [n, d]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16, "attention_scores: bfloat16 only");
+  const int64_t h = q.size(0), d = q.size(1), n = keys.size(0);
+  const int64_t dpad = (d + kScoreChunk - 1) / kScoreChunk * kScoreChunk;
+  std::vector<c10::BFloat16> qb(h * dpad, c10::BFloat16(0)), zeros(dpad, c10::BFloat16(0));
+  const at::Tensor qc = q.contiguous(), kc = keys.contiguous();
+  for (int64_t i = 0; i < h; ++i) std::copy(qc.const_data_ptr<c10::BFloat16>() + i * d, qc.const_data_ptr<c10::BFloat16>() + (i + 1) * d, qb.begin() + i * dpad);
+  at::Tensor out = at::empty({h, n}, q.options().dtype(at::kFloat));
+  float* op = out.mutable_data_ptr<float>();
+  const c10::BFloat16* kp = kc.const_data_ptr<c10::BFloat16>();
+  float block[16];
+  for (int64_t j = 0; j < n; j += 8) {
+    const c10::BFloat16* rows[8];
+    for (int u = 0; u < 8; ++u) rows[u] = j + u < n ? kp + (j + u) * d : zeros.data();
+    for (int64_t i = 0; i < h; i += 2) {
+      const c10::BFloat16* q2[2] = {qb.data() + i * dpad, qb.data() + std::min(i + 1, h - 1) * dpad};
+      if (i + 1 < h) {
+        bf16_scores8<2>(q2, rows, d, block);
+      } else {
+        bf16_scores8<1>(q2, rows, d, block);
+      }
+      for (int64_t x = 0; x < std::min<int64_t>(2, h - i); ++x) {
+        for (int64_t u = 0; u < std::min<int64_t>(8, n - j); ++u) op[(i + x) * n + j + u] = block[8 * x + u];
+      }
+    }
+  }
+  return out;
+}
+
 bool use_bf16_dot_products(bool on) {
   g_bf16_dot = on && __builtin_cpu_supports("avx512bf16");
   return g_bf16_dot;
@@ -1698,6 +1927,8 @@ bool use_bf16_dot_products(bool on) {
 
 TORCH_LIBRARY(metrale_cpu, m) {
   m.def("use_bf16_dot_products(bool on) -> bool", &use_bf16_dot_products);
+  m.def("attention_scores(Tensor q, Tensor keys) -> Tensor");
+  m.impl("attention_scores", c10::DispatchKey::CPU, TORCH_FN(attention_scores));
   m.def("routed_experts(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down, "
         "int expert_offset, int padded_min_experts, int few_rows_max, Tensor? gate_up_packed=None, "
         "Tensor? down_packed=None) -> Tensor");

@@ -153,3 +153,83 @@ def test_two_query_heads_a_pass_give_each_head_its_own_bits(dtype, d, dv):
             own = attend(q, keys.expand(n, nh, d).clone(), values.expand(n, nh, dv).clone(),
                          k.expand(t, nh, d), v.expand(t, nh, dv))   # a kv head of its own each
             assert torch.equal(shared, own), (length, rows)
+
+
+@pytest.mark.parametrize("d, dv", [(64, 64), (80, 96), (40, 20), (128, 128)])
+def test_bfloat16_scores_on_dot_products_give_the_emulated_bits(d, dv):
+    """bfloat16 in-place attention sums its scores as VDPBF16PS does (pairs of elements, 16 lanes,
+    32-element chunks, a head size's tail padded with zeros) where the CPU has the instruction, and
+    as float multiplies and adds otherwise: the same bits either way, 1 and 3 rows a sequence, key
+    tails and masked keys, and within bfloat16's rounding of a float64 attention."""
+    assert cpu_ops.load(), cpu_ops.error()
+    g = torch.Generator().manual_seed(d)
+    b, n, nh, nkv = 3, 1024, 4, 2
+    native = torch.ops.metrale_cpu.use_bf16_dot_products(True)
+    try:
+        for length, rows in ((5, 1), (8, 3), (45, 1), (150, 3)):
+            keys = torch.randn(n, nkv, d, generator=g).to(torch.bfloat16)
+            values = torch.randn(n, nkv, dv, generator=g).to(torch.bfloat16)
+            gather = torch.randperm(n, generator=g)[:b * length].view(b, length)
+            t = b * rows
+            q = torch.randn(t, nh, d, generator=g).to(torch.bfloat16)
+            k = torch.randn(t, nkv, d, generator=g).to(torch.bfloat16)
+            v = torch.randn(t, nkv, dv, generator=g).to(torch.bfloat16)
+            cells = gather[:, -1] if rows == 1 else torch.randperm(n, generator=g)[:t]
+            q_index, valid = torch.arange(t).view(b, rows), torch.ones(b, rows, dtype=torch.bool)
+            mask = torch.rand(b, 1, rows, length, generator=g) < 0.8
+            mask[..., 0] = True
+            outs = []
+            for on in (True, False):
+                assert torch.ops.metrale_cpu.use_bf16_dot_products(on) == (on and native)
+                kp, vp = keys.clone(), values.clone()
+                outs.append(torch.ops.metrale_cpu.paged_attention(q, k, v, kp, vp, True, cells, gather, q_index, valid,
+                                                                  mask, "padded", d ** -0.5))
+            assert torch.equal(outs[0], outs[1]), (length, rows)
+            kp[cells] = k
+            vp[cells] = v
+            kk, vv = kp[gather].double(), vp[gather].double()                 # [b, L, nkv, d]
+            qq = q.double().view(b, rows, nkv, nh // nkv, d)
+            s = torch.einsum("brhgd,blhd->brhgl", qq, kk) * d ** -0.5
+            s = s.masked_fill(~mask.view(b, rows, 1, 1, length), float("-inf"))
+            want = torch.einsum("brhgl,blhd->brhgd", s.softmax(-1), vv).reshape(t, nh, dv)
+            torch.testing.assert_close(outs[0].double(), want, rtol=2e-2, atol=2e-2)
+    finally:
+        torch.ops.metrale_cpu.use_bf16_dot_products(True)
+
+
+def score_sums(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [H, d] . keys [n, d]^T as the bfloat16 in-place attention sums a score: lane i of 16 takes
+    the pair (32 c + 2 i, 32 c + 2 i + 1) of each 32-element chunk c, the odd product first, each
+    product exact in float32 and each add rounded (the head's tail padded with zeros); then the
+    lanes are added i with i + 8, i + 4, i + 2, i + 1."""
+    d = q.shape[1]
+    pad = -d % 32
+    qs = torch.nn.functional.pad(q.float(), (0, pad)).view(q.shape[0], 1, -1, 16, 2)
+    ks = torch.nn.functional.pad(keys.float(), (0, pad)).view(1, keys.shape[0], -1, 16, 2)
+    lanes = torch.zeros(q.shape[0], keys.shape[0], 16)
+    for c in range(qs.shape[2]):
+        lanes = lanes + qs[:, :, c, :, 1] * ks[:, :, c, :, 1]
+        lanes = lanes + qs[:, :, c, :, 0] * ks[:, :, c, :, 0]
+    for half in (8, 4, 2, 1):
+        lanes = lanes[..., :half] + lanes[..., half:2 * half]
+    return lanes[..., 0]
+
+
+@pytest.mark.parametrize("d", [64, 80, 40, 128, 7])
+def test_bfloat16_scores_are_the_dot_product_instructions_sums(d):
+    """The scores of bfloat16 in-place attention are `score_sums`' bits on AVX512-BF16's instruction
+    and on its float emulation (the path of CPUs without it): 1 to 3 heads, key counts with and
+    without a tail of 8, head sizes with and without a tail of 32."""
+    assert cpu_ops.load(), cpu_ops.error()
+    g = torch.Generator().manual_seed(d)
+    native = torch.ops.metrale_cpu.use_bf16_dot_products(True)
+    try:
+        for heads, n in ((1, 5), (2, 8), (3, 21), (2, 150)):
+            q = torch.randn(heads, d, generator=g).to(torch.bfloat16)
+            keys = torch.randn(n, d, generator=g).to(torch.bfloat16)
+            want = score_sums(q, keys)
+            for on in (True, False):
+                assert torch.ops.metrale_cpu.use_bf16_dot_products(on) == (on and native)
+                assert torch.equal(torch.ops.metrale_cpu.attention_scores(q, keys), want), (on, heads, n)
+    finally:
+        torch.ops.metrale_cpu.use_bf16_dot_products(True)
