@@ -208,15 +208,23 @@ class _Experts:
 # choices: a row's two copies (runtime.model.RowTwice) make 4 choices over 2 experts, where the
 # padded path cost 655 against 488 us a layer.
 PADDED_MIN_EXPERTS = {torch.bfloat16: 3, torch.float16: 3}
+# ... and only while padding adds at most this many rows per touched expert (about what a GEMM
+# pair's call costs in rows): routing skewed to a few experts, in a long prefill, can triple the
+# rows (a random-weight model's 16 x 64-token prefill: batched matmuls 20.7 ms a forward against
+# 12-14 per expert). The native op (`metrale_cpu::routed_experts`, kPaddedWasteRows) decides alike.
+PADDED_WASTE_ROWS = 64
 
 
 def _take_padded(x: torch.Tensor, ids: torch.Tensor, expert_offset: int, num_local: int) -> bool:
-    """Whether the CPU's padded path is the cheaper one for these choices (`PADDED_MIN_EXPERTS`)."""
+    """Whether the CPU's padded path is the cheaper one for these choices (`PADDED_MIN_EXPERTS`,
+    `PADDED_WASTE_ROWS`)."""
     least = PADDED_MIN_EXPERTS.get(x.dtype)
     if least is None or x.device.type != "cpu" or ids.numel() < least:
         return False
-    touched = torch.unique(ids)
-    return int(((touched >= expert_offset) & (touched < expert_offset + num_local)).sum()) >= least
+    local = ids[(ids >= expert_offset) & (ids < expert_offset + num_local)] - expert_offset
+    counts = torch.bincount(local, minlength=num_local)
+    touched, busiest = int((counts > 0).sum()), int(counts.max()) if num_local else 0
+    return touched >= least and num_local * busiest - local.numel() <= PADDED_WASTE_ROWS * touched
 
 
 def _native_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
