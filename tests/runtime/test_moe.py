@@ -60,6 +60,9 @@ def test_float64_takes_the_reference_loop(monkeypatch, python_paths):
     (torch.bfloat16, [[0, 1], [0, 1]], False),          # a row's two copies: still 2 experts
     (torch.bfloat16, [[0, 1], [1, 2]], True),           # 3 experts (`PADDED_MIN_EXPERTS`)
     (torch.bfloat16, [[4, 5], [6, 1]], False),          # 1 local expert: the others are another shard's
+    (torch.bfloat16, [[0, 1], [2, 3]] * 80, True),      # 160 rows spread evenly: no padding
+    (torch.bfloat16, [[0, 1]] * 150 + [[2, 3]] * 10, False),   # skewed: 280 padded rows > 64 per expert
+    (torch.bfloat16, [[0, 1]] * 130 + [[2, 3]] * 10, True),    # 240 padded rows <= 4 x 64 (`PADDED_WASTE_ROWS`)
 ])
 def test_the_cpu_picks_padded_matmuls_for_many_touched_experts(monkeypatch, python_paths, dtype, ids, padded):
     experts = RoutedExperts(4, 16, 8).to(dtype)
