@@ -1426,6 +1426,21 @@ inline void bf16_scores8(const c10::BFloat16* const* q, const c10::BFloat16* con
   }
 }
 
+// Unscaled scores of `group` query heads (rows of qb, `dpad` apart, zero-padded to whole chunks)
+// against 8 keys: out[8 h + u]. Heads go two at a time, an odd last one alone (`bf16_scores8`), so
+// a head's scores are the same whatever heads sit beside it.
+inline void bf16_group_scores8(const c10::BFloat16* qb, int64_t dpad, int64_t group, const c10::BFloat16* const* keys,
+                               int64_t d, float* out) {
+  for (int64_t hh = 0; hh < group; hh += 2) {
+    const c10::BFloat16* q2[2] = {qb + hh * dpad, qb + std::min(hh + 1, group - 1) * dpad};
+    if (hh + 1 < group) {
+      bf16_scores8<2>(q2, keys, d, out + 8 * hh);
+    } else {
+      bf16_scores8<1>(q2, keys, d, out + 8 * hh);
+    }
+  }
+}
+
 // The pointers, sizes and strides of one `paged_rows` call.
 template <typename scalar_t>
 struct PagedRows {
@@ -1461,6 +1476,7 @@ void paged_tasks(const PagedRows<scalar_t>& a, const int64_t* tasks, int64_t n_t
   // bfloat16: each query head's row zero-padded to whole dot-product chunks (`bf16_scores8`).
   const int64_t dpad = (d + kScoreChunk - 1) / kScoreChunk * kScoreChunk;
   std::vector<scalar_t> qb(group * dpad, scalar_t(0));
+  std::vector<float> block8((group + 1) / 2 * 16);
   const std::vector<scalar_t> zeros(dpad, scalar_t(0));
   for (int64_t t = 0; t < n_tasks; ++t) {
     const int64_t i = tasks[t], bi = i / a.nkv, g = i % a.nkv;
@@ -1479,25 +1495,14 @@ void paged_tasks(const PagedRows<scalar_t>& a, const int64_t* tasks, int64_t n_t
           std::copy(qrow, qrow + d, qb.begin() + hh * dpad);
         }
         const scalar_t* keys[8];
-        float block[16];
         for (; j < kend; j += 8) {
           const int64_t n = std::min<int64_t>(8, kend - j);
           for (int u = 0; u < 8; ++u) {   // a masked key, and the block's tail past kend, read zeros
             keys[u] = u >= n || (vis && !vis[j + u]) ? zeros.data() : a.kp + cells[j + u] * a.ks0 + g * a.ks1;
           }
-          int64_t hh = 0;
-          for (; hh < group; hh += 2) {
-            const scalar_t* q2[2] = {qb.data() + hh * dpad, qb.data() + (hh + 1 < group ? hh + 1 : hh) * dpad};
-            if (hh + 1 < group) {
-              bf16_scores8<2>(q2, keys, d, block);
-            } else {
-              bf16_scores8<1>(q2, keys, d, block);
-            }
-            for (int64_t h = 0; h < std::min<int64_t>(2, group - hh); ++h) {
-              for (int64_t u = 0; u < n; ++u) {
-                s[(hh + h) * kk + j + u] = vis && !vis[j + u] ? kNeg : block[8 * h + u] * a.sc;
-              }
-            }
+          bf16_group_scores8(qb.data(), dpad, group, keys, d, block8.data());
+          for (int64_t h = 0; h < group; ++h) {
+            for (int64_t u = 0; u < n; ++u) s[h * kk + j + u] = vis && !vis[j + u] ? kNeg : block8[8 * h + u] * a.sc;
           }
         }
         j = kend;
@@ -1894,7 +1899,7 @@ at::Tensor planned_attention(const at::Tensor& q, const at::Tensor& k, const at:
 // Whether bfloat16 GEMMs run AVX512-BF16's dot products (`on` and the CPU has them) or their float
 // emulation, which gives the same bits; returns the choice made. For tests and measurements.
 // The bfloat16 attention scores `paged_tasks` computes, unscaled: q [H, d] query heads against keys
-// [n, d] -> float32 [H, n], two heads and 8 keys a call of `bf16_scores8` as there (a test's view of
+// [n, d] -> float32 [H, n], 8 keys a call of `bf16_group_scores8` as there (a test's view of
 // the sums, on the instruction or on its emulation: `use_bf16_dot_products`).
 at::Tensor attention_scores(const at::Tensor& q, const at::Tensor& keys) {
   TORCH_CHECK(q.dim() == 2 && keys.dim() == 2 && q.size(1) == keys.size(1), "attention_scores: q [H, d] and keys [n, d]");
@@ -1907,20 +1912,13 @@ at::Tensor attention_scores(const at::Tensor& q, const at::Tensor& keys) {
   at::Tensor out = at::empty({h, n}, q.options().dtype(at::kFloat));
   float* op = out.mutable_data_ptr<float>();
   const c10::BFloat16* kp = kc.const_data_ptr<c10::BFloat16>();
-  float block[16];
+  std::vector<float> block((h + 1) / 2 * 16);
   for (int64_t j = 0; j < n; j += 8) {
     const c10::BFloat16* rows[8];
     for (int u = 0; u < 8; ++u) rows[u] = j + u < n ? kp + (j + u) * d : zeros.data();
-    for (int64_t i = 0; i < h; i += 2) {
-      const c10::BFloat16* q2[2] = {qb.data() + i * dpad, qb.data() + std::min(i + 1, h - 1) * dpad};
-      if (i + 1 < h) {
-        bf16_scores8<2>(q2, rows, d, block);
-      } else {
-        bf16_scores8<1>(q2, rows, d, block);
-      }
-      for (int64_t x = 0; x < std::min<int64_t>(2, h - i); ++x) {
-        for (int64_t u = 0; u < std::min<int64_t>(8, n - j); ++u) op[(i + x) * n + j + u] = block[8 * x + u];
-      }
+    bf16_group_scores8(qb.data(), dpad, h, rows, d, block.data());
+    for (int64_t x = 0; x < h; ++x) {
+      for (int64_t u = 0; u < std::min<int64_t>(8, n - j); ++u) op[x * n + j + u] = block[8 * x + u];
     }
   }
   return out;
