@@ -116,6 +116,10 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: 
     if any(c.num_tokens < 1 for c in chunks):
         raise ValueError(f"sequence {next(c.seq_id for c in chunks if c.num_tokens < 1)} has an empty chunk")
     device = cache.device
+    if b > 1 and not batch_invariant and all(c.parents is None for c in chunks):
+        # Several causal chunks: the padded batch's fields from host lists, a few tensor ops in all.
+        gather = cache.context_cells([c.seq_id for c in chunks], [c.end for c in chunks])
+        return _causal_batch_plan(chunks, gather, q_max, k_max, device)
     ctxs = [cache.cells(c.seq_id, 0, c.end) for c in chunks]
     if b == 1:
         positions = chunks[0].positions(device)
@@ -125,8 +129,6 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: 
         positions = torch.cat([c.positions(device) for c in chunks])
         cell_mapping = torch.cat([ctx[c.start:] for ctx, c in zip(ctxs, chunks)])
         last_rows = torch.tensor(list(itertools.accumulate(c.num_tokens for c in chunks)), device=device) - 1
-    else:   # several causal chunks: the padded batch's fields from host lists, a few tensor ops in all
-        return _causal_batch_plan(chunks, ctxs, q_max, k_max, device)
     if batch_invariant:   # the tiles replace the padded batch's fields
         firsts = [0]
         for c in chunks[:-1]:
@@ -160,7 +162,7 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: 
                     mask=mask, last_rows=last_rows)
 
 
-def _causal_batch_plan(chunks: list[SeqChunk], ctxs: list[torch.Tensor], q_max: int, k_max: int,
+def _causal_batch_plan(chunks: list[SeqChunk], gather: torch.Tensor, q_max: int, k_max: int,
                        device: torch.device) -> StepPlan:
     """`build_plan`'s padded batch for several causal chunks (no tree), its fields as the general
     path builds them: positions, first rows and last rows come from host lists, and each row's
@@ -169,7 +171,6 @@ def _causal_batch_plan(chunks: list[SeqChunk], ctxs: list[torch.Tensor], q_max: 
     b = len(chunks)
     counts = [c.num_tokens for c in chunks]
     firsts = [0, *itertools.accumulate(counts)][:-1]
-    gather = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)                     # [B, K], padding 0
     if q_max == 1:   # one row a sequence (decode, or one draft each)
         pos = [c.start for c in chunks]
         positions = torch.tensor(pos, device=device)

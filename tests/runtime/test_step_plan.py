@@ -90,3 +90,21 @@ def test_chained_steps_plan_as_build_plan_plans_each_step(num_seqs):
         assert torch.equal(plan.gather[plan.mask[:, 0, 0]], want.gather[want.mask[:, 0, 0]])   # every visible key
         for field in ("q_index", "valid", "last_rows"):
             assert torch.equal(getattr(plan, field), getattr(want, field)), field
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_context_cells_pad_each_sequences_cells_with_zero(block_size):
+    rng = random.Random(block_size)
+    cache = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=4096 // block_size,
+                         block_size=block_size, dtype=torch.float32, device="cpu")
+    seqs = rng.sample(range(50), 12)
+    for seq in seqs:                            # interleaved reservations: scattered tables
+        cache.reserve(seq, rng.randint(1, 150))
+    for seq in seqs[::3]:
+        cache.reserve(seq, cache.length(seq) + rng.randint(1, 40))
+    ends = [rng.randint(1, cache.length(seq)) for seq in seqs]
+    got = cache.context_cells(seqs, ends)
+    want = torch.nn.utils.rnn.pad_sequence([cache.cells(s, 0, e) for s, e in zip(seqs, ends)], batch_first=True)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="not reserved"):
+        cache.context_cells(seqs[:2], [ends[0], cache.length(seqs[1]) + 1])
