@@ -11,6 +11,13 @@ layer) and the lm_head. With A(K) tokens a step at K drafts, bytes-bound tok/s o
 
 printed beside the bound with a free verify (verify = target) and with every draft accepted
 (A = K + 1). Kernel launch and host costs only lower the measured ratio below these.
+
+Trees (`--tree 1,2,2:3.13`, a shape and its measured tokens a step, docs/design.md §5.5): a shape of
+D depths verifies 1 + its nodes rows and takes D drafter steps (each depth's hedges are that
+step's next-best tokens), the drafter steps of the chain of depth D. So against that chain, whose
+verify has fewer rows, the tree's tok/s can gain at most its tokens a step over the chain's
+(`vs chain, any cost`), whatever a row costs as long as more rows never cost less; the bytes-bound
+ratio is printed beside it.
 """
 from __future__ import annotations
 
@@ -47,6 +54,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="models/tiny-glm-moe")
     ap.add_argument("--accept", required=True, help="measured tokens a step by drafts, e.g. 1:1.75,3:2.70")
+    ap.add_argument("--tree", action="append", default=[],
+                    help="a tree shape and its measured tokens a step, e.g. 1,2,2:3.13 (repeatable); "
+                         "compared with the chain of its depth from --accept")
     args = ap.parse_args()
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     h = cfg["hidden_size"]
@@ -62,6 +72,21 @@ def main() -> None:
         draft = k * drafter / target
         print(f"{k:>3} {accept:>7.3f} {verify:>14.3f} {accept / (verify + draft):>7.3f} {accept / (1 + draft):>12.3f} "
               f"{(k + 1) / (verify + draft):>13.3f}")
+    chains = {int(k): float(a) for k, a in (part.split(":") for part in args.accept.split(","))}
+    if args.tree:
+        print(f"{'tree':>9} {'accept':>7} {'rows':>5} {'chain':>6} {'vs chain, any cost':>19} {'vs chain, bytes':>16} "
+              f"{'bound':>7}")
+    for part in args.tree:
+        shape_text, a_text = part.rsplit(":", 1)
+        counts = [int(c) for c in shape_text.split(",")]
+        accept, depth = float(a_text), len(counts)
+        cost = costs(cfg, 1 + sum(counts)) / target + depth * drafter / target
+        if depth not in chains:
+            raise SystemExit(f"--tree {part}: give the chain of depth {depth} in --accept to compare with")
+        chain_cost = costs(cfg, depth + 1) / target + depth * drafter / target
+        gain = accept / chains[depth]
+        print(f"{shape_text:>9} {accept:>7.3f} {1 + sum(counts):>5} {'k' + str(depth):>6} {gain:>19.3f} "
+              f"{gain * chain_cost / cost:>16.3f} {accept / cost:>7.3f}")
 
 
 if __name__ == "__main__":

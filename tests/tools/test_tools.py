@@ -5,6 +5,7 @@ make sense) and, where the script validates its arguments, the one-line refusal 
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -211,3 +212,22 @@ def test_flood(tmp_path):
     assert report["running_streams"]["max_gap_before_s"] > 0
     assert report["shutdown"]["exit_code"] == 0
     assert "--max-waiting 0 must be at least 1" in refused(run_tool("flood.py", "--out", tmp_path, "--max-waiting", 0))
+
+
+def test_spec_bound_compares_a_tree_with_the_chain_of_its_depth():
+    spec = importlib.util.spec_from_file_location("spec_bound", ROOT / "tools" / "spec_bound.py")
+    bound = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bound)
+    costs, layer_params = bound.costs, bound.layer_params
+    out = ok(run_tool("spec_bound.py", "--model", MODEL, "--accept", "1:1.8,3:2.9", "--tree", "1,2,2:3.19"))
+    row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["1,2,2"])
+    cfg = json.loads((MODEL / "config.json").read_text())
+    h = cfg["hidden_size"]
+    draft = 2 * h * h + layer_params(cfg, True, cfg["num_experts_per_tok"]) + cfg["vocab_size"] * h
+    gain = 3.19 / 2.9                     # the tree has the chain's 3 drafter steps and more verify rows
+    bytes_ratio = gain * (costs(cfg, 4) + 3 * draft) / (costs(cfg, 6) + 3 * draft)
+    assert row[2:4] == ["6", "k3"]
+    assert [float(x) for x in row[4:6]] == pytest.approx([gain, bytes_ratio], abs=1e-3)
+    assert bytes_ratio < gain
+    missing = run_tool("spec_bound.py", "--model", MODEL, "--accept", "3:2.9", "--tree", "1,2,2,1:3.5")
+    assert missing.returncode == 1 and "chain of depth 4" in missing.stderr
