@@ -234,7 +234,8 @@ def resolve_speculation(args: argparse.Namespace):
     spec = resolve_spec_settings(method=args.spec, num_drafts=args.num_drafts, k_ladder=args.mtp_k_ladder,
                                  width_cap=args.mtp_max_seqs, confidence_stop=args.draft_confidence_stop,
                                  tree_shape=args.tree_shape, verify=args.spec_verify,
-                                 model_dir=args.model if Path(args.model).is_dir() else None)
+                                 model_dir=args.model if Path(args.model).is_dir() else None,
+                                 dtype=getattr(args, "dtype", None))
     if args.mtp_k_ladder is not None and args.mtp_k_ladder.strip() != "auto":
         set_mtp_k_ladder(args.mtp_k_ladder)
     set_mtp_max_seqs(spec.width_cap, spec.width_cap_source)

@@ -252,8 +252,14 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     return ModelConfig.from_hf_dict(raw, source=str(path))
 
 
-def load_behavior(model_dir: str | Path) -> dict[str, Any]:
-    """The `[behavior]` table of the model folder's optional `metrale.toml` ({} when absent)."""
+BEHAVIOR_DTYPES = ("float32", "bfloat16", "float64")
+
+
+def load_behavior(model_dir: str | Path, dtype: str | None = None) -> dict[str, Any]:
+    """The `[behavior]` table of the model folder's optional `metrale.toml` ({} when absent), with
+    the values of its `[behavior.<dtype>]` table, when `dtype` is given and the folder has one,
+    over the shared ones (a step's costs, and so the best speculation depth by width, differ by
+    dtype). A dtype table must name a dtype Metrale serves and hold only values."""
     import tomllib
     path = Path(model_dir) / "metrale.toml"
     if not path.is_file():
@@ -265,4 +271,14 @@ def load_behavior(model_dir: str | Path) -> dict[str, Any]:
     behavior = data.get("behavior", {})
     if not isinstance(behavior, dict):
         raise ConfigError(f"{path}: [behavior] must be a table")
-    return behavior
+    shared = {k: v for k, v in behavior.items() if not isinstance(v, dict)}
+    for name, table in behavior.items():
+        if isinstance(table, dict):
+            if name not in BEHAVIOR_DTYPES:
+                raise ConfigError(f"{path}: [behavior.{name}] is not a dtype table (one of {', '.join(BEHAVIOR_DTYPES)})")
+            nested = next((k for k, v in table.items() if isinstance(v, dict)), None)
+            if nested is not None:
+                raise ConfigError(f"{path}: [behavior.{name}.{nested}]: a dtype table holds values, not tables")
+    if dtype is not None and isinstance(behavior.get(dtype), dict):
+        shared.update(behavior[dtype])
+    return shared

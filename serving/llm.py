@@ -71,7 +71,7 @@ class LLM:
         self.spec = spec_settings or resolve_spec_settings(
             method=spec, num_drafts=num_drafts, depth_policy=draft_policy, k_ladder=mtp_k_ladder,
             width_cap=mtp_max_seqs, confidence_stop=draft_confidence_stop, tree_shape=tree_shape,
-            verify=spec_verify, model_dir=model_dir)
+            verify=spec_verify, model_dir=model_dir, dtype=dtype)
         self.model_dir = model_dir
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               prefix_cache=prefix_cache)

@@ -97,22 +97,24 @@ class SpecSettings:
         return self.canonical_min_width is not None and width >= self.canonical_min_width
 
 
-def model_width_cap(model_dir: Path | None) -> int | None:
-    """`[behavior] mtp_max_seqs` of the model folder's metrale.toml, or None."""
+def model_width_cap(model_dir: Path | None, dtype: str | None = None) -> int | None:
+    """`[behavior] mtp_max_seqs` of the model folder's metrale.toml (its `[behavior.<dtype>]`
+    value first), or None."""
     if model_dir is None or not Path(model_dir).is_dir():
         return None
-    value = load_behavior(model_dir).get("mtp_max_seqs")
+    value = load_behavior(model_dir, dtype).get("mtp_max_seqs")
     if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
         raise ConfigError(f"{model_dir}/metrale.toml [behavior] mtp_max_seqs={value!r} is not an integer")
     return value
 
 
-def model_ladder(model_dir: Path | None) -> list[tuple[int, int]] | None:
-    """`[behavior] mtp_k_ladder` of the model folder's metrale.toml parsed, or None when absent.
-    A value that is not a ladder is refused (a folder's defaults are checked, not guessed)."""
+def model_ladder(model_dir: Path | None, dtype: str | None = None) -> list[tuple[int, int]] | None:
+    """`[behavior] mtp_k_ladder` of the model folder's metrale.toml (its `[behavior.<dtype>]`
+    value first) parsed, or None when absent. A value that is not a ladder is refused (a folder's
+    defaults are checked, not guessed)."""
     if model_dir is None or not Path(model_dir).is_dir():
         return None
-    value = load_behavior(model_dir).get("mtp_k_ladder")
+    value = load_behavior(model_dir, dtype).get("mtp_k_ladder")
     if value is None:
         return None
     steps = parse_mtp_k_ladder(value) if isinstance(value, str) else None
@@ -125,8 +127,10 @@ def model_ladder(model_dir: Path | None) -> list[tuple[int, int]] | None:
 def resolve_spec_settings(*, method: str = "none", num_drafts: int = 3, depth_policy: str | None = None,
                           k_ladder: str | None = None, width_cap: int | None = None,
                           confidence_stop: float | None = None, tree_shape: str | TreeShape | None = None,
-                          verify: str = "exact", model_dir: str | Path | None = None) -> SpecSettings:
+                          verify: str = "exact", model_dir: str | Path | None = None,
+                          dtype: str | None = None) -> SpecSettings:
     """Resolve speculation settings once: argument > published > environment > metrale.toml > default.
+    `dtype`: the served dtype, whose `[behavior.<dtype>]` values in metrale.toml beat the shared ones.
 
     `k_ladder` is `--mtp-k-ladder`: a ladder text, or "auto" for the online depth controller. A
     pinned ladder (given here, published, or METRALE_MTP_K_LADDER present) turns "auto" back into
@@ -141,10 +145,11 @@ def resolve_spec_settings(*, method: str = "none", num_drafts: int = 3, depth_po
         if steps is None:
             raise ValueError(f"--mtp-k-ladder {k_ladder!r} is not a ladder: expected n_max:drafts[,n_max:drafts...], "
                              "e.g. 4:3,8:3,16:1,32:1")
+    dtype = str(dtype).removeprefix("torch.") if dtype is not None else None
     pinned = steps is not None or ladders.mtp_ladder_pinned()
     model = Path(model_dir) if model_dir else None
     if steps is None:   # published or METRALE_MTP_K_LADDER, else the folder's, else the default
-        steps = ladders.current_ladder() if pinned else (model_ladder(model) or ladders.current_ladder())
+        steps = ladders.current_ladder() if pinned else (model_ladder(model, dtype) or ladders.current_ladder())
     policy = depth_policy or ("auto" if auto else "ladder")
     if policy == "auto" and pinned:
         policy = "ladder"
@@ -154,7 +159,7 @@ def resolve_spec_settings(*, method: str = "none", num_drafts: int = 3, depth_po
     elif ladders.mtp_max_seqs_published():
         cap, source = ladders.published_max_seqs()
     else:
-        cap, source = resolve_mtp_max_seqs(None, model_width_cap(model), disabled)
+        cap, source = resolve_mtp_max_seqs(None, model_width_cap(model, dtype), disabled)
     stop = confidence_stop if confidence_stop is not None else draft_stop.draft_confidence_stop()
     shape = _tree_shape(tree_shape, method)
     return SpecSettings(method=method, num_drafts=num_drafts if method != "none" else 0, depth_policy=policy,

@@ -2,8 +2,12 @@
 and confidence stops live side by side in one process, each doing what its own settings say."""
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import torch
+
+from runtime.config import ConfigError
 from runtime.sampler import SamplingParams
 from serving.llm import LLM
 from speculative.depth import DepthPolicy, DraftPlan
@@ -75,3 +79,35 @@ def test_depth_policy_gives_depth_and_rows_per_sequence():
     stop = DepthPolicy(SpecSettings(method="mtp", num_drafts=3, confidence_stop=0.5))
     assert stop.verify_depth(3, [0.9, 0.4, 0.9]) == 2 and stop.verify_depth(3, [0.9, 0.6]) == 2
     assert stop.verify_depth(1, [0.9, 0.9, 0.9]) == 1
+
+
+def test_a_dtype_table_of_the_folder_beats_its_shared_values(ckpt_mtp, tmp_path):
+    import shutil
+    model = tmp_path / "m"
+    shutil.copytree(ckpt_mtp, model)
+    (model / "metrale.toml").write_text('[behavior]\nmtp_max_seqs = 8\nmtp_k_ladder = "4:3,8:1"\n'
+                                        '[behavior.bfloat16]\nmtp_max_seqs = 2\nmtp_k_ladder = "2:3"\n')
+    bf16 = resolve_spec_settings(method="mtp", model_dir=model, dtype="bfloat16")
+    assert (bf16.width_cap, bf16.ladder, bf16.width_cap_source.value) == (2, ((2, 3),), "model_default")
+    assert resolve_spec_settings(method="mtp", model_dir=model, dtype=torch.bfloat16).width_cap == 2
+    for dtype in ("float32", "float64", None):       # no table of their own: the shared values
+        s = resolve_spec_settings(method="mtp", model_dir=model, dtype=dtype)
+        assert (s.width_cap, s.ladder) == (8, ((4, 3), (8, 1)))
+    assert resolve_spec_settings(method="mtp", model_dir=model, dtype="bfloat16", width_cap=5).width_cap == 5
+    (model / "metrale.toml").write_text('[behavior]\nmtp_max_seqs = 8\n[behavior.bfloat16]\nmtp_k_ladder = "2:x"\n')
+    assert resolve_spec_settings(method="mtp", model_dir=model, dtype="float32").width_cap == 8
+    with pytest.raises(ConfigError, match="is not a ladder"):
+        resolve_spec_settings(method="mtp", model_dir=model, dtype="bfloat16")
+    for bad, needle in (("[behavior.fp8]\nmtp_max_seqs = 2\n", "not a dtype table"),
+                        ("[behavior.bfloat16.extra]\nmtp_max_seqs = 2\n", "holds values, not tables")):
+        (model / "metrale.toml").write_text(bad)
+        with pytest.raises(ConfigError, match=needle):
+            resolve_spec_settings(method="mtp", model_dir=model, dtype="float32")
+
+
+def test_the_embedded_model_speculates_at_one_sequence_only_in_bfloat16():
+    model = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
+    bf16 = resolve_spec_settings(method="mtp", model_dir=model, dtype="bfloat16")
+    f32 = resolve_spec_settings(method="mtp", model_dir=model, dtype="float32")
+    assert (bf16.width_cap, bf16.ladder) == (1, ((1, 3),))
+    assert (f32.width_cap, f32.ladder) == (8, ((4, 3), (8, 1)))
