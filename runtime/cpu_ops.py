@@ -176,6 +176,15 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.metrale_cpu.pack(weight.detach())
 
 
+def kernel_clock(on: bool) -> float:
+    """Start (`on`) or stop the native kernel clock; returns the seconds it counted since the last
+    call (and counts from 0 again): the calling threads' wall time inside the compute ops (linears,
+    routed experts, paged attention), an op nested in another once. 0.0 without the library."""
+    if LOADED is None:
+        load()
+    return torch.ops.metrale_cpu.kernel_clock(on) / 1e9 if LOADED else 0.0
+
+
 def _register_fakes() -> None:
     """Output shapes of the ops a compiled step calls directly (the others run inside opaque
     Python ops that have their own); once a process."""

@@ -5,15 +5,15 @@
 Both arms (`torch.compile`d steps and `enforce_eager`) decode the same `--width` held-out prompts
 together (greedy, `--max-tokens` each) in one process, the arms interleaved over `--rounds`. Per
 step: the wall, the target forward (its plan and then the compiled graph or the eager modules), the
-logits and the rest on the host (scheduling, sampling, commits). A profiled round of each arm gives
-the time inside the native kernels (the `metrale_cpu` ops: linears, paged attention, routed
-experts), which both arms call alike.
+logits and the rest on the host (scheduling, sampling, commits), and, by the native kernel clock
+(`runtime.cpu_ops.kernel_clock`, in the same rounds), the time inside the compute kernels (linears,
+paged attention, routed experts), which both arms call alike.
 
 With K the kernels, O the rest of the forward and logits (compiled: the graph's own fused kernels,
-its wrapper and the plan; eager: the modules' Python and ATen ops and the plan) and H the host, the
-eager / compiled ratio is (K + O_eager + H_eager) / (K + O_compiled + H_compiled). The table after
-the split prints that ratio as the compiled arm's O falls to 0 and both arms' H falls to a fraction
-of today's: how much of the step each term must lose for a target ratio.
+its wrapper, the plan and the calls; eager: the modules' Python and ATen ops and the plan) and H the
+host, the eager / compiled ratio is (K_e + O_e + H_e) / (K_c + O_c + H_c). The table after the
+split prints that ratio as the compiled arm's O falls to a half and to 0 and both arms' H to a half
+and to 0: how much of the step each term must lose for a target ratio.
 """
 from __future__ import annotations
 
@@ -49,7 +49,9 @@ class Arm:
         timed(self.llm.engine.runner, "logits", self.bucket)
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
-        """One round: every prompt added at once, stepped to the end. -> seconds and steps."""
+        """One round: every prompt added at once, stepped to the end. -> seconds (wall, forward,
+        logits, inside the native kernels by their clock) and steps."""
+        from runtime import cpu_ops
         from runtime.sampler import SamplingParams
         engine = self.llm.engine
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -57,20 +59,14 @@ class Arm:
         for p in prompts:
             engine.add_request(p, params)
         steps0 = engine.num_steps
+        cpu_ops.kernel_clock(True)
         t0 = time.perf_counter()
         while engine.has_unfinished():
             self.llm.step()
         wall = time.perf_counter() - t0
+        kernels = cpu_ops.kernel_clock(False)
         return {"wall": wall, "steps": engine.num_steps - steps0, "forward": self.bucket.get("forward", 0.0),
-                "logits": self.bucket.get("logits", 0.0)}
-
-    def kernels(self, prompts: list[list[int]], max_tokens: int) -> float:
-        """Seconds inside the native kernels over one profiled round, per step."""
-        import torch
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            r = self.run(prompts, max_tokens)
-        native = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("metrale_cpu::"))
-        return native / 1e6 / r["steps"]
+                "logits": self.bucket.get("logits", 0.0), "kernels": kernels}
 
 
 def main() -> None:
@@ -96,12 +92,10 @@ def main() -> None:
     for i in range(args.rounds):
         for arm in (arms if i % 2 == 0 else arms[::-1]):
             runs[arm.name].append(arm.run(prompts, args.max_tokens))
-    kernels = {a.name: a.kernels(prompts, args.max_tokens) for a in arms}
     rows = {}
     for name, rs in runs.items():
-        per = lambda key: statistics.median(r[key] / r["steps"] for r in rs)   # noqa: E731 - one column
-        step, fwd, logits = per("wall"), per("forward"), per("logits")
-        k = min(kernels[name], fwd + logits)
+        per = lambda key: 1000 * statistics.median(r[key] / r["steps"] for r in rs)   # noqa: E731 - ms a step
+        step, fwd, logits, k = per("wall"), per("forward"), per("logits"), per("kernels")
         rows[name] = {"step_ms": step, "forward_ms": fwd, "logits_ms": logits, "kernels_ms": k,
                       "other_forward_ms": fwd + logits - k, "host_ms": step - fwd - logits,
                       "steps": rs[0]["steps"]}
@@ -113,12 +107,12 @@ def main() -> None:
         print(f"{name:>9} " + " ".join(f"{row[c]:>16.3f}" for c in cols))
     print(f"eager / compiled: {ratio:.3f} (paired wall, median)")
     c, e = rows["compiled"], rows["eager"]
-    k = (c["kernels_ms"] + e["kernels_ms"]) / 2
     bounds = []
     print(f"{'compiled other_forward':>23} {'host (both arms)':>17} {'eager / compiled':>17}")
     for other in (c["other_forward_ms"], 0.5 * c["other_forward_ms"], 0.0):
         for host_share in (1.0, 0.5, 0.0):
-            value = (k + e["other_forward_ms"] + host_share * e["host_ms"]) / (k + other + host_share * c["host_ms"])
+            value = ((e["kernels_ms"] + e["other_forward_ms"] + host_share * e["host_ms"])
+                     / (c["kernels_ms"] + other + host_share * c["host_ms"]))
             bounds.append({"compiled_other_forward_ms": round(other, 3), "host_share": host_share,
                            "ratio": round(value, 3)})
             print(f"{other:>23.3f} {f'x {host_share:.1f}':>17} {value:>17.3f}")

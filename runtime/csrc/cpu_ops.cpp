@@ -15,6 +15,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <cmath>
@@ -24,6 +26,36 @@
 #include <vector>
 
 namespace {
+
+// The kernel clock: wall time the calling threads spend inside the compute ops (linears, routed
+// experts, paged attention) while it runs, for a step split without a profiler (whose recording
+// changed these ops' times by up to 60% between runs: tools/eager_split.py). An op nested in
+// another counts once. Off (the default), an op pays one relaxed load.
+std::atomic<bool> g_clock_on{false};
+std::atomic<int64_t> g_clock_ns{0};
+thread_local int t_clock_depth = 0;
+
+struct KernelClock {
+  bool on;
+  std::chrono::steady_clock::time_point t0;
+  KernelClock() : on(t_clock_depth++ == 0 && g_clock_on.load(std::memory_order_relaxed)) {
+    if (on) t0 = std::chrono::steady_clock::now();
+  }
+  ~KernelClock() {
+    --t_clock_depth;
+    if (on) {
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
+      g_clock_ns.fetch_add(ns.count(), std::memory_order_relaxed);
+    }
+  }
+};
+
+// Starts (`on`) or stops the kernel clock; returns the nanoseconds it counted since the last call
+// and starts the count again from 0.
+int64_t kernel_clock(bool on) {
+  g_clock_on.store(on, std::memory_order_relaxed);
+  return g_clock_ns.exchange(0, std::memory_order_relaxed);
+}
 
 at::Tensor long_tensor(const std::vector<int64_t>& values) {
   at::Tensor out = at::empty({static_cast<int64_t>(values.size())}, at::kLong);
@@ -797,6 +829,7 @@ at::Tensor bf16_linear(const at::Tensor& x, int64_t rows, int64_t kdim, int64_t 
 // no speculation but 0.90x / 0.89x with 1 / 3 drafts (one process, interleaved).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t max_rows,
                   const c10::optional<at::Tensor>& packed) {
+  const KernelClock clock;
   TORCH_CHECK(x.device().is_cpu(), "metrale_cpu::linear runs on the CPU, got ", x.device());
   TORCH_CHECK(w.dim() == 2 && x.dim() >= 1 && x.size(-1) == w.size(1),
               "linear: x [..., K] and w [N, K] expected, got ", x.sizes(), " and ", w.sizes());
@@ -1043,6 +1076,7 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const 
                           const at::Tensor& gate_up, const at::Tensor& down, int64_t expert_offset,
                           int64_t padded_min_experts, int64_t few_rows_max,
                           const c10::optional<at::Tensor>& gate_up_packed, const c10::optional<at::Tensor>& down_packed) {
+  const KernelClock clock;
   TORCH_CHECK(x.device().is_cpu(), "metrale_cpu::routed_experts runs on the CPU, got ", x.device());
   TORCH_CHECK(x.dim() == 2, "x must be [T, H], got ", x.sizes());
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0), "ids must be [T, k] for x ", x.sizes(), ", got ", ids.sizes());
@@ -1769,6 +1803,7 @@ at::Tensor paged_attention_prepared(const at::Tensor& q, const at::Tensor& k, co
                                     const at::Tensor& gather, const std::optional<at::Tensor>& q_index,
                                     const std::optional<at::Tensor>& valid, const std::optional<at::Tensor>& mask,
                                     c10::string_view mode, double scale, PagedPrep* prep) {
+  const KernelClock clock;
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, heads, dim]");
   TORCH_CHECK(gather.dim() == 2, "gather must be [B, K], got ", gather.sizes());
   const bool padded = mode == "padded", causal = mode == "causal", explicit_mask = mode == "explicit";
@@ -1933,6 +1968,7 @@ bool use_bf16_dot_products(bool on) {
 
 TORCH_LIBRARY(metrale_cpu, m) {
   m.def("use_bf16_dot_products(bool on) -> bool", &use_bf16_dot_products);
+  m.def("kernel_clock(bool on) -> int", &kernel_clock);
   m.def("attention_scores(Tensor q, Tensor keys) -> Tensor");
   m.impl("attention_scores", c10::DispatchKey::CPU, TORCH_FN(attention_scores));
   m.def("routed_experts(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down, "

@@ -265,3 +265,21 @@ def test_a_packed_layer_uses_its_packed_copy_up_to_the_few_row_limit():
             x = torch.randn(rows, 64).to(torch.bfloat16)
             assert torch.equal(compiled(x), lin(x))
         assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_kernel_clock_counts_the_compute_ops_only_while_it_runs():
+    import time
+    w = column_major(512, 256, torch.float32)
+    x = torch.randn(4, 256)
+    cpu_ops.kernel_clock(False)                          # reset
+    for _ in range(20):
+        linear(x, w)
+    assert cpu_ops.kernel_clock(True) == 0.0             # off: nothing counted
+    t0 = time.perf_counter()
+    for _ in range(20):
+        linear(x, w)
+    x.mul(2)                                             # not a compute op of the library
+    wall = time.perf_counter() - t0
+    counted = cpu_ops.kernel_clock(False)
+    assert 0.0 < counted <= wall
+    assert cpu_ops.kernel_clock(False) == 0.0            # each read starts the count again

@@ -231,3 +231,27 @@ def test_spec_bound_compares_a_tree_with_the_chain_of_its_depth():
     assert bytes_ratio < gain
     missing = run_tool("spec_bound.py", "--model", MODEL, "--accept", "3:2.9", "--tree", "1,2,2,1:3.5")
     assert missing.returncode == 1 and "chain of depth 4" in missing.stderr
+
+
+def test_eager_split_splits_both_arms_and_bounds_their_ratio(tmp_path):
+    out = tmp_path / "split.json"
+    stdout = ok(run_tool("eager_split.py", "--model", MODEL, "--dtype", "float32", "--width", 2, "--max-tokens", 4,
+                         "--rounds", 1, "--json-out", out, timeout=600))
+    record = json.loads(out.read_text())
+    arms = record["arms"]
+    assert set(arms) == {"compiled", "eager"} and "eager / compiled" in stdout
+    for name, a in arms.items():
+        assert a["steps"] == 4, (name, a)          # a prefill step gives the first token, then one a step
+        assert 0 < a["kernels_ms"] <= a["forward_ms"] + a["logits_ms"] + 1e-3, (name, a)
+        assert a["host_ms"] > 0, (name, a)
+        assert a["step_ms"] == pytest.approx(a["forward_ms"] + a["logits_ms"] + a["host_ms"], abs=2e-3), (name, a)
+    c, e = arms["compiled"], arms["eager"]
+    free = next(b for b in record["bounds"] if b["compiled_other_forward_ms"] == 0 and b["host_share"] == 0)
+    assert free["ratio"] == pytest.approx((e["kernels_ms"] + e["other_forward_ms"]) / c["kernels_ms"], rel=1e-2)
+    now = next(b for b in record["bounds"] if b["host_share"] == 1)    # today's terms: the step's ratio
+    assert now["ratio"] == pytest.approx(e["step_ms"] / c["step_ms"], rel=1e-2)
+    assert record["ratio"] > 0
+
+
+def test_eager_split_refuses_a_width_beyond_the_prompts():
+    assert "fewer than --width" in refused(run_tool("eager_split.py", "--model", MODEL, "--width", 1000))
