@@ -222,9 +222,17 @@ class Engine:
         decoding = [s for s in running if s.num_pending == 1]
         if not decoding:
             return {}
-        rooms = [min(s.params.max_tokens - s.num_output, self.max_model_len - len(s.token_ids)) for s in decoding]
-        plans = self.depth.plans(len(running), rooms)
-        return {s.seq_id: p for s, p in zip(decoding, plans) if p.num_rows > 0}
+        depth = self.depth.step_depth(len(running))
+        self.depth.step_depth_taken = depth
+        if depth == 0:   # above the width cap nobody drafts: no plan a sequence (~19 us a step at 16)
+            return {}
+        plans = {}
+        for s in decoding:
+            room = min(s.params.max_tokens - s.num_output, self.max_model_len - len(s.token_ids))
+            p = self.depth.plan(depth, room)
+            if p.num_rows > 0:
+                plans[s.seq_id] = p
+        return plans
 
     def propose(self, batch: list[Scheduled], plans: dict[int, DraftPlan]) -> list[Drafts]:
         """Phase 3: drafts for every scheduled sequence that got its draft rows (others: none),
