@@ -121,7 +121,11 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logits of `rows` of a forward's pre-norm hidden [T, H] -> float32 (or float64) [N, V]."""
-        picked = hidden[rows]
+        first = rows[0] if rows else 0
+        if rows == list(range(first, first + len(rows))):   # consecutive (a decode step's): a view, no gather
+            picked = hidden[first:first + len(rows)]
+        else:
+            picked = hidden[rows]
         out = (self.model.compute_logits(picked) if self._compiled_logits is None
                else self._compiled_logits(picked))
         return out if out.dtype == torch.float64 else out.float()
