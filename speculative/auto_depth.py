@@ -20,8 +20,10 @@ the band (at least `probe_run + settle + 2`), then the known ones are re-probed 
 ratios stay current, every `probe_every` steps at first and half as often after each round of probes that changes nothing (down to one in
 `probe_every * 2**max_doublings`: a probe at a worse depth costs that step its difference); the
 band switches only when another depth beats its current one by more than `hysteresis`, and then
-probes at the shortest interval again. A band starts from the static ladder, or from the depth of the
-nearest narrower band that has measured every depth when that is lower.
+probes at the shortest interval again. Only the current depth's neighbours are probed, and on each side
+the next depth past one within the hysteresis of the current (`_eligible`): a hill climb, since a
+depth's rate has one peak. A band starts from the static ladder, or from the depth of the nearest
+narrower band that has measured every depth it probes when that is lower.
 """
 from __future__ import annotations
 
@@ -57,6 +59,9 @@ class _Band:
     probe_left: int = 0    # steps left of the probe run under way
     run_depth: int = -1    # the depth of the latest measured steps in a row, and how many
     run_len: int = 0
+    ratios: int = 0        # probe ratios recorded so far (a change of what `eligible` sees)
+    eligible_key: tuple = ()
+    eligible: list = field(default_factory=list)
 
     def level(self, depth: int) -> float | None:
         """The depth's log cost on the band's scale (the median of its latest), None when unmeasured."""
@@ -112,8 +117,8 @@ class AutoDepthController:
         prefills, the samples to leave a depth that a narrower band already found losing (in
         bfloat16 here: plain decoding leads at 1-8 sequences, the ladder drafts 3 up to 4)."""
         start = self.start_depth(n_active)
-        settled = [w for w, b in self.bands.items() if w < key and all(
-            d == b.current or len(b.levels.get(d, ())) >= self.min_samples for d in range(self.max_depth + 1))]
+        settled = [w for w, b in self.bands.items() if w < key and b.recent and all(
+            len(b.levels.get(d, ())) >= self.min_samples for d in self._eligible(b))]
         return min(start, self.bands[max(settled)].current) if settled else start
 
     # --- measurements ---------------------------------------------------------------------
@@ -147,6 +152,7 @@ class AutoDepthController:
         elif band.recent:   # a probe, paired with the current depth's steps just before it
             kept = band.levels.setdefault(depth, deque(maxlen=RATIOS_KEPT))
             kept.append(x - _median(band.recent) + band.level(band.current))
+            band.ratios += 1
         else:               # nothing to pair with yet (the band just started or switched)
             return
         rates = {d: math.log(self.expected_tokens(d)) - band.level(d) for d, kept in band.levels.items()
@@ -171,6 +177,35 @@ class AutoDepthController:
             total += chain
         return total
 
+    def _rate(self, band: _Band, depth: int) -> float | None:
+        """log(expected tokens per unit of cost) of `depth` in `band`, None when unmeasured."""
+        level = band.level(depth)
+        return None if level is None else math.log(self.expected_tokens(depth)) - level
+
+    def _eligible(self, band: _Band) -> list[int]:
+        """The depths the band measures beside its current one: each neighbour, and on each side
+        the next one past a measured depth whose rate is within the hysteresis of the current's
+        (a plateau is walked along). Past a clearly worse neighbour nothing further is probed: a
+        depth's rate rises to one peak and falls (its expected tokens grow by ever smaller steps,
+        its cost by about a verify row's), and a probe of a far, costly depth costs its steps the
+        difference (float32, 8 sequences: three drafts cost 1.49x one, and probing them kept auto
+        at 0.92 of the ladder). Recomputed when the current depth or a ratio changes."""
+        key = (band.current, band.ratios, len(band.recent) > 0)
+        if band.eligible_key == key:
+            return band.eligible
+        current = self._rate(band, band.current)
+        out = []
+        for step in (-1, 1):
+            d = band.current + step
+            while 0 <= d <= self.max_depth:
+                out.append(d)
+                rate = self._rate(band, d) if len(band.levels.get(d, ())) >= self.min_samples else None
+                if current is None or rate is None or rate < current - math.log1p(self.hysteresis):
+                    break
+                d += step
+        band.eligible_key, band.eligible = key, out
+        return out
+
     def depth_for(self, n_active: int) -> int:
         """The depth to run this step at width `n_active` (a probe now and then)."""
         band = self._band(n_active)
@@ -178,8 +213,8 @@ class AutoDepthController:
         if band.probe_left > 0:       # a probe runs `probe_run` steps in a row
             band.probe_left -= 1
             return band.probe_depth
-        unknown = [d for d in range(self.max_depth + 1)
-                   if d != band.current and len(band.levels.get(d, ())) < self.min_samples]
+        eligible = self._eligible(band)
+        unknown = [d for d in eligible if len(band.levels.get(d, ())) < self.min_samples]
         # While some depth is unmeasured, probe four times as often: a band can be short-lived. A
         # probe needs steps of the current depth to pair with, so none comes before them.
         if not band.recent or (unknown and band.steps % max(self.min_interval, self.probe_every // 4)):
@@ -187,7 +222,7 @@ class AutoDepthController:
         if unknown:
             band.probes += 1
             return self._probe(band, min(unknown, key=lambda d: (len(band.levels.get(d, ())), abs(d - band.current))))
-        others = [d for d in range(self.max_depth + 1) if d != band.current]
+        others = eligible
         if not others:
             return band.current
         # Each round of probes that leaves the current depth in place doubles the interval (up to

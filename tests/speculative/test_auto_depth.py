@@ -189,3 +189,22 @@ def test_engine_auto_policy_is_lossless(ckpt_mtp):
     costs = {w: b.cost for w, b in auto.bands.items()}
     # and step costs (a band whose steps never ran long at one depth has none: short runs are not measured)
     assert any(costs.values()) and all(s > 0 for c in costs.values() for s in c.values())
+
+
+def test_past_a_clearly_worse_neighbour_nothing_is_probed():
+    """A hill climb: from depth 1, the best, both neighbours are measured and found worse, so the
+    costly depth 3 is never run; where a neighbour ties the current depth the next one past it is
+    tried (a plateau is walked along), and a far better depth is found that way."""
+    costs = {0: 0.010, 1: 0.0075, 2: 0.016, 3: 0.030}
+    ctrl = AutoDepthController(3, start_depth=lambda n: 1, probe_every=4)
+    chosen = simulate(ctrl, 8, costs.get, [0.8, 0.7, 0.5], 800)
+    assert ctrl.bands[8].current == 1
+    assert 3 not in chosen and chosen.count(0) > 0 and chosen.count(2) > 0
+    # 1 and 2 tie (within the 5% hysteresis) and 3 is far better: walked to through 2.
+    plateau = AutoDepthController(3, start_depth=lambda n: 1, probe_every=4)
+    for i in range(3):
+        plateau.reached[i], plateau.accepted[i] = 100_000, 50_000
+    e = plateau.expected_tokens
+    cost = {0: e(0) / 50.0, 1: e(1) / 100.0, 2: e(2) / 102.0, 3: e(3) / 150.0}
+    chosen = simulate(plateau, 1, cost.get, [0.5, 0.5, 0.5], 600)
+    assert plateau.bands[1].current == 3 and chosen[-100:].count(3) >= 80
