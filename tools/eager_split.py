@@ -26,17 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def timed(obj, name: str, bucket: dict) -> None:
-    fn = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            bucket[name] = bucket.get(name, 0.0) + time.perf_counter() - t0
-    setattr(obj, name, wrapper)
+from tools.step_split import timed  # noqa: E402 - the repository root is on the path from here
 
 
 class Arm:
