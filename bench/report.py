@@ -77,37 +77,66 @@ def print_table(cells: list[dict]) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
 
 
-def plot(cells: list[dict], path: Path, title: str) -> None:
+def _baseline(arm: str) -> str:
+    """The `none` cell an arm's speedup divides by: none of the same request kind (k3/json -> none/json)."""
+    kind = arm.partition("/")[2]
+    return "none" + (f"/{kind}" if kind else "")
+
+
+def figure(cells: list[dict], title: str):
     """Tokens/s per arm over concurrency (the median run, bars from the slowest to the fastest
-    repeat), and acceptance of the speculating arms."""
+    repeat), the speedup of every other arm against `none` at each concurrency (when `none` ran),
+    and acceptance of the speculating arms; the x ticks are the concurrencies measured."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    from matplotlib.ticker import FixedLocator, NullLocator
+    arms = list(dict.fromkeys(c["arm"] for c in cells))
+    tok_s = {(c["arm"], c["concurrency"]): c["tok_s"] for c in cells}
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(16, 4.4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, arm in enumerate(dict.fromkeys(c["arm"] for c in cells)):
+    for i, arm in enumerate(arms):
         mine = sorted((c for c in cells if c["arm"] == arm), key=lambda c: c["concurrency"])
         xs = [c["concurrency"] for c in mine]
         ys = [c["tok_s"] for c in mine]
         lo = [y - c.get("tok_s_min", y) for y, c in zip(ys, mine)]
         hi = [c.get("tok_s_max", y) - y for y, c in zip(ys, mine)]
-        color = colors[i % len(colors)]  # the same arm has the same colour in both panels
+        color = colors[i % len(colors)]  # the same arm has the same colour in every panel
         ax1.errorbar(xs, ys, yerr=[lo, hi], marker="o", label=arm, color=color, capsize=3)
+        base = _baseline(arm)
+        pairs = [(x, y / tok_s[(base, x)]) for x, y in zip(xs, ys) if tok_s.get((base, x))]
+        if arm != base and pairs:
+            ax3.plot([x for x, _ in pairs], [r for _, r in pairs], marker="o", label=arm, color=color)
         if any(c["accept_len"] is not None for c in mine):
             ax2.plot(xs, [c["accept_len"] or float("nan") for c in mine], marker="o", label=arm, color=color)
+    levels = sorted({c["concurrency"] for c in cells})
     for ax, label in ((ax1, "output tokens/s (median; bars: min-max of repeats)"),
-                      (ax2, "accept_len (1 + mean accepted)")):
+                      (ax3, "tokens/s / none's tokens/s"), (ax2, "accept_len (1 + mean accepted)")):
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(levels))      # only the concurrencies measured
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([str(c) for c in levels])
         ax.set_xlabel("concurrency")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
+    ax3.axhline(1.0, color="grey", linewidth=1, linestyle="--")
+    ax3.set_title("speedup against none")
+    if not ax3.get_legend_handles_labels()[0]:
+        ax3.text(0.5, 0.5, "no none arm to divide by", ha="center", va="center", transform=ax3.transAxes)
     if not ax2.get_legend_handles_labels()[0]:
         ax2.text(0.5, 0.5, "no speculating arm", ha="center", va="center", transform=ax2.transAxes)
     ax2.set_title("acceptance (speculating arms)")
     fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot(cells: list[dict], path: Path, title: str) -> None:
+    """`figure`, written to `path` as a PNG."""
+    import matplotlib.pyplot as plt
+    fig = figure(cells, title)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -82,6 +82,7 @@ class Engine:
         self._ids = itertools.count()
         self._rng = random.Random()
         self.num_steps = 0
+        self.num_generated_tokens = 0   # output tokens committed, every sequence (the server's throughput)
         # Structured outputs need the tokenizer's token table; without a tokenizer they are refused.
         self.grammars = None if tokenizer is None else GrammarCompiler(
             tokenizer.to_json(), self.model_config.vocab_size, self.model_config.eos_token_ids, runner.cache.device)
@@ -437,6 +438,7 @@ class Engine:
                 reason = "length"
             if reason:
                 break
+        self.num_generated_tokens += added
         detok = seq.detokenizer
         if detok is not None:
             detok.append(seq.token_ids[len(seq.token_ids) - added:])

@@ -10,6 +10,7 @@ read it off.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -239,6 +240,17 @@ def serve_rank(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_
         return 2, f"metrale worker rank {comm.rank}: {type(exc).__name__}: {exc}"
     finally:
         comm.close()
+
+
+def ignore_interrupts() -> None:
+    """Ctrl-C in a terminal sends SIGINT to the whole foreground process group, worker ranks too.
+    A worker rank ignores it and leaves shutdown to rank 0, which drains (`metrale serve`, as on
+    SIGTERM) or stops (`generate`) and then shuts the group down: a worker that died of the
+    KeyboardInterrupt would break the collective of the step in flight. Clears the SIGINT the
+    launcher blocked while it spawned this process (`launch.mp`), a pending one included."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # also discards a pending SIGINT
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _thread_lock_for_progress_bars() -> None:

@@ -8,27 +8,37 @@ from pathlib import Path
 def add_bench_parser(sub) -> None:
     from launch.cli import add_device_args
     b = sub.add_parser("bench", help="concurrency sweep over held-out prompts (or multi-turn chats), arms side by side")
-    b.add_argument("--model", required=True)
+    from launch.cli import DTYPE_HELP, DTYPES
+    b.add_argument("--model", required=True, help="checkpoint folder (config.json, *.safetensors, tokenizer.json)")
     b.add_argument("--workload", default="sweep", choices=["sweep", "chat"],
                    help="sweep: closed-loop concurrency sweep; chat: conversations over a shared system prompt "
                         "through the server's chat endpoint, prefix cache on and off (arms cache, no-cache)")
-    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    b.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     add_device_args(b)
     b.add_argument("--quick", action="store_true", help="small sweep that finishes in a few minutes")
-    b.add_argument("--concurrency", default=None, help="comma list, e.g. 1,2,4,8,16,32")
-    b.add_argument("--arms", default=None, help="comma list of arms: none (the default), hf, k1, k2, k3, ..., tree; an engine "
-                        "arm + '-eager' runs without torch.compile (none-eager), + '-bi' with the batch-invariant kernels "
-                        "(k3-bi), + '-a2a' at --ep > 1 with the MoE exchange instead of auto's choice (none-a2a), + '-twin' a "
-                        "second instance of an arm also listed (k3-twin beside k3: their paired ratio, printed as "
-                        "the noise, is what two identical arms differ by); chat: no-cache,cache (the default)")
+    b.add_argument("--concurrency", default=None, metavar="LIST",
+                   help="comma list of closed-loop concurrencies, e.g. 1,4,16 (default: 1,2,4,8,16,32; --quick: 1,4)")
+    b.add_argument("--arms", default=None, metavar="LIST",
+                   help="comma list of arms (default: none). Fixed depths, speculating at every width: none (no "
+                        "speculation), k1..k4 (MTP drafts per step), ngram (prompt lookup), tree (the --tree-shape "
+                        "tree), treeDIGITS (tree3211: the shape 3,2,1,1); with the model's width cap: ladder (the "
+                        "drafts-by-width ladder), ladder+stop (with a 0.5 confidence stop), auto (depth measured "
+                        "online); yardsticks: hf (transformers' generate), vllm and vllm-mtpK (K=1..4, vLLM's CPU "
+                        "build, see --vllm-python). An engine arm + '-eager' runs without torch.compile "
+                        "(none-eager), + '-bi' with the batch-invariant kernels (k3-bi), + '-a2a' at --ep > 1 with "
+                        "the MoE exchange instead of auto's choice (none-a2a), + '-twin' a second instance of an "
+                        "arm also listed (k3-twin beside k3: their paired ratio, printed as the noise, is what two "
+                        "identical arms differ by). Chat workload: no-cache,cache (its default)")
     b.add_argument("--request-kinds", default="plain", metavar="KINDS",
                    help="sweep: comma list of what the requests ask for: plain, json (a JSON schema through the "
                         "grammar mask), penalties; every arm runs each, cells ARM/KIND")
-    b.add_argument("--tree-shape", default=None, metavar="COUNTS", help="the draft tree of arm tree, e.g. 1,2,2")
-    b.add_argument("--ep", type=int, default=1)
+    b.add_argument("--tree-shape", default=None, metavar="COUNTS",
+                   help="the draft tree of arm tree, e.g. 1,2,2 (default: none; arm tree needs it)")
+    b.add_argument("--ep", type=int, default=1, help="expert-parallel ranks of every engine arm")
     b.add_argument("--launcher", default="mp", choices=["mp", "ray"],
                    help="how --ep > 1 starts its ranks (each arm starts its own group; start-up is not measured)")
-    b.add_argument("--max-tokens", type=int, default=None, help="output tokens per request")
+    b.add_argument("--max-tokens", type=int, default=None,
+                   help="output tokens per request (default: 128; --quick 48; chat 64)")
     b.add_argument("--requests", type=int, default=None, help="requests per cell (default: 2 x concurrency, at least 16)")
     b.add_argument("--repeats", type=int, default=1,
                    help="runs per cell, arms taking turns; the cell is the median run, with min and max beside it")
@@ -36,11 +46,11 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="arms vllm and vllm-mtpK (K=1..4) run vLLM's CPU build with this venv's Python "
                         "(default: METRALE_VLLM_PYTHON); a yardstick, never a dependency")
-    b.add_argument("--json-out", type=Path, default=None)
-    b.add_argument("--plot-out", type=Path, default=None)
+    b.add_argument("--json-out", type=Path, default=None, help="where the JSON record goes (default: not written)")
+    b.add_argument("--plot-out", type=Path, default=None, help="where the PNG plot goes (default: not drawn)")
     chat = b.add_argument_group("chat workload")
-    chat.add_argument("--conversations", type=int, default=16)
-    chat.add_argument("--turns", type=int, default=4)
+    chat.add_argument("--conversations", type=int, default=16, help="conversations run at once")
+    chat.add_argument("--turns", type=int, default=4, help="user turns per conversation")
     chat.add_argument("--system-tokens", type=int, default=1000, help="tokens of the shared system prompt")
     chat.add_argument("--user-tokens", type=int, default=48, help="tokens of each user message")
     chat.add_argument("--spec", default="none", choices=["none", "mtp", "ngram"], help="speculation of both servers")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import time
@@ -29,7 +30,7 @@ import torch
 
 from ep.channel import load_shard_model
 from ep.comm import START_TIMEOUT_S, Communicator
-from ep.worker import serve_rank
+from ep.worker import ignore_interrupts, serve_rank
 from runtime.device import check_local_gpus, rank_device
 from serving.deployment import GroupConfig, GroupStartError
 
@@ -44,7 +45,9 @@ def worker_main(rank: int, cfg: GroupConfig, overrides: dict, conn: Connection) 
     """A spawned worker: unless its group's address is waiting already (a cold start: join at
     once, load after the handshake), load its shard unjoined (a warm standby), then wait for the
     group's address and generation on `conn`, join, agree on the handshake and serve commands.
-    The pipe closing first (the launcher went away, or retired this standby) ends it quietly."""
+    The pipe closing first (the launcher went away, or retired this standby) ends it quietly.
+    Ctrl-C is rank 0's to handle (ep.worker.ignore_interrupts)."""
+    ignore_interrupts()
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s", stream=sys.stderr)
     model_dir, dtype = _rank_settings(cfg, overrides)
     comm = Communicator(rank=rank, world_size=cfg.ep, init_method=None, timeout_s=cfg.timeout_s,
@@ -106,7 +109,13 @@ class MPGroup:
         ours, theirs = ctx.Pipe()
         p = ctx.Process(target=worker_main, args=(rank, self.cfg, self.overrides.get(rank, {}), theirs),
                         daemon=True, name=f"metrale-rank{rank}")
-        p.start()
+        # The child starts with SIGINT blocked (a signal mask survives fork and exec), so a Ctrl-C
+        # while it imports cannot raise in it; worker_main then ignores SIGINT and unblocks it.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            p.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         theirs.close()
         return _Proc(p, ours)
 

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from ep.comm import Communicator
-from ep.worker import serve_rank
+from ep.worker import ignore_interrupts, serve_rank
 from runtime.device import rank_device
 
 
@@ -34,6 +34,7 @@ def join(rank: int, world: int, timeout_s: float, device: torch.device | str = "
 
 def run_worker(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_cache_tokens: int,
                gpu_memory_utilization: float | None = None) -> int:
+    ignore_interrupts()   # Ctrl-C is rank 0's (and torchrun's) to act on
     code, message = serve_rank(comm, model_dir, dtype, moe_a2a, kv_cache_tokens,
                                gpu_memory_utilization=gpu_memory_utilization)
     if message:

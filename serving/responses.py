@@ -122,16 +122,19 @@ def best_sequences(seqs: list[Sequence], n: int) -> list[Sequence]:
 def usage(seqs: list[Sequence], prompt_tokens: int, best_of: int = 1) -> dict:
     """Prompt tokens once per prompt (`seqs` holds `best_of` sequences per prompt, in prompt order),
     and of them those the prefix cache held (the first sequence's of each prompt); completion tokens
-    over every sequence generated (best_of too)."""
+    over every sequence generated (best_of too). Speculation's counts go under a field of our own,
+    `metrale_spec_decode` (named as the `/metrics` series: verifies of drafted sequences, draft
+    tokens proposed, drafts accepted): OpenAI's `accepted_prediction_tokens` /
+    `rejected_prediction_tokens` belong to its Predicted Outputs (a `prediction` field, which this
+    server refuses), so `completion_tokens_details` is left out, as vLLM leaves it."""
     completion = sum(s.num_output for s in seqs)
     cached = sum(s.num_cached_tokens for s in seqs[::best_of])
-    drafted = sum(s.drafted_tokens for s in seqs)
-    accepted = sum(s.accepted_tokens for s in seqs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
-            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
-                                          "rejected_prediction_tokens": drafted - accepted}}
+            "metrale_spec_decode": {"num_drafts": sum(s.num_verifies for s in seqs),
+                                    "num_draft_tokens": sum(s.drafted_tokens for s in seqs),
+                                    "num_accepted_tokens": sum(s.accepted_tokens for s in seqs)}}
 
 
 def completion_choice(index: int, seq: Sequence, text_of: TokenText, *, echo: str | None,

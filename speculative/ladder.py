@@ -68,6 +68,11 @@ def set_mtp_k_ladder(text: str) -> None:
     _published_ladder = (text, steps)
 
 
+def ladder_published() -> bool:
+    """True when a ladder was published (the CLI's --mtp-k-ladder)."""
+    return _published_ladder is not None
+
+
 def mtp_ladder_disabled() -> bool:
     return mtp_no_k_ladder()
 

@@ -31,6 +31,10 @@ class AcceptanceMetrics:
     buckets: dict[int, BucketStats] = field(default_factory=dict)
     drafted_at: list[int] = field(default_factory=lambda: [0] * MAX_POSITIONS)
     matched_at: list[int] = field(default_factory=lambda: [0] * MAX_POSITIONS)
+    # vLLM's meaning of "accepted at position i": the verifies whose first i+1 drafts were all
+    # accepted (so the positions sum to accepted_tokens); matched_at counts a draft equal to the
+    # target's token whatever came before it
+    accepted_at: list[int] = field(default_factory=lambda: [0] * MAX_POSITIONS)
     verifies: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -48,6 +52,7 @@ class AcceptanceMetrics:
         for i, (d, t) in enumerate(zip(drafts[:MAX_POSITIONS], targets)):
             self.drafted_at[i] += 1
             self.matched_at[i] += int(d == t)
+            self.accepted_at[i] += int(num_accepted > i)
 
     def positional(self, i: int) -> float | None:
         """p_{i+1}: among verifies that drafted position i+1, the share where it equals the target's token."""

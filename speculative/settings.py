@@ -43,6 +43,8 @@ class SpecSettings:
     ladder_disabled: bool = False        # METRALE_NO_MTP_K_LADDER: every width gets num_drafts
     width_cap: int = ladders.DEFAULT_MTP_MAX_SEQS
     width_cap_source: MtpMaxSeqsSource = MtpMaxSeqsSource.ENGINE_DEFAULT
+    ladder_origin: str = "the default"   # where the ladder came from, in words (the depth policy's log)
+    width_cap_origin: str = "the default"  # where the width cap came from, in words
     confidence_stop: float | None = None  # TAU of docs/design.md §5.4
     tree_shape: TreeShape | None = None  # draft trees instead of chains (MTP only)
     verify: str = "exact"                # exact: keyed target draws; rejection: rejection sampling
@@ -124,6 +126,16 @@ def model_ladder(model_dir: Path | None, dtype: str | None = None) -> list[tuple
     return steps
 
 
+def behavior_origin(model_dir: Path, key: str, dtype: str | None) -> str:
+    """Where a model folder's `key` comes from, in words: its metrale.toml's `[behavior.<dtype>]`
+    table when that holds it, else the shared `[behavior]` table."""
+    import tomllib
+    path = Path(model_dir) / "metrale.toml"
+    behavior = tomllib.loads(path.read_text()).get("behavior", {})   # load_behavior checked it already
+    table = behavior.get(dtype) if dtype is not None else None
+    return f"{path} [behavior.{dtype}]" if isinstance(table, dict) and key in table else f"{path} [behavior]"
+
+
 def resolve_spec_settings(*, method: str = "none", num_drafts: int = 3, depth_policy: str | None = None,
                           k_ladder: str | None = None, width_cap: int | None = None,
                           confidence_stop: float | None = None, tree_shape: str | TreeShape | None = None,
@@ -148,8 +160,14 @@ def resolve_spec_settings(*, method: str = "none", num_drafts: int = 3, depth_po
     dtype = str(dtype).removeprefix("torch.") if dtype is not None else None
     pinned = steps is not None or ladders.mtp_ladder_pinned()
     model = Path(model_dir) if model_dir else None
+    ladder_origin = "--mtp-k-ladder" if steps is not None else "the default"
     if steps is None:   # published or METRALE_MTP_K_LADDER, else the folder's, else the default
-        steps = ladders.current_ladder() if pinned else (model_ladder(model, dtype) or ladders.current_ladder())
+        folder = None if pinned else model_ladder(model, dtype)
+        steps = folder or ladders.current_ladder()
+        if folder is not None:
+            ladder_origin = behavior_origin(model, "mtp_k_ladder", dtype)
+        elif pinned:
+            ladder_origin = "--mtp-k-ladder" if ladders.ladder_published() else "METRALE_MTP_K_LADDER"
     policy = depth_policy or ("auto" if auto else "ladder")
     if policy == "auto" and pinned:
         policy = "ladder"
@@ -160,10 +178,15 @@ def resolve_spec_settings(*, method: str = "none", num_drafts: int = 3, depth_po
         cap, source = ladders.published_max_seqs()
     else:
         cap, source = resolve_mtp_max_seqs(None, model_width_cap(model, dtype), disabled)
+    cap_origin = {MtpMaxSeqsSource.CLI: "--mtp-max-seqs",
+                  MtpMaxSeqsSource.ENGINE_DEFAULT: "the default"}.get(source)
+    if cap_origin is None:
+        cap_origin = behavior_origin(model, "mtp_max_seqs", dtype) if model is not None else "the model's default"
     stop = confidence_stop if confidence_stop is not None else draft_stop.draft_confidence_stop()
     shape = _tree_shape(tree_shape, method)
     return SpecSettings(method=method, num_drafts=num_drafts if method != "none" else 0, depth_policy=policy,
                         ladder=tuple(steps), ladder_disabled=disabled, width_cap=cap, width_cap_source=source,
+                        ladder_origin=ladder_origin, width_cap_origin=cap_origin,
                         confidence_stop=stop, tree_shape=shape, verify=verify,
                         canonical_min_width=None if no_canonical_verify_key() else canonical_key_min_width(),
                         ep_propose=mtp_ep_propose_enabled(), accept_debug=mtp_accept_debug(),
