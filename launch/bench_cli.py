@@ -20,7 +20,7 @@ def add_bench_parser(sub) -> None:
                    help="comma list of closed-loop concurrencies, e.g. 1,4,16 (default: 1,2,4,8,16,32; --quick: 1,4)")
     b.add_argument("--arms", default=None, metavar="LIST",
                    help="comma list of arms (default: none). Fixed depths, speculating at every width: none (no "
-                        "speculation), k1..k4 (MTP drafts per step), ngram (prompt lookup), tree (the --tree-shape "
+                        "speculation), k1, k2, k3, k4 (MTP drafts per step), ngram (prompt lookup), tree (the --tree-shape "
                         "tree), treeDIGITS (tree3211: the shape 3,2,1,1); with the model's width cap: ladder (the "
                         "drafts-by-width ladder), ladder+stop (with a 0.5 confidence stop), auto (depth measured "
                         "online); yardsticks: hf (transformers' generate), vllm and vllm-mtpK (K=1..4, vLLM's CPU "

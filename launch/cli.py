@@ -523,7 +523,6 @@ def _show_speculation_notices() -> None:
         handler.setFormatter(logging.Formatter("metrale: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
-        log.propagate = False
 
 
 def leave(code: int) -> int:
@@ -540,6 +539,14 @@ def leave(code: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:   # Ctrl-C at any point (an EP group's worker ranks ignore it)
+        print(f"metrale {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     _show_speculation_notices()
     from engine.engine import RequestError
     from ep.channel import CommandRefused, HandshakeError
@@ -566,6 +573,3 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.flush()
             os._exit(2)
         return 2
-    except KeyboardInterrupt:
-        print(f"metrale {args.command}: interrupted", file=sys.stderr)
-        return 130

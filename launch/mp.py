@@ -78,6 +78,16 @@ def worker_main(rank: int, cfg: GroupConfig, overrides: dict, conn: Connection) 
     os._exit(code)
 
 
+def _script_hint() -> str:
+    """When rank 0 runs a script: the rule a spawned rank's start needs (it imports the script
+    again, so a group started at the script's top level would start in the rank too)."""
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", None) is None or getattr(main, "__spec__", None) is not None:
+        return ""
+    return (f" (a script that starts an mp group must do so under `if __name__ == \"__main__\":`: each spawned "
+            f"rank imports {os.path.basename(main.__file__)} again)")
+
+
 @dataclass(slots=True)
 class _Proc:
     """A spawned worker process and the pipe that tells it which group to join."""
@@ -160,7 +170,7 @@ class MPGroup:
             except (EOFError, OSError):
                 w.process.join(timeout=1)
                 raise GroupStartError(f"rank {rank} (pid {w.process.pid}) exited with code {w.process.exitcode} "
-                                      "before joining the group") from None
+                                      f"before joining the group{_script_hint()}") from None
 
     @property
     def procs(self) -> list[mp.Process]:

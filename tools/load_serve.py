@@ -79,8 +79,9 @@ async def drive(base: str, prompts: list[str], clients: int, per_client: int, ma
 def run_arm(args, spec: str, prompts: list[str]) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "launch", "serve", "--model", args.model, "--port", str(port),
-           "--served-model-name", "bench", "--max-num-seqs", str(args.clients), "--spec", spec,
-           "--num-drafts", str(args.num_drafts)] + (["--enforce-eager"] if args.enforce_eager else [])
+           "--served-model-name", "bench", "--max-num-seqs", str(args.clients), "--spec", spec] \
+        + (["--num-drafts", str(args.num_drafts)] if spec != "none" else []) \
+        + (["--enforce-eager"] if args.enforce_eager else [])
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
