@@ -3,8 +3,10 @@ worker ranks (mp, Ray), and the torchrun entry."""
 from __future__ import annotations
 
 from functools import partial
+from typing import TYPE_CHECKING
 
-from serving.deployment import Launcher
+if TYPE_CHECKING:   # the CLI imports this package first: it stays light, so Ctrl-C during start-up is caught
+    from serving.deployment import Launcher
 
 LAUNCHERS = ("ray", "mp")
 

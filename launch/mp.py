@@ -24,6 +24,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 
 import torch
@@ -121,6 +122,9 @@ class MPGroup:
                         daemon=True, name=f"metrale-rank{rank}")
         # The child starts with SIGINT blocked (a signal mask survives fork and exec), so a Ctrl-C
         # while it imports cannot raise in it; worker_main then ignores SIGINT and unblocks it.
+        # multiprocessing's resource tracker, started by the first spawn, unblocks SIGINT in this
+        # thread after starting itself: start it before blocking.
+        resource_tracker.ensure_running()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             p.start()
