@@ -60,7 +60,7 @@ def test_generate_plain_text(ckpt_plain):
     assert res.stdout == want.text + "\n"
     # stderr is one summary line whose counts are the prompts and tokens just generated.
     [summary] = res.stderr.strip().splitlines()
-    m = re.fullmatch(r"\[1 prompt\(s\), (\d+) tokens in (\d+\.\d\d)s, (\d+\.\d) tok/s\]", summary)
+    m = re.fullmatch(r"\[1 prompt\(s\), (\d+) tokens in (\d+\.\d\d)s, (\d+\.\d) tok/s generating\]", summary)
     assert m, summary
     assert int(m.group(1)) == len(want.token_ids)
     assert float(m.group(3)) > 0
