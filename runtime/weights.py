@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from runtime.config import ModelConfig, load_config
 from runtime.layers import pack_for_inference
 from runtime.model import CausalLM
+from runtime.quantization import FP8, SCALE_SUFFIX, Fp8BlockScheme, dequantize, quantization_scheme, scale_window
 
 _EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
@@ -129,6 +130,16 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
             raise ValueError(f"dtype {dtype!r} is not supported (expected one of {', '.join(DTYPES)})")
         dtype = DTYPES[dtype]
     files = checkpoint_files(model_dir)
+    scheme = quantization_scheme(json.loads((model_dir / "config.json").read_text()),
+                                 source=str(model_dir / "config.json"))
+    scales = {name.removesuffix(SCALE_SUFFIX): path for name, path in files.items() if name.endswith(SCALE_SUFFIX)}
+    files = {name: path for name, path in files.items() if not name.endswith(SCALE_SUFFIX)}
+    for name in scales:
+        if name not in files:
+            raise CheckpointError(f"unexpected tensor {name + SCALE_SUFFIX!r}: no weight {name!r} beside it")
+    if scales and scheme is None:
+        raise CheckpointError(f"checkpoint {model_dir} holds FP8 scales ({next(iter(scales)) + SCALE_SUFFIX!r}) "
+                              "but config.json has no quantization_config")
     mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
     has_mtp = any(n.startswith(mtp_prefix) for n in files)
     if cfg.num_nextn_predict_layers and not has_mtp:
@@ -192,6 +203,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
                 src = src_slice[spec[1]:spec[2]]
             else:
                 src = src_slice[:, spec[1]:spec[2]]
+            if hf_name in scales:
+                src = _dequantized(src, hf_name, handles[scales[hf_name]], scheme, spec, dtype)
+            elif src.dtype == FP8:
+                raise CheckpointError(f"tensor {hf_name!r} is FP8 but the checkpoint has no {hf_name + SCALE_SUFFIX!r}")
             with torch.no_grad():
                 dest.copy_(src)
                 if target.expert is not None:
@@ -211,9 +226,35 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
             lost = sorted(set(experts) - rows)
             raise CheckpointError(f"checkpoint lacks expert(s) {lost[:5]} for {param}")
     _cast(model, dtype)
+    # What the start-up line reports: how the stored weights became the served ones.
+    model.weight_format = (f"{scheme.describe()} in the checkpoint, dequantized to {str(dtype).removeprefix('torch.')} "
+                           "on load" if scheme is not None else str(dtype).removeprefix("torch."))
     pack_for_inference(model)
     model.eval()
     return model
+
+
+def _dequantized(src: torch.Tensor, hf_name: str, handle, scheme: Fp8BlockScheme,
+                 spec: tuple[int, int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 weight `src` (the whole stored tensor, or the window `spec` of it) times its block
+    scales, read only for the blocks that window covers."""
+    scale_slice = handle.get_slice(hf_name + SCALE_SUFFIX)
+    full = tuple(handle.get_slice(hf_name).get_shape()) if spec is not None else tuple(src.shape)
+    want = (-(-full[0] // scheme.block[0]), -(-full[1] // scheme.block[1])) if len(full) == 2 else None
+    if want is None or tuple(scale_slice.get_shape()) != want:
+        raise CheckpointError(f"tensor {hf_name + SCALE_SUFFIX!r} has shape {tuple(scale_slice.get_shape())}, "
+                              f"expected {want} for a {full} weight in {scheme.describe()}")
+    row0 = col0 = 0
+    if spec is None:
+        scale = scale_slice[:, :]
+    elif spec[0] == 0:
+        lo, hi = scale_window(0, spec[1], spec[2], scheme.block)
+        scale, row0 = scale_slice[lo:hi], spec[1]
+    else:
+        lo, hi = scale_window(1, spec[1], spec[2], scheme.block)
+        scale, col0 = scale_slice[:, lo:hi], spec[1]
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    return dequantize(src, scale, scheme.block, row0, col0, dtype=work)
 
 
 def _shrink_experts(model: CausalLM, num_local: int, offset: int) -> None:

@@ -3,6 +3,11 @@ speed comparisons), with an MTP layer after the last decoder layer where the fam
 
     python tools/random_checkpoint.py OUT_DIR --tokenizer models/tiny-glm-moe/tokenizer.json \
         [--family glm4_moe|qwen3_moe|deepseek_v3|glm4_moe_lite] [--hidden 256 --layers 6 --experts 8]
+        [--fp8 [--fp8-block 128,128]]
+
+`--fp8` stores it as the FP8 releases do: every linear weight of the decoder layers (and the MTP
+layer's) in float8_e4m3fn with a float32 `weight_scale_inv` per block, and config.json's
+`quantization_config` saying so; embeddings, the head, norms and routers stay as they were.
 
 transformers does not build the MTP layer (it drops those tensors on load), so it is added to the
 saved file: a copy of the last decoder layer at index num_hidden_layers, `eh_proj` passing the
@@ -101,6 +106,32 @@ def write_checkpoint(out: Path, family: str, config: dict[str, Any], *, seed: in
     return add_mtp_layer(out) if mtp else out
 
 
+# Stored in their own dtype by the FP8 releases (and here): embeddings, heads, routers, norms (1-D).
+_NOT_FP8 = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight", "mlp.gate.weight")
+
+
+def quantize_checkpoint(path: Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """Rewrite the checkpoint in `path` as a block-scaled FP8 one (see the module docstring)."""
+    from safetensors.torch import load_file, save_file
+    from runtime.quantization import SCALE_SUFFIX, quantize
+    tensors = load_file(str(path / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    kept: list[str] = []
+    for name, t in tensors.items():
+        if t.dim() == 2 and name.endswith(".weight") and not name.endswith(_NOT_FP8):
+            out[name], out[name + SCALE_SUFFIX] = quantize(t, block)
+        else:
+            out[name] = t
+            if t.dim() == 2:
+                kept.append(name.removesuffix(".weight"))
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block), "modules_to_not_convert": sorted(kept)}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -111,13 +142,24 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--no-mtp", action="store_true", help="leave out the MTP layer of families that have one")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fp8", action="store_true", help="store linear weights as block-scaled FP8 (as the released "
+                    "DeepSeek-V3 / GLM-5 / Qwen3.5 checkpoints are)")
+    ap.add_argument("--fp8-block", default="128,128", help="rows,columns of one FP8 scale block (default: 128,128)")
     args = ap.parse_args()
+    try:
+        block = tuple(int(v) for v in args.fp8_block.split(","))
+    except ValueError:
+        block = ()
+    if len(block) != 2 or min(block) < 1:
+        ap.error(f"--fp8-block {args.fp8_block!r}: expected two positive whole numbers, e.g. 128,128")
     if args.hidden < 16 or args.hidden % 16:
         ap.error(f"--hidden {args.hidden}: expected a multiple of 16")
     vocab = len(json.loads(args.tokenizer.read_text())["model"]["vocab"])
     config = {**family_config(args.family, args.hidden, args.layers, args.experts), "vocab_size": vocab}
     mtp = FAMILIES[args.family][2] and not args.no_mtp
     write_checkpoint(args.out, args.family, config, seed=args.seed, mtp=mtp)
+    if args.fp8:
+        quantize_checkpoint(args.out, block)
     shutil.copy(args.tokenizer, args.out / "tokenizer.json")
     print(f"wrote {args.out}")
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import ROOT, run_env
 
@@ -255,3 +256,24 @@ def test_eager_split_splits_both_arms_and_bounds_their_ratio(tmp_path):
 
 def test_eager_split_refuses_a_width_beyond_the_prompts():
     assert "fewer than --width" in refused(run_tool("eager_split.py", "--model", MODEL, "--width", 1000))
+
+
+def test_random_checkpoint_fp8_writes_block_scaled_weights_the_runtime_serves(tmp_path):
+    from safetensors import safe_open
+    from serving import LLM, SamplingParams
+    out = tmp_path / "random_fp8"
+    ok(run_tool("random_checkpoint.py", out, "--tokenizer", MODEL / "tokenizer.json", "--hidden", 32, "--layers", 2,
+                "--experts", 4, "--fp8", "--fp8-block", "16,16", timeout=120))
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert q["quant_method"] == "fp8" and q["weight_block_size"] == [16, 16] and "lm_head" in q["modules_to_not_convert"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        w = f.get_tensor("model.layers.1.mlp.experts.0.down_proj.weight")
+        s = f.get_tensor("model.layers.1.mlp.experts.0.down_proj.weight_scale_inv")
+    assert w.dtype == torch.float8_e4m3fn and s.shape == (2, 1)
+    llm = LLM(out, dtype="float32", kv_cache_tokens=256)
+    assert llm.deployment.runner.model.weight_format.startswith("fp8 blocks 16x16")
+    [res] = llm.generate("def main(", SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(res.token_ids) == 3
+    llm.shutdown()
+    assert "--fp8-block" in refused(run_tool("random_checkpoint.py", tmp_path / "bad", "--tokenizer",
+                                             MODEL / "tokenizer.json", "--fp8-block", "128", timeout=60))
