@@ -432,6 +432,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(out.text)
     if llm.deployment.compile_report is not None:
         print(f"[{llm.deployment.compile_report}]", file=sys.stderr)
+    if (fmt := quantized_weights(llm)) is not None:
+        print(f"[weights: {fmt}]", file=sys.stderr)
     if not args.json:
         n = sum(len(o.token_ids) for o in outputs)
         line = f"[{len(outputs)} prompt(s), {n} tokens in {elapsed:.2f}s, {n / elapsed:.1f} tok/s generating"
@@ -483,6 +485,12 @@ def check_port(host: str, port: int) -> None:
                              "pick another --port)") from None
 
 
+def quantized_weights(llm) -> str | None:
+    """How a quantized checkpoint's weights are served (runtime.quantization), None for a plain one."""
+    fmt = getattr(llm.deployment.runner.model, "weight_format", "")
+    return fmt if fmt.startswith("fp8") else None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM (or Ctrl-C): drain (serving.lifecycle), stop every EP rank, exit 0."""
     from serving.async_engine import QueueLimits
@@ -504,6 +512,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm.deployment.warm_up()   # compiled steps compile now, not in the first requests
     if llm.deployment.compile_report is not None:
         print(f"metrale serve: {llm.deployment.compile_report}", file=sys.stderr, flush=True)
+    if (fmt := quantized_weights(llm)) is not None:
+        print(f"metrale serve: weights: {fmt}", file=sys.stderr, flush=True)
     print(f"metrale serve: {name} on http://{args.host}:{args.port} (spec {args.spec})", file=sys.stderr, flush=True)
     try:
         drain = serve(llm, host=args.host, port=args.port, config=config)

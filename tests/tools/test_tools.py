@@ -260,7 +260,6 @@ def test_eager_split_refuses_a_width_beyond_the_prompts():
 
 def test_random_checkpoint_fp8_writes_block_scaled_weights_the_runtime_serves(tmp_path):
     from safetensors import safe_open
-    from serving import LLM, SamplingParams
     out = tmp_path / "random_fp8"
     ok(run_tool("random_checkpoint.py", out, "--tokenizer", MODEL / "tokenizer.json", "--hidden", 32, "--layers", 2,
                 "--experts", 4, "--fp8", "--fp8-block", "16,16", timeout=120))
@@ -270,10 +269,10 @@ def test_random_checkpoint_fp8_writes_block_scaled_weights_the_runtime_serves(tm
         w = f.get_tensor("model.layers.1.mlp.experts.0.down_proj.weight")
         s = f.get_tensor("model.layers.1.mlp.experts.0.down_proj.weight_scale_inv")
     assert w.dtype == torch.float8_e4m3fn and s.shape == (2, 1)
-    llm = LLM(out, dtype="float32", kv_cache_tokens=256)
-    assert llm.deployment.runner.model.weight_format.startswith("fp8 blocks 16x16")
-    [res] = llm.generate("def main(", SamplingParams(max_tokens=3, ignore_eos=True))
-    assert len(res.token_ids) == 3
-    llm.shutdown()
+    gen = subprocess.run([sys.executable, "-m", "launch", "generate", "--model", str(out), "--prompt", "x",
+                          "--max-tokens", "2", "--ignore-eos", "--json", "--enforce-eager", "--dtype", "float32"],
+                         capture_output=True, text=True, timeout=120, env=run_env(), cwd=ROOT)
+    assert len(json_lines(ok(gen))[0]["token_ids"]) == 2
+    assert "[weights: fp8 blocks 16x16 in the checkpoint, dequantized to float32 on load]" in gen.stderr
     assert "--fp8-block" in refused(run_tool("random_checkpoint.py", tmp_path / "bad", "--tokenizer",
                                              MODEL / "tokenizer.json", "--fp8-block", "128", timeout=60))
