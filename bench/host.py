@@ -1,8 +1,9 @@
 """The host a record was taken on, the packages of the venvs that ran it, and the check that two
 records came from the same host before any ratio divides one by the other.
 
-Tokens/s are a property of the host as much as of the code: the same vLLM build ran 3983 and 2822
-tok/s on two hosts of this project's pool (design §7.4). A record therefore names its CPU (model,
+Tokens/s are a property of the host as much as of the code: the same vLLM build ran bfloat16 at 16
+sequences at 3983 and 2822 tok/s on two hosts of this project's pool (records vllm_compare_bfloat16
+and vllm_eager_hf_auto_bf16_18e2a0a). A record therefore names its CPU (model,
 family / model / stepping, the ISA flags the kernels choose by) and core count, and `same_host`
 refuses a ratio between records whose hosts differ, or whose host is unknown.
 """
