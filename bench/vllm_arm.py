@@ -32,6 +32,7 @@ TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_
             "/usr/lib64/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc.so.4")
 # vLLM's log line: "WARNING 12-05 21:03:11 [cpu.py:90] text" (the date and time dropped when kept).
 LOG_WARNING = re.compile(r"WARNING\s+(?:\S+\s+\S+\s+)?(\[[^\]]+\]\s*)?(.*)")
+TORCH_WARNING = re.compile(r"^\[W\d+ [\d:.]+ ([^\]]+)\]\s*(?:Warning:\s*)?")   # torch's C++ warnings: "[W1205 20:55:51.31 utils.cpp:68] ..."
 MAX_WARNINGS = 40
 
 
@@ -78,7 +79,8 @@ def log_warning(line: str) -> str | None:
     if "WARNING" not in line and "Warning:" not in line:
         return None
     m = LOG_WARNING.search(line)
-    text = ((m.group(1) or "") + m.group(2)) if m and "WARNING" in line else line.strip()
+    text = ((m.group(1) or "") + m.group(2)) if m and "WARNING" in line else \
+        TORCH_WARNING.sub(lambda t: f"[{t.group(1)}] ", line.strip())
     return text.strip() or None
 
 

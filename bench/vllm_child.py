@@ -92,6 +92,7 @@ def main() -> int:
     real_stdout = sys.stdout
     sys.stdout = sys.stderr                      # vLLM's own prints must not mix with our lines
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.get("threads_bind", "0-1"))
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}   # as given, before vLLM adds its own
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.sampling_params import RequestOutputKind
     kwargs = engine_kwargs(cfg)
@@ -100,7 +101,7 @@ def main() -> int:
     import vllm
     print(json.dumps({"ready": True, "startup_s": time.perf_counter() - t0, "vllm": vllm.__version__,
                       "engine_args": kwargs, "sampling": {k: v for k, v in sampling_kwargs(0, "FINAL_ONLY").items() if k != "max_tokens"},
-                      "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
+                      "env": env,
                       "packages": packages()}), file=real_stdout, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -162,6 +162,9 @@ def test_the_vllm_child_preloads_tcmalloc_and_the_venvs_libiomp(tmp_path, monkey
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["OMP_NUM_THREADS"] == "2"
     assert vllm_arm.log_warning("WARNING 12-05 21:03:11 [cpu.py:90] no tcmalloc") == "[cpu.py:90] no tcmalloc"
     assert vllm_arm.log_warning("INFO 12-05 21:03:11 [core.py:1] ready") is None
+    # torch's C++ warnings lose their time stamp, so a warning given twice is kept once
+    assert vllm_arm.log_warning("[W1205 20:55:51.310435207 utils.cpp:68] Warning: NUMA binding") == \
+        "[utils.cpp:68] NUMA binding"
 
 
 def cells_at(c, **tok_s):
