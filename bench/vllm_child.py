@@ -54,13 +54,15 @@ def engine_kwargs(cfg: dict) -> dict:
     return kwargs
 
 
-def sampling_kwargs(max_tokens: int, final_only) -> dict:
-    return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "output_kind": final_only}
+def sampling_kwargs(max_tokens: int, output_kind, untuned: bool = False) -> dict:
+    if untuned:    # the set-up before issue 43: min_tokens beside ignore_eos, cumulative outputs
+        return {"max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "output_kind": output_kind}
 
 
-def run_cell(engine, params_cls, final_only, cmd: dict) -> dict:
+def run_cell(engine, params_cls, final_only, cmd: dict, untuned: bool = False) -> dict:
     prompts, concurrency, n, max_tokens = cmd["prompts"], cmd["concurrency"], cmd["n"], cmd["max_tokens"]
-    params = params_cls(**sampling_kwargs(max_tokens, final_only))
+    params = params_cls(**sampling_kwargs(max_tokens, final_only, untuned))
     before = counters(engine)
     tokens = prompt_tokens = cached = 0
     submitted = done = 0
@@ -100,15 +102,16 @@ def main() -> int:
     engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
     import vllm
     print(json.dumps({"ready": True, "startup_s": time.perf_counter() - t0, "vllm": vllm.__version__,
-                      "engine_args": kwargs, "sampling": {k: v for k, v in sampling_kwargs(0, "FINAL_ONLY").items() if k != "max_tokens"},
+                      "engine_args": kwargs, "sampling": {k: v for k, v in sampling_kwargs(0, "FINAL_ONLY", cfg.get("untuned", False)).items()
+                                   if k not in ("max_tokens", "min_tokens")} | ({"min_tokens": "max_tokens"} if cfg.get("untuned") else {}),
                       "env": env,
                       "packages": packages()}), file=real_stdout, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("quit"):
             break
-        print(json.dumps(run_cell(engine, SamplingParams, RequestOutputKind.FINAL_ONLY, cmd)), file=real_stdout,
-              flush=True)
+        print(json.dumps(run_cell(engine, SamplingParams, RequestOutputKind.FINAL_ONLY, cmd, cfg.get("untuned", False))),
+              file=real_stdout, flush=True)
     return 0
 
 

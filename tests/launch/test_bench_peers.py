@@ -148,6 +148,25 @@ def test_the_vllm_child_caches_prefixes_with_our_block_when_both_do(fake_vllm):
     assert arm.stats_pass([([[1] * 20], 1, 1)], 4) == {}      # no speculation: no acceptance to read
 
 
+def test_an_untuned_vllm_arm_runs_the_set_up_of_before(fake_vllm, monkeypatch):
+    """vllm-mtp1-untuned: stats on while timed (acceptance read as it runs), min_tokens, cumulative
+    outputs, nothing preloaded: the ablation that measures what the set-up is worth."""
+    from bench.vllm_arm import VLLMArm
+    python, log = fake_vllm
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    arm = VLLMArm("vllm-mtp1-untuned", str(EMBEDDED), "float32", str(python), max_num_seqs=4, threads=2)
+    try:
+        got = arm.run([[1] * 20], concurrency=1, n=2, max_tokens=8, ep=1)
+    finally:
+        arm.close()
+    engine = [x for x in logged(log) if "engine_args" in x][0]
+    assert engine["engine_args"]["disable_log_stats"] is False and engine["env"]["LD_PRELOAD"] is None
+    sampling = [x["sampling"] for x in logged(log) if "sampling" in x]
+    assert all(s["min_tokens"] == "8" and "output_kind" not in s for s in sampling)
+    assert got["accept_len"] == 2.0 and got["verifies"] == 8
+    assert arm.stats_pass([([[1] * 20], 1, 2)], 8) == {}
+
+
 def test_the_vllm_child_preloads_tcmalloc_and_the_venvs_libiomp(tmp_path, monkeypatch):
     from bench import vllm_arm
     python = tmp_path / "venv" / "bin" / "python"
