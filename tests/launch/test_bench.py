@@ -179,6 +179,7 @@ def test_chat_bench_runs_both_arms_through_the_server(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     record = json.loads((tmp_path / "chat.json").read_text())
     assert (tmp_path / "chat.png").stat().st_size > 0
+    assert record["host"]["cpu_count"] >= 1 and record["packages"]["metrale_venv"]["torch"]
     arms = record["arms"]
     assert [t["cached_tokens"] for t in arms["no-cache"]["turns"]] == [0, 0]
     assert arms["cache"]["turns"][1]["cached_tokens"] >= 2 * 48   # the system prompt's full blocks, at least
