@@ -69,8 +69,9 @@ def preloads(python: str) -> list[str]:
 
 def child_env(python: str, threads: int, preload: bool = True) -> dict[str, str]:
     """The child's environment: an in-process engine core (like ours, one process), OpenMP on the
-    cores ours use, the CPU KV cache space, the preloads (unless `preload` is False)."""
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="4",
+    cores ours use, the CPU KV cache space (1 GiB: ~150k tokens of the embedded model in bfloat16, and
+    each arm is a process of its own), the preloads (unless `preload` is False)."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", PYTHONPATH="",
                TOKENIZERS_PARALLELISM="false")
     libs = (preloads(python) if preload else []) + [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p]

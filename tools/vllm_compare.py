@@ -6,7 +6,8 @@ Each (peer, dtype) is one `metrale bench` run whose arms take turns, every cell 
 own (never a warm-up's or another repeat's), prefix caching off on every side unless
 `--prefix-cache both`:
 - vllm: none, k1, k3 (ours) and vllm, vllm-mtp1, vllm-mtp3 (bench.vllm_arm; vLLM in its own venv,
-  never a dependency, stats off while timed, tcmalloc and libiomp5 preloaded);
+  never a dependency, stats off while timed, tcmalloc and libiomp5 preloaded), and vllm-untuned
+  (the set-up of before: what the documented one is worth);
 - hf: none, k1, k3, none-eager (ours) and hf (static cache, compiled decode), hf-eager.
 
     python tools/vllm_compare.py --vllm-python /path/to/vllm-venv/bin/python [--dtypes float32,bfloat16]
@@ -22,7 +23,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = {"vllm": "none,k1,k3,vllm,vllm-mtp1,vllm-mtp3", "hf": "none,k1,k3,none-eager,hf,hf-eager"}
+ARMS = {"vllm": "none,k1,k3,vllm,vllm-mtp1,vllm-mtp3,vllm-untuned", "hf": "none,k1,k3,none-eager,hf,hf-eager"}
 SHORT = {"float32": "f32", "bfloat16": "bf16", "float64": "f64"}
 
 
