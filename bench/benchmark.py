@@ -1,8 +1,9 @@
 """`metrale bench`: a closed-loop concurrency sweep over held-out code prompts, arms side by side.
 
 Every arm runs the same prompts at the same concurrency levels in one run, after a warm-up at
-every concurrency on prompts that are never measured, and the arms take turns (at EP 1 all are loaded and rotate at each concurrency; at
-EP > 1, where a process holds one process group, each repeat starts every arm's group in turn).
+every concurrency on prompts that are never measured, and the arms take turns (at EP 1 all are
+loaded and rotate at each concurrency; at EP > 1, where a process holds one process group, each
+repeat starts every arm's group in turn).
 Greedy decoding with EOS ignored, so every request produces the same number of tokens in every
 arm. Fixed arms (none, k1..k4, ngram, trees) speculate at every width; ladder and auto run with the
 width cap a user of the model gets. Per cell: aggregate output tokens/s (median run, with min and
@@ -329,8 +330,12 @@ class HFArm:
             compile_config._compile_all_devices = True   # generate compiles on GPUs only unless told
             self.generate_kwargs = {"cache_implementation": "static", "max_cache_len": max_cache_len,
                                     "compile_config": compile_config}
-        why = ("--enforce-eager" if config.enforce_eager else "the eager reference arm") if name != "hf" or \
-            config.enforce_eager else None if compiles else f"transformers does not compile {type(self.model).__name__}"
+        if name != "hf":
+            why = "the eager reference arm"
+        elif config.enforce_eager:
+            why = "--enforce-eager"
+        else:
+            why = None if compiles else f"transformers does not compile {type(self.model).__name__} in one graph"
         self.setup = {"engine": "transformers", "version": transformers.__version__,
                       "cache": "static" if self.best else "dynamic", "compiled": self.best,
                       "max_cache_len": max_cache_len if self.best else None, "eager_because": why,
