@@ -16,8 +16,10 @@ goes to JSON, the curves to a PNG.
 No prompt is measured twice: each (repeat, concurrency) has its own set, the same for every arm,
 and no two prompts of the run share their first KV block (`bench_prompts`), so a cache can only
 hit within a request. Every arm runs one cache policy (`prefix_cache`: off by default, `both` on
-for ours and vLLM with the same 16-token block); each cell records its prompt tokens and cache
-hits. The record names its host (bench.host), both venvs' packages, and each peer's set-up.
+for ours and vLLM, whose CPU attention takes 32-token blocks against our 16: no prompt shares even
+its first 16 tokens with another, so neither side can hit across requests in a sweep); each cell
+records its prompt tokens and cache hits. The record names its host (bench.host), both venvs'
+packages, and each peer's set-up.
 """
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ ENGINE_ARMS = {"none": ("none", 0, "fixed", None), "k1": ("mtp", 1, "fixed", Non
 BUILT_ARMS = (*ENGINE_ARMS, "hf")
 MIN_REQUESTS = 16   # requests behind a cell by default (at least 2 x concurrency)
 PREFIX_CACHE = ("off", "both")   # the cache policy of every arm: off, or on for ours and vLLM alike
-KV_BLOCK = 16       # tokens per KV block, ours and (cache on) vLLM's: no two prompts share their first
+KV_BLOCK = 16       # tokens per KV block of ours: no two prompts share their first
+VLLM_KV_BLOCK = 32  # vLLM's with its cache on: the smallest multiple of ours its CPU attention takes (32k)
 WARMUP_TOKENS = 8   # output tokens per request of the warm-up (every concurrency, prompts never measured)
 TREE_ARM = re.compile(r"^tree([1-4]{1,7})$")   # tree122: the shape 1,2,2, beside other shapes in one run
 EAGER = "-eager"   # an engine arm named with this suffix runs without torch.compile (none-eager, k2-eager)
@@ -382,7 +385,7 @@ def build_arm(name: str, config: BenchConfig, launcher: Launcher | None, threads
     from bench.vllm_arm import VLLMArm, vllm_drafts, vllm_python
     if vllm_drafts(name) is not None:
         return VLLMArm(name, config.model, config.dtype, vllm_python(config.vllm_python), max(config.concurrency),
-                       threads, prefix_cache=config.prefix_cache == "both", block_size=KV_BLOCK)
+                       threads, prefix_cache=config.prefix_cache == "both", block_size=VLLM_KV_BLOCK)
     if arm_base(name) == "hf":
         return HFArm(name, config, threads, max_cache_len)
     return EngineArm(name, config, launcher)
@@ -545,6 +548,7 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
               "packages": {"metrale_venv": ours, **({"vllm_venv": theirs} if theirs else {})},
               "params": asdict(config), "verify_key": verify_key_settings(),
               "prefix_cache": {"policy": config.prefix_cache, "block_size": KV_BLOCK,
+                               "vllm_block_size": VLLM_KV_BLOCK if config.prefix_cache == "both" else None,
                                "arms": {name: ("on" if config.prefix_cache == "both" and arm_base(name) != "hf"
                                                else "off") for name in arm_names}},
               "prompts": plan.summary(), "peer_setup": setups, "cells": cells}

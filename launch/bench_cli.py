@@ -38,7 +38,7 @@ def add_bench_parser(sub) -> None:
                         "(default: METRALE_VLLM_PYTHON); a yardstick, never a dependency")
     b.add_argument("--prefix-cache", default="off", choices=["off", "both"],
                    help="sweep: the cache policy of every arm: off (default), or both: ours and vLLM's "
-                        "(enable_prefix_caching, the same 16-token block) on")
+                        "(enable_prefix_caching, 32-token blocks: the least its CPU attention takes) on")
     b.add_argument("--compare", nargs=2, type=Path, default=None, metavar=("A.json", "B.json"),
                    help="no run: A's cells over B's, per arm and concurrency; refused between records of different hosts")
     b.add_argument("--json-out", type=Path, default=None)

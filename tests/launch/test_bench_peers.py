@@ -137,13 +137,13 @@ def test_the_vllm_child_caches_prefixes_with_our_block_when_both_do(fake_vllm):
     from bench.vllm_arm import VLLMArm
     python, log = fake_vllm
     arm = VLLMArm("vllm", str(EMBEDDED), "float32", str(python), max_num_seqs=4, threads=2, prefix_cache=True,
-                  block_size=16)
+                  block_size=32)
     try:
         got = arm.run([[1] * 20], concurrency=1, n=2, max_tokens=4, ep=1)
     finally:
         arm.close()
     args = [x for x in logged(log) if "engine_args" in x][0]["engine_args"]
-    assert args["enable_prefix_caching"] is True and args["block_size"] == 16
+    assert args["enable_prefix_caching"] is True and args["block_size"] == 32
     assert got["prefix_cache"] == {"policy": "on", "prompt_tokens": 40, "hit_tokens": 32}
     assert arm.stats_pass([([[1] * 20], 1, 1)], 4) == {}      # no speculation: no acceptance to read
 
