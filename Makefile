@@ -21,7 +21,7 @@ $(BIN)/metrale: pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
 	# The native CPU ops (runtime/cpu_ops.py), built once here rather than on the first step; without
-	# a C++ compiler the Python paths run (same results, slower).
+	# a C++ compiler the Python paths run (slower; the same values within rounding).
 	$(BIN)/python -m runtime.cpu_ops || echo "native CPU ops not built: the Python paths will run"
 	@touch $@
 

@@ -1,8 +1,9 @@
 """`metrale bench`: a closed-loop concurrency sweep over held-out code prompts, arms side by side.
 
-Every arm runs the same prompts at the same concurrency levels in one run, after a warm-up that is
-not measured, and the arms take turns (at EP 1 all are loaded and rotate at each concurrency; at
-EP > 1, where a process holds one process group, each repeat starts every arm's group in turn).
+Every arm runs the same prompts at the same concurrency levels in one run, after a warm-up at
+every concurrency on prompts that are never measured, and the arms take turns (at EP 1 all are
+loaded and rotate at each concurrency; at EP > 1, where a process holds one process group, each
+repeat starts every arm's group in turn).
 Greedy decoding with EOS ignored, so every request produces the same number of tokens in every
 arm. Fixed arms (none, k1..k4, ngram, trees) speculate at every width; ladder and auto run with the
 width cap a user of the model gets. Per cell: aggregate output tokens/s (median run, with min and
@@ -11,6 +12,14 @@ thread count and process layout. With several request kinds (`bench.request_kind
 schema, penalties) every arm also runs each of them, on the same loaded engine, in the same
 rotation; their cells are named ARM/KIND and record the grammar's mask cost. The record (with its provenance)
 goes to JSON, the curves to a PNG.
+
+No prompt is measured twice: each (repeat, concurrency) has its own set, the same for every arm,
+and no two prompts of the run share their first KV block (`bench_prompts`), so a cache can only
+hit within a request. Every arm runs one cache policy (`prefix_cache`: off by default, `both` on
+for ours and vLLM, whose CPU attention takes 32-token blocks against our 16: no prompt shares even
+its first 16 tokens with another, so neither side can hit across requests in a sweep); each cell
+records its prompt tokens and cache hits. The record names its host (bench.host), both venvs'
+packages, and each peer's set-up.
 """
 from __future__ import annotations
 
@@ -24,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from bench.cells import add_ratios, paired, summarize
-from bench.corpus import heldout_prompts
+from bench.cells import add_ratios, paired, peer_ratios, peer_text, summarize
+from bench.corpus import heldout_chunks, spread
+from bench.host import host, packages
 from bench.report import check_provenance, machine, plot, print_table, provenance, verify_key_settings
 from bench.request_kinds import REQUEST_KINDS, cell_name, request_params
-from bench.vllm_arm import peer_ratios
 from serving.deployment import Launcher
 from serving.llm import LLM
 from speculative.ladder import MAX_MTP_MAX_SEQS
@@ -43,6 +52,10 @@ ENGINE_ARMS = {"none": ("none", 0, "fixed", None), "k1": ("mtp", 1, "fixed", Non
                "auto": ("mtp", 3, "auto", None), "tree": ("mtp", 3, "fixed", None)}
 BUILT_ARMS = (*ENGINE_ARMS, "hf")
 MIN_REQUESTS = 16   # requests behind a cell by default (at least 2 x concurrency)
+PREFIX_CACHE = ("off", "both")   # the cache policy of every arm: off, or on for ours and vLLM alike
+KV_BLOCK = 16       # tokens per KV block of ours: no two prompts share their first
+VLLM_KV_BLOCK = 32  # vLLM's with its cache on: the smallest multiple of ours its CPU attention takes (32k)
+WARMUP_TOKENS = 8   # output tokens per request of the warm-up (every concurrency, prompts never measured)
 TREE_ARM = re.compile(r"^tree([1-4]{1,7})$")   # tree122: the shape 1,2,2, beside other shapes in one run
 EAGER = "-eager"   # an engine arm named with this suffix runs without torch.compile (none-eager, k2-eager)
 BATCH_INVARIANT = "-bi"   # ... with the batch-invariant kernels (none-bi, k3-bi)
@@ -104,7 +117,7 @@ class BenchConfig:
     requests: int | None = None
     repeats: int = 1       # runs per cell; the arms take turns, and the median run is the cell
     quick: bool = False
-    num_prompts: int = 64
+    prefix_cache: str = "off"
     tree_shape: str | None = None
     enforce_eager: bool = False   # every engine arm without torch.compile
     request_kinds: tuple[str, ...] = ("plain",)
@@ -119,7 +132,7 @@ class BenchConfig:
         for kind in self.request_kinds:
             if kind not in REQUEST_KINDS:
                 raise ValueError(f"unknown bench request kind {kind!r} (one of {', '.join(REQUEST_KINDS)})")
-        if "hf" in self.arms and self.request_kinds != ("plain",):
+        if "hf" in map(arm_base, self.arms) and self.request_kinds != ("plain",):
             raise ValueError("bench arm 'hf' runs the plain request kind only; drop it or --request-kinds")
         if "tree" in map(arm_base, self.arms) and self.tree_shape is None:
             raise ValueError("bench arm 'tree' needs --tree-shape, e.g. 1,2,2")
@@ -136,11 +149,11 @@ class BenchConfig:
                 continue
             if arm not in BUILT_ARMS and not TREE_ARM.match(arm):
                 raise ValueError(f"unknown bench arm {name!r} (built: {', '.join(BUILT_ARMS)}, treeDIGITS, "
-                                 "vllm, vllm-mtpK for K in 1..4; "
+                                 "vllm, vllm-mtpK for K in 1..4, either + -untuned; "
                                  f"an engine arm may end in {' and '.join(SUFFIXES)})")
-            if arm == "hf" and name != arm:
-                raise ValueError(f"bench arm {name!r}: hf is transformers' generate, never compiled or "
-                                 "batch-invariant here")
+            if arm == "hf" and name not in ("hf", "hf" + EAGER):
+                raise ValueError(f"bench arm {name!r}: hf is transformers' generate at its best, hf-eager its "
+                                 "eager generate; neither is batch-invariant here")
             if TREE_ARM.match(arm):
                 TreeShape.parse(arm_tree_shape(arm, None))
             if TWIN in arm_suffixes(name) and twin_of(name) not in self.arms:
@@ -159,6 +172,11 @@ class BenchConfig:
                              "that may speculate together: the fixed arms would stop speculating")
         if self.repeats < 1:
             raise ValueError(f"--repeats {self.repeats} must be at least 1")
+        if self.requests is not None and self.requests < max(self.concurrency):
+            raise ValueError(f"--requests {self.requests} is below concurrency {max(self.concurrency)}: no more than "
+                             f"{self.requests} requests would be in flight; give at least {max(self.concurrency)}")
+        if self.prefix_cache not in PREFIX_CACHE:
+            raise ValueError(f"--prefix-cache {self.prefix_cache!r} is not one of {', '.join(PREFIX_CACHE)}")
         if self.max_tokens < 2:
             raise ValueError(f"max_tokens={self.max_tokens} must be at least 2 (TPOT needs two tokens)")
 
@@ -207,7 +225,9 @@ class EngineArm:
                        mtp_max_seqs=MAX_MTP_MAX_SEQS if policy == "fixed" and spec != "none" else None,
                        enforce_eager=config.enforce_eager or EAGER in arm_suffixes(name),
                        batch_invariant=True if BATCH_INVARIANT in arm_suffixes(name) else None,
-                       moe_a2a="alltoall" if EXCHANGE in arm_suffixes(name) else "auto", device=config.device)
+                       moe_a2a="alltoall" if EXCHANGE in arm_suffixes(name) else "auto", device=config.device,
+                       prefix_cache=config.prefix_cache == "both")
+        self.prefix_policy = "on" if config.prefix_cache == "both" else "off"
         self.comm = self.llm.deployment.comm
         self.layout = {"ep": config.ep, "launcher": config.launcher if config.ep > 1 else None,
                        "ranks": [{k: r[k] for k in ("rank", "pid", "host", "node")} for r in self.llm.rank_info]}
@@ -263,6 +283,8 @@ class EngineArm:
         if graphs is not None:   # static steps (runtime.static_step): buckets, CUDA graphs and their pool
             cell["static_steps"] = graphs.summary()
         cell["request_kind"] = kind
+        cell["prefix_cache"] = {"policy": self.prefix_policy, "prompt_tokens": sum(s.prompt_len for s in done),
+                                "hit_tokens": sum(s.num_cached_tokens for s in done)}
         if grammar is not None and grammar.num_masks > masks0:
             # Masks (consume the row's path, compute, roll back) and commits, on rank 0's step.
             mask_s = grammar.mask_s + grammar.commit_s - mask_s0
@@ -283,18 +305,44 @@ class EngineArm:
 
 
 class HFArm:
-    """transformers' `generate` on the same checkpoint: static batches of `concurrency` prompts."""
+    """transformers' `generate` on the same checkpoint, at its best unless named hf-eager: a static
+    KV cache of one size for the whole run and the decode step compiled (`torch.compile`, the way
+    `generate` compiles it on a GPU) where transformers says the model compiles in one graph.
+    Concurrency 1 runs one request at a time (no padding); above it, batches of `concurrency`
+    prompts left-padded to the longest, the padding counted in the cell. `hf-eager` (and every
+    hf arm under --enforce-eager) runs eager with the dynamic cache, for reference."""
 
     def close(self) -> None:
         self.model = None
 
-    def __init__(self, config: BenchConfig, threads: int) -> None:
+    def __init__(self, name: str, config: BenchConfig, threads: int, max_cache_len: int) -> None:
+        import transformers
         from transformers import AutoModelForCausalLM  # every family of runtime.families
         from runtime.device import resolve_device
         from runtime.weights import DTYPES
+        self.name = name
         self.device = resolve_device(config.device)
         self.model = AutoModelForCausalLM.from_pretrained(config.model, dtype=DTYPES[config.dtype]).to(self.device).eval()
         self.threads = threads
+        compiles = bool(getattr(self.model, "_can_compile_fullgraph", False))
+        self.best = name == "hf" and not config.enforce_eager and compiles
+        self.generate_kwargs: dict = {}
+        if self.best:
+            from transformers.generation.configuration_utils import CompileConfig
+            compile_config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+            compile_config._compile_all_devices = True   # generate compiles on GPUs only unless told
+            self.generate_kwargs = {"cache_implementation": "static", "max_cache_len": max_cache_len,
+                                    "compile_config": compile_config}
+        if name != "hf":
+            why = "the eager reference arm"
+        elif config.enforce_eager:
+            why = "--enforce-eager"
+        else:
+            why = None if compiles else f"transformers does not compile {type(self.model).__name__} in one graph"
+        self.setup = {"engine": "transformers", "version": transformers.__version__,
+                      "cache": "static" if self.best else "dynamic", "compiled": self.best,
+                      "max_cache_len": max_cache_len if self.best else None, "eager_because": why,
+                      "batching": "one request at a time at concurrency 1, else left-padded batches of concurrency"}
 
     def run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int, ep: int,
             kind: str = "plain") -> dict:
@@ -309,44 +357,91 @@ class HFArm:
         return cell
 
     def _run(self, prompts: list[list[int]], concurrency: int, n: int, max_tokens: int) -> dict:
-        tokens = 0
+        tokens = padding = prompt_tokens = 0
         t0 = time.perf_counter()
         for start in range(0, n, concurrency):
             batch = [prompts[i % len(prompts)] for i in range(start, min(n, start + concurrency))]
             width = max(len(p) for p in batch)
+            padding += sum(width - len(p) for p in batch)
+            prompt_tokens += sum(len(p) for p in batch)
             ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=self.device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=self.device)
             with torch.inference_mode():
                 out = self.model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens,
                                           min_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                                          pad_token_id=0)
+                                          pad_token_id=0, **self.generate_kwargs)
             tokens += (out.shape[1] - width) * len(batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        cell = _cell("hf", concurrency, 1, tokens, time.perf_counter() - t0, [], [], requests=n)
+        cell = _cell(self.name, concurrency, 1, tokens, time.perf_counter() - t0, [], [], requests=n)
         cell.update(threads=torch.get_num_threads(), layout={"ep": 1, "launcher": None, "ranks": []},
-                    device=str(self.device))
+                    device=str(self.device), compiled=self.best, hf_cache=self.setup["cache"],
+                    padding_tokens=padding, padding_share=round(padding / (padding + prompt_tokens), 4),
+                    prefix_cache={"policy": "off", "prompt_tokens": prompt_tokens, "hit_tokens": 0})
         return cell
 
 
-def build_arm(name: str, config: BenchConfig, launcher: Launcher | None, threads: int):
+def build_arm(name: str, config: BenchConfig, launcher: Launcher | None, threads: int, max_cache_len: int):
     from bench.vllm_arm import VLLMArm, vllm_drafts, vllm_python
     if vllm_drafts(name) is not None:
         return VLLMArm(name, config.model, config.dtype, vllm_python(config.vllm_python), max(config.concurrency),
-                       threads)
-    return HFArm(config, threads) if name == "hf" else EngineArm(name, config, launcher)
+                       threads, prefix_cache=config.prefix_cache == "both", block_size=VLLM_KV_BLOCK)
+    if arm_base(name) == "hf":
+        return HFArm(name, config, threads, max_cache_len)
+    return EngineArm(name, config, launcher)
 
 
-def bench_prompts(config: BenchConfig) -> list[list[int]]:
+@dataclass(frozen=True, slots=True)
+class PromptPlan:
+    """Which prompts each run gets: `warmup` (never measured) and, per (repeat, concurrency), a set
+    of its own, the same for every arm; no prompt is in two sets."""
+    warmup: list[list[int]]
+    cells: dict[tuple[int, int], list[list[int]]]
+
+    @property
+    def longest(self) -> int:
+        return max(len(p) for ps in (self.warmup, *self.cells.values()) for p in ps)
+
+    def summary(self) -> dict:
+        sets = {f"r{r}c{c}": len(ps) for (r, c), ps in self.cells.items()}
+        return {"warmup": len(self.warmup), "measured": sum(sets.values()), "per_cell": sets,
+                "longest_tokens": self.longest, "disjoint": True}
+
+
+def bench_prompts(config: BenchConfig) -> PromptPlan:
+    """The run's prompts: the model folder's `heldout_prompts.jsonl` first, then further held-out
+    chunks of the corpus (bench.corpus) as needed, each kept only when its first KV block differs
+    from every earlier prompt's, cut into the warm-up set and one set per (repeat, concurrency)."""
     from runtime.tokenizer import Tokenizer
     model_dir = Path(config.model)
     tok = Tokenizer(model_dir)
+    levels = list(config.concurrency)
+    need = max(levels) + config.repeats * sum(config.num_requests(c) for c in levels)
     path = model_dir / "heldout_prompts.jsonl"
-    if path.is_file():
-        texts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
-    else:
-        texts = heldout_prompts(config.num_prompts)
-    return [tok.encode(t) for t in texts[:config.num_prompts]]
+    texts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()] \
+        if path.is_file() else []
+    def candidates():
+        yield from texts
+        yield from spread(heldout_chunks())
+
+    prompts, heads = [], set()
+    for text in candidates():
+        ids = tok.encode(text)
+        head = tuple(ids[:KV_BLOCK])
+        if ids and head not in heads:
+            heads.add(head)
+            prompts.append(ids)
+            if len(prompts) == need:
+                break
+    if len(prompts) < need:
+        raise ValueError(f"bench needs {need} distinct prompts (a warm-up set and one set per repeat and "
+                         f"concurrency), the corpus gives {len(prompts)}: fewer --repeats or --requests")
+    warmup, rest = prompts[:max(levels)], prompts[max(levels):]
+    cells = {}
+    for r in range(config.repeats):
+        for c in levels:
+            cells[r, c], rest = rest[:config.num_requests(c)], rest[config.num_requests(c):]
+    return PromptPlan(warmup, cells)
 
 
 def progress(arm: str, concurrency: int, runs: list[dict]) -> None:
@@ -373,58 +468,93 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
     `--launcher` names)."""
     start = provenance()
     threads = torch.get_num_threads()
-    prompts = bench_prompts(config)
-    print(f"bench: {len(prompts)} held-out prompts, arms {','.join(config.arms)}, request kinds "
+    plan = bench_prompts(config)
+    max_cache_len = plan.longest + config.max_tokens
+    print(f"bench: {plan.summary()['measured']} held-out prompts measured (a set per repeat and concurrency) and "
+          f"{len(plan.warmup)} for the warm-up, arms {','.join(config.arms)}, request kinds "
           f"{','.join(config.request_kinds)}, concurrency "
           f"{','.join(map(str, config.concurrency))}, {config.max_tokens} tokens per request, "
-          f"{config.repeats} repeat(s), commit {start['git_sha']}{' (dirty)' if start['dirty'] else ''}", flush=True)
+          f"{config.repeats} repeat(s), prefix cache {config.prefix_cache}, "
+          f"commit {start['git_sha']}{' (dirty)' if start['dirty'] else ''}", flush=True)
     names = [cell_name(a, k) for a in config.arms for k in config.request_kinds]
     runs: dict[tuple[str, int], list[dict]] = {(name, c): [] for name in names for c in config.concurrency}
+    setups: dict[str, dict] = {}
+    acceptance: dict[str, dict[int, dict]] = {}
 
-    def measure(name: str, arm, c: int) -> None:
+    def measure(name: str, arm, c: int, r: int) -> None:
         for kind in config.request_kinds:
             cell = cell_name(name, kind)
-            runs[cell, c].append(arm.run(prompts, c, config.num_requests(c), config.max_tokens, config.ep, kind))
+            runs[cell, c].append(arm.run(plan.cells[r, c], c, config.num_requests(c), config.max_tokens, config.ep,
+                                         kind))
             progress(cell, c, runs[cell, c])
+
+    def warm(arm) -> None:
+        # At every concurrency, on prompts never measured: each width's compiled graphs, not the first cell's.
+        for c in config.concurrency:
+            for kind in config.request_kinds:
+                arm.run(plan.warmup[:c], c, c, min(WARMUP_TOKENS, config.max_tokens), config.ep, kind)
+
+    def note(name: str, arm) -> None:
+        if hasattr(arm, "setup"):
+            setups[name] = arm.setup() if callable(arm.setup) else arm.setup
 
     arm_names = list(config.arms)
     if config.ep == 1:
         # Every arm loaded first; at each concurrency the arms take turns, in a rotating order.
-        arms = {name: build_arm(name, config, launcher, threads) for name in arm_names}
+        arms = {name: build_arm(name, config, launcher, threads, max_cache_len) for name in arm_names}
         try:
             for arm in arms.values():
-                for kind in config.request_kinds:
-                    arm.run(prompts[:2], 2, 2, 4, config.ep, kind)  # warm-up, not recorded
+                warm(arm)
             for c in config.concurrency:
                 for r in range(config.repeats):
                     for name in arm_names[r % len(arm_names):] + arm_names[:r % len(arm_names)]:
-                        measure(name, arms[name], c)
+                        measure(name, arms[name], c, r)
         finally:
             for arm in arms.values():
                 arm.close()
+        for name, arm in arms.items():
+            if hasattr(arm, "stats_pass"):   # vLLM's acceptance, from an untimed child with stats on
+                acceptance[name] = arm.stats_pass([(plan.cells[0, c], c, config.num_requests(c))
+                                                   for c in config.concurrency], config.max_tokens)
+            note(name, arm)
     else:
         # A process holds one process group: each repeat starts every arm's group in turn (start-up
         # is not measured), so the arms take turns across repeats as they do at EP 1.
         for r in range(config.repeats):
             for name in arm_names[r % len(arm_names):] + arm_names[:r % len(arm_names)]:
-                arm = build_arm(name, config, launcher, threads)
+                arm = build_arm(name, config, launcher, threads, max_cache_len)
                 try:
-                    for kind in config.request_kinds:
-                        arm.run(prompts[:2], 2, 2, 4, config.ep, kind)
+                    warm(arm)
                     for c in config.concurrency:
-                        measure(name, arm, c)
+                        measure(name, arm, c, r)
                 finally:
                     arm.close()
+                note(name, arm)
     end = check_provenance(start)
     cells = [summarize(runs[name, c]) for c in config.concurrency for name in names]
+    for cell in cells:
+        if (got := acceptance.get(cell["arm"], {}).get(cell["concurrency"])) is not None:
+            cell.update(got)
     add_ratios(cells, names[0])
-    peers = peer_ratios(cells)
+    peers = {peer: peer_ratios(cells, peer) for peer in ("vllm", "hf")}
     noise = twin_noise(cells)
+    ours = packages()
+    theirs = next((s.pop("packages") for s in setups.values() if s.get("packages")), None)
+    for s in setups.values():
+        s.pop("packages", None)
     record = {"model": str(config.model), **start, **end, "kv_cache": kv_cache_bytes(config),
               "recorded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), "params": asdict(config), "verify_key": verify_key_settings(), "cells": cells}
-    if peers:
-        record["vs_vllm"] = peers
+              "machine": machine(), "host": host(),
+              "packages": {"metrale_venv": ours, **({"vllm_venv": theirs} if theirs else {})},
+              "params": asdict(config), "verify_key": verify_key_settings(),
+              "prefix_cache": {"policy": config.prefix_cache, "block_size": KV_BLOCK,
+                               "vllm_block_size": VLLM_KV_BLOCK if config.prefix_cache == "both" else None,
+                               "arms": {name: ("on" if config.prefix_cache == "both" and arm_base(name) != "hf"
+                                               else "off") for name in arm_names}},
+              "prompts": plan.summary(), "peer_setup": setups, "cells": cells}
+    for peer, ratios in peers.items():
+        if ratios:
+            record[f"vs_{peer}"] = ratios
     if noise:
         record["twin_noise"] = noise
     print_table(cells)
@@ -432,18 +562,18 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
         p = n["paired"]
         print(f"noise c={n['concurrency']}: {n['twin']} / {n['arm']} (the same arm twice) paired {p['median']:.3f} "
               f"[{p['range'][0]:.2f}-{p['range'][1]:.2f}]")
-    for p in peers:
-        print(f"vs vLLM c={p['concurrency']} {p['pair']}: {p['ours']} {p['ours_tok_s']:.1f} / {p['vllm']} "
-              f"{p['vllm_tok_s']:.1f} = {'tie' if p['tie'] else format(p['ratio'], '.3f')} "
-              f"(accept_len {p['ours_accept_len']} / {p['vllm_accept_len']})"
-              + (f", paired {p['paired']['median']:.3f} [{p['paired']['range'][0]:.2f}-{p['paired']['range'][1]:.2f}]"
-                 if p.get("paired") else ""))
+    for peer, ratios in peers.items():
+        for p in ratios:
+            print(peer_text(peer, p))
+    for name, s in setups.items():
+        for w in s.get("warnings", []):
+            print(f"{name} warned: {w}")
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {json_out}")
     if plot_out:
         plot(cells, plot_out, f"{Path(config.model).name} ({config.dtype}, ep {config.ep}, "
-                              f"{config.repeats} repeat(s))")
+                              f"{config.repeats} repeat(s), prefix cache {config.prefix_cache})")
         print(f"wrote {plot_out}")
     return record

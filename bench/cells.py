@@ -29,6 +29,11 @@ def summarize(runs: list[dict]) -> dict:
     cell["tok_s_runs"] = rates
     cell["tok_s_min"], cell["tok_s_median"], cell["tok_s_max"] = min(rates), round(median(rates), 2), max(rates)
     cell["repeats"] = len(runs)
+    caches = [r["prefix_cache"] for r in runs if r.get("prefix_cache")]
+    if caches:   # every run's lookups, not the median run's alone
+        prompt, hit = sum(x["prompt_tokens"] for x in caches), sum(x["hit_tokens"] for x in caches)
+        cell["prefix_cache"] = {"policy": caches[0]["policy"], "prompt_tokens": prompt, "hit_tokens": hit,
+                                "hit_rate": round(hit / prompt, 4) if prompt else None}
     return cell
 
 
@@ -99,3 +104,75 @@ def paired_text(cell: dict) -> str:
     if p is None:
         return "-"
     return f"{p['median']:.3f} [{p['range'][0]:.2f}-{p['range'][1]:.2f}]{'*' if p['consistent'] else ''}"
+
+
+# Peer arms by depth: vLLM's (vllm: no speculation, vllm-mtpK: K MTP drafts) and transformers'
+# (hf: its best set-up, hf-eager: eager generate for reference). Ours: the fixed depths none, k1..k4.
+OURS_DEPTH = re.compile(r"^(?:none|k([1-4]))$")
+PEER_ARMS = {"vllm": re.compile(r"^vllm(?:-mtp([1-4]))?$"), "hf": re.compile(r"^hf(-eager)?$")}
+
+
+def _depth(pattern: re.Pattern, arm: str) -> int | None:
+    m = pattern.match(arm)
+    return None if m is None else int(m.group(1)) if (m.group(1) or "").isdigit() else 0
+
+
+def peer_ratios(cells: list[dict], peer: str) -> list[dict]:
+    """Ours against a peer (`vllm` or `hf`) at each concurrency, each pair with its range over the
+    runs and its paired ratio: `best` (our best of none, k1..k4 against the peer's best arm that
+    ran: every depth of both sides), for vLLM `best mtp` (the best drafting depth of each side) and
+    the per-depth pairs (none/vllm, kK/vllm-mtpK), for transformers `none` (none against hf at its
+    best) and `eager` (none-eager against hf-eager: neither compiled)."""
+    pattern = PEER_ARMS[peer]
+    out = []
+    for c in sorted({x["concurrency"] for x in cells}):
+        level = [x for x in cells if x["concurrency"] == c]
+        ours = {d: x for x in level if (d := _depth(OURS_DEPTH, x["arm"])) is not None}
+        theirs = [x for x in level if pattern.match(x["arm"])]
+        pairs = [("best", list(ours.values()), theirs)]
+        if peer == "vllm":
+            pairs.append(("best mtp", [x for d, x in ours.items() if d], [x for x in theirs if _depth(pattern, x["arm"])]))
+            for d in sorted(ours):
+                pairs.append(("none" if d == 0 else f"k{d}", [ours[d]], [x for x in theirs if _depth(pattern, x["arm"]) == d]))
+        else:
+            pairs.append(("none", [ours[0]] if 0 in ours else [], [x for x in theirs if x["arm"] == "hf"]))
+            pairs.append(("eager", [x for x in level if x["arm"] == "none-eager"],
+                          [x for x in theirs if x["arm"] == "hf-eager"]))
+        for label, a, b in pairs:
+            if not a or not b:
+                continue
+            best_a, best_b = max(a, key=lambda x: x["tok_s"]), max(b, key=lambda x: x["tok_s"])
+            r = ratio(best_a, best_b)
+            out.append({"concurrency": c, "pair": label, "ours": best_a["arm"], "theirs": best_b["arm"],
+                        "ours_tok_s": best_a["tok_s"], "theirs_tok_s": best_b["tok_s"],
+                        "ours_accept_len": best_a.get("accept_len"), "theirs_accept_len": best_b.get("accept_len"),
+                        "ratio": r["ratio"], "range": r["range"], "tie": r["tie"], "paired": paired(best_a, best_b)})
+    return out
+
+
+def peer_text(peer: str, p: dict) -> str:
+    """One printed line of a peer ratio."""
+    text = (f"vs {peer} c={p['concurrency']} {p['pair']}: {p['ours']} {p['ours_tok_s']:.1f} / {p['theirs']} "
+            f"{p['theirs_tok_s']:.1f} = {'tie' if p['tie'] else format(p['ratio'], '.3f')} "
+            f"[{p['range'][0]:.2f}-{p['range'][1]:.2f}]")
+    if p["ours_accept_len"] is not None or p["theirs_accept_len"] is not None:
+        text += f" (accept_len {p['ours_accept_len']} / {p['theirs_accept_len']})"
+    if p.get("paired"):
+        q = p["paired"]
+        text += f", paired {q['median']:.3f} [{q['range'][0]:.2f}-{q['range'][1]:.2f}]"
+    return text
+
+
+def record_ratios(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> list[dict]:
+    """Record a's cells over record b's, per (arm, concurrency) both have: refused (ValueError, one
+    line) when the records come from different or unrecorded hosts (bench.host.same_host)."""
+    from bench.host import same_host
+    same_host(a, b, names)
+    theirs = {(x["arm"], x["concurrency"]): x for x in b["cells"]}
+    out = []
+    for x in a["cells"]:
+        y = theirs.get((x["arm"], x["concurrency"]))
+        if y is not None and "tok_s_min" in x and "tok_s_min" in y:
+            out.append({"arm": x["arm"], "concurrency": x["concurrency"], "a_tok_s": x["tok_s"], "b_tok_s": y["tok_s"],
+                        **ratio(x, y)})
+    return out

@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench.corpus import heldout_prompts
+from bench.host import host, packages
 from bench.report import check_provenance, machine, provenance
 
 ARMS = {"cache": [], "no-cache": ["--no-prefix-cache"]}
@@ -223,7 +224,7 @@ def run_chat_bench(config: ChatBenchConfig, out_dir: Path) -> dict:
               f"{[t['ttft_p50_ms'] for t in a['turns']]} ms, prefix hit rate {a['server_prefix_hit_rate']}", flush=True)
     record = {"model": config.model, **start, **check_provenance(start),
               "recorded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-              "params": asdict(config), "arms": arms}
+              "host": host(), "packages": {"metrale_venv": packages()}, "params": asdict(config), "arms": arms}
     if "cache" in arms and "no-cache" in arms:
         on, off = arms["cache"], arms["no-cache"]
         record["ratios"] = {

@@ -9,7 +9,8 @@ def add_bench_parser(sub) -> None:
     from launch.cli import add_device_args
     b = sub.add_parser("bench", help="concurrency sweep over held-out prompts (or multi-turn chats), arms side by side")
     from launch.cli import DTYPE_HELP, DTYPES
-    b.add_argument("--model", required=True, help="checkpoint folder (config.json, *.safetensors, tokenizer.json)")
+    b.add_argument("--model", default=None, help="checkpoint folder (config.json, *.safetensors, tokenizer.json); "
+                   "required unless --compare")
     b.add_argument("--workload", default="sweep", choices=["sweep", "chat"],
                    help="sweep: closed-loop concurrency sweep; chat: conversations over a shared system prompt "
                         "through the server's chat endpoint, prefix cache on and off (arms cache, no-cache)")
@@ -23,8 +24,9 @@ def add_bench_parser(sub) -> None:
                         "speculation), k1, k2, k3, k4 (MTP drafts per step), ngram (prompt lookup), tree (the --tree-shape "
                         "tree), treeDIGITS (tree3211: the shape 3,2,1,1); with the model's width cap: ladder (the "
                         "drafts-by-width ladder), ladder+stop (with a 0.5 confidence stop), auto (depth measured "
-                        "online); yardsticks: hf (transformers' generate), vllm and vllm-mtpK (K=1..4, vLLM's CPU "
-                        "build, see --vllm-python). An engine arm + '-eager' runs without torch.compile "
+                        "online); yardsticks: hf (transformers' generate, static cache and compiled), hf-eager (its "
+                        "eager generate), vllm and vllm-mtpK (K=1..4, vLLM's CPU build as documented, see "
+                        "--vllm-python), vllm-untuned / vllm-mtpK-untuned (the old set-up: an ablation). An engine arm + '-eager' runs without torch.compile "
                         "(none-eager), + '-bi' with the batch-invariant kernels (k3-bi), + '-a2a' at --ep > 1 with "
                         "the MoE exchange instead of auto's choice (none-a2a), + '-twin' a second instance of an "
                         "arm also listed (k3-twin beside k3: their paired ratio, printed as the noise, is what two "
@@ -46,6 +48,11 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--vllm-python", default=None, metavar="PATH",
                    help="arms vllm and vllm-mtpK (K=1..4) run vLLM's CPU build with this venv's Python "
                         "(default: METRALE_VLLM_PYTHON); a yardstick, never a dependency")
+    b.add_argument("--prefix-cache", default="off", choices=["off", "both"],
+                   help="sweep: the cache policy of every arm: off, or both: ours and vLLM's "
+                        "(enable_prefix_caching, 32-token blocks: the least its CPU attention takes) on (default: off)")
+    b.add_argument("--compare", nargs=2, type=Path, default=None, metavar=("A.json", "B.json"),
+                   help="no run: A's cells over B's, per arm and concurrency; refused between records of different hosts")
     b.add_argument("--json-out", type=Path, default=None, help="where the JSON record goes (default: not written)")
     b.add_argument("--plot-out", type=Path, default=None, help="where the PNG plot goes (default: not drawn)")
     chat = b.add_argument_group("chat workload")
@@ -58,6 +65,10 @@ def add_bench_parser(sub) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.compare:
+        return cmd_compare(*args.compare)
+    if args.model is None:
+        raise ValueError("bench needs --model DIR (or --compare A.json B.json)")
     if args.workload == "chat":
         return cmd_chat_bench(args)
     from bench.benchmark import BenchConfig, run_bench
@@ -73,7 +84,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          requests=args.requests, repeats=args.repeats, quick=args.quick,
                          tree_shape=args.tree_shape, enforce_eager=args.enforce_eager, device=args.device,
                          request_kinds=tuple(k.strip() for k in args.request_kinds.split(",")),
-                         vllm_python=args.vllm_python)
+                         vllm_python=args.vllm_python, prefix_cache=args.prefix_cache)
     from launch import launcher_for
     run_bench(config, json_out=args.json_out, plot_out=args.plot_out,
               launcher=launcher_for(args.launcher) if config.ep > 1 else None)
@@ -92,4 +103,20 @@ def cmd_chat_bench(args: argparse.Namespace) -> int:
                              max_tokens=args.max_tokens or 64, spec=args.spec,
                              arms=arm_list(args.arms or "no-cache,cache"), enforce_eager=args.enforce_eager)
     run_chat_bench(config, args.out_dir)
+    return 0
+
+
+def cmd_compare(a: Path, b: Path) -> int:
+    """Two records' cells side by side: A / B per arm and concurrency (bench.cells.record_ratios)."""
+    import json
+    from bench.cells import record_ratios
+    records = []
+    for path in (a, b):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--compare {path}: not a bench record ({exc})") from None
+    for r in record_ratios(*records, names=(str(a), str(b))):
+        print(f"{r['arm']} c={r['concurrency']}: {r['a_tok_s']:.1f} / {r['b_tok_s']:.1f} = "
+              f"{'tie' if r['tie'] else format(r['ratio'], '.3f')} [{r['range'][0]:.2f}-{r['range'][1]:.2f}]")
     return 0

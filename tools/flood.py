@@ -4,9 +4,10 @@ that keep streaming.
 Starts the server itself (`--max-waiting B`, a small `--max-num-seqs` so the queue fills), opens a
 few long streaming requests first (the "running" ones), waits a baseline, then fires 10 x B
 non-streaming requests at once. Reports how many were refused (503 with Retry-After) and how many
-completed, the peak RSS of the server's process tree (psutil when installed, else /proc) and the
-largest gap between tokens of the running streams during the flood against before it, then sends
-SIGTERM and records the drain's exit status. Writes flood.json (and flood.png when matplotlib is
+completed, the peak RSS of the server's process tree (psutil when installed, else /proc) against
+its idle RSS (healthy, before any request) and whether it stayed within `--rss-margin` of it, and
+the largest gap between tokens of the running streams during the flood against before it (a
+stall: longer than `--stall-s`), then sends SIGTERM and records the drain's exit status. Writes flood.json (and flood.png when matplotlib is
 installed) under --out.
 
     python tools/flood.py --out flood-out --max-waiting 16                 # EP 1
@@ -163,6 +164,8 @@ def flood(args: argparse.Namespace) -> dict:
     stop_sampling = threading.Event()
     try:
         wait_healthy(proc, base)
+        time.sleep(0.2)
+        rss_idle = tree_rss_bytes(proc.pid)     # healthy, nothing asked yet
 
         def sample() -> None:
             while not stop_sampling.is_set():
@@ -233,7 +236,9 @@ def flood(args: argparse.Namespace) -> dict:
                      "refused_with_retry_after": sum(r[1] is not None for r in refused),
                      "other_statuses": sorted({s for s in statuses if s not in (200, 503)})},
         "flood_seconds": round(t_flood_end - t_flood, 3),
-        "rss_mib": {"before_flood": round(rss_before / 2**20, 1), "peak": round(rss_peak / 2**20, 1),
+        "rss_mib": {"idle": round(rss_idle / 2**20, 1), "before_flood": round(rss_before / 2**20, 1),
+                    "peak": round(rss_peak / 2**20, 1), "peak_over_idle": round(rss_peak / rss_idle, 4) if rss_idle else None,
+                    "margin": args.rss_margin, "within_margin": bool(rss_idle) and rss_peak <= rss_idle * (1 + args.rss_margin),
                     "source": "psutil" if _has_psutil() else "/proc"},
         "running_streams": {
             "max_gap_before_s": None if worst_before is None else round(worst_before, 4),
@@ -303,6 +308,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--baseline-s", type=float, default=1.5, help="seconds of streaming measured before the flood")
     ap.add_argument("--stall-s", type=float, default=2.0,
                     help="a running stream stalled if it waited longer than this for a token during the flood")
+    ap.add_argument("--rss-margin", type=float, default=0.25,
+                    help="the flood holds memory if the peak RSS stays within this share above the idle RSS")
     ap.add_argument("--drain-timeout", type=float, default=10.0, help="the server's --drain-timeout")
     ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                     help="--enforce-eager on the server (default on: no compile time in a short run)")

@@ -198,9 +198,10 @@ def test_train_tiny_trains_resumes_and_exports_a_servable_model(tmp_path):
 
 def test_flood(tmp_path):
     """A tiny flood (B=2: 20 requests at once) against a real server: the queue refuses with 503 and
-    Retry-After, what it took completes, the running stream finishes, the server drains and exits 0."""
+    Retry-After, what it took completes, the server's memory stays within 25% of its idle RSS, the
+    running stream never waits 3 s for a token and finishes, the server drains and exits 0."""
     proc = run_tool("flood.py", "--out", tmp_path, "--max-waiting", 2, "--running", 1, "--running-tokens", 200,
-                    "--baseline-s", 0.5, "--drain-timeout", 5)
+                    "--baseline-s", 0.5, "--drain-timeout", 5, "--stall-s", 3, "--rss-margin", 0.25)
     report = json.loads(ok(proc).strip().splitlines()[-1])
     assert report == json.loads((tmp_path / "flood.json").read_text())
     assert (tmp_path / "flood.png").stat().st_size > 0
@@ -208,7 +209,12 @@ def test_flood(tmp_path):
     assert req["refused_503"] + req["completed_200"] == 20 and req["other"] == 0
     assert req["refused_503"] >= 1 and req["refused_with_retry_after"] == req["refused_503"]
     assert req["completed_200"] >= 2                                  # at least the queue's worth
-    assert report["rss_mib"]["peak"] >= report["rss_mib"]["before_flood"] > 0
+    rss = report["rss_mib"]
+    assert rss["idle"] > 0 and rss["peak"] <= rss["idle"] * 1.25 + 0.1, rss     # the bound, beside its verdict
+    assert rss["within_margin"] is True and rss["margin"] == 0.25
+    streams = report["running_streams"]
+    assert streams["max_gap_during_s"] is not None and streams["max_gap_during_s"] <= 3.0, streams
+    assert streams["stalled"] is False
     assert report["running_streams"]["finish_reasons"] == ["length"]
     assert report["running_streams"]["max_gap_before_s"] > 0
     assert report["shutdown"]["exit_code"] == 0
