@@ -142,7 +142,7 @@ class RoutedExperts(nn.Module):
         is_local = (local >= 0) & (local < e_local)
         key = torch.where(is_local, local, e_local)                            # non-local: a last group
         order = torch.argsort(key, stable=True)                                # [T*k]
-        if key.is_cuda:
+        if key.device.type != "cpu":   # CUDA (and the meta device of the dispatch test)
             # CUDA's bincount reads the largest id back on the host, which a CUDA graph capture
             # refuses: the group ends come from the sorted keys instead.
             groups = torch.arange(e_local, device=key.device)

@@ -10,7 +10,7 @@ from runtime.attention import PagedAttention, SeqChunk, StepPlan, build_plan
 from runtime.step_context import forward_context
 from runtime.batch_invariant import set_batch_invariant
 from runtime.compiled import compile_step
-from runtime.device import kv_tokens_for_memory
+from runtime.device import kv_tokens_for_memory, use_device
 from runtime.kv_cache import PagedKVCache
 from runtime.layers import Linear
 from runtime.model import CausalLM, RowTwice
@@ -42,8 +42,8 @@ class ModelRunner:
         weights (`runtime.device.kv_tokens_for_memory`) instead of `kv_cache_tokens`.
 
         `static_steps`: decode and verify steps run padded to buckets (runtime.static_step);
-        `cuda_graphs` (CUDA, float32/bfloat16, implies static steps): each bucket's forward is
-        captured once and replayed. Neither applies to batch-invariant steps, whose tiles change
+        `cuda_graphs` (CUDA, bfloat16 on sm90/sm100, implies static steps): each bucket's forward is
+        captured once and replayed; elsewhere a ValueError says why (`runtime.device.capture_refusal`). Neither applies to batch-invariant steps, whose tiles change
         with the step.
 
         `compiled`: the target forward runs through `torch.compile` (inductor, dynamic shapes),
@@ -84,6 +84,7 @@ class ModelRunner:
         self._compiled_logits = compile_step(model.compute_logits, options) if self.compiled and plain_head else None
         self.config = cfg
         self.device = model.device
+        use_device(self.device)   # streams, graphs and kernels that name no device go to the model's GPU
         if gpu_memory_utilization is not None:
             kv_cache_tokens = kv_tokens_for_memory(self.device, gpu_memory_utilization, kv_bytes_per_token(model))
         num_blocks = max(1, kv_cache_tokens // block_size)

@@ -149,6 +149,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
     with torch.device("meta"):  # parallel layers are swapped in without allocating
         specs = transform(model) if transform is not None else {}
     device = torch.device(device)
+    _cast(model, dtype)   # on the meta device: every weight is allocated in its serving dtype, no float32 copy first
     model.to_empty(device=device)
     with torch.device(device):
         model.rotary.__init__(cfg)  # non-persistent buffer: recompute after leaving the meta device
@@ -210,7 +211,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
         if len(rows) != len(experts):
             lost = sorted(set(experts) - rows)
             raise CheckpointError(f"checkpoint lacks expert(s) {lost[:5]} for {param}")
-    _cast(model, dtype)
     pack_for_inference(model)
     model.eval()
     return model
