@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU the Triton kernels (runtime/kernels) run under Triton's interpreter on CPU tensors;
+# it is chosen when triton is imported (torch.compile imports it), so before any test runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 320  # a byte-level BPE needs 256 base tokens
 

@@ -1,0 +1,103 @@
+"""The Triton paged-attention kernel (runtime/kernels/paged_attention.py) against a float64
+reference over the same cells: decode, chain-verify and tree-verify rows, grouped-query heads, the
+latent (MLA absorbed) layout, split-K, float32 and bfloat16, ragged block tables, sequences with no
+committed context, padding rows, and trees with and without siblings. On the CPU under the Triton
+interpreter; the `cuda` test runs the compiled kernel."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.runtime.kernel_cases import kernel_device, ragged_cache
+
+# (start, rows, parents) per sequence: decode rows, a chain, a tree with siblings, a tree whose
+# rows share no siblings, a sequence with no committed context, a one-row sequence at position 0.
+SEQS = [(37, 1, None), (20, 4, None), (9, 5, (-1, 0, 0, 1, 2)), (50, 4, (-1, 0, 1, 2)), (0, 3, None), (0, 1, None)]
+
+
+def rows_of(seqs, pad: int = 2):
+    """Row metadata lists (seq, start, end, anc) and each real row's (b, r); `pad` padding rows."""
+    from runtime.kernels.paged_attention import own_row_bits
+    meta, where = [], []
+    for b, (start, n, parents) in enumerate(seqs):
+        for r, bits in enumerate(own_row_bits(n, parents)):
+            meta.append((b, start, start + n, bits))
+            where.append((b, r))
+    meta += [(0, 0, 0, 0)] * pad
+    return meta, where
+
+
+def reference(q, k, v, table, block_size, meta, scale, group):
+    """float64, row by row: the visible positions' cells, softmax over them, per query head."""
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
+    for t, (b, start, end, bits) in enumerate(meta):
+        bits &= (1 << 64) - 1
+        pos = [p for p in range(end) if p < start or (bits >> (p - start)) & 1]
+        if not pos:
+            continue
+        cells = torch.tensor([int(table[b, p // block_size]) * block_size + p % block_size for p in pos])
+        for h in range(q.shape[1]):
+            kk = k[cells, h // group].double()
+            s = (kk @ q[t, h].double()) * scale
+            out[t, h] = torch.softmax(s, 0) @ v[cells, h // group].double()
+    return out
+
+
+def run_case(device, dtype, nh, nkv, dims, latent=False, splits=None, block_size=16, seqs=SEQS):
+    from runtime.kernels.paged_attention import paged_attention
+    lengths = [start + n for start, n, _ in seqs]
+    k, v, table = ragged_cache(lengths, block_size, nkv, dims, dtype, device, latent=latent)
+    meta, _ = rows_of(seqs)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(len(meta), nh, dims[0], generator=g).to(dtype).to(device)
+    cols = [torch.tensor(c, dtype=torch.long, device=device) for c in zip(*meta)]
+    scale = dims[0] ** -0.5
+    got = paged_attention(q, k, v, table, block_size, *cols, scale=scale, max_keys=max(lengths), num_splits=splits)
+    want = reference(q.cpu(), k.cpu(), v.cpu(), table.cpu(), block_size, meta, scale, nh // nkv)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
+    assert not got[-2:].any()   # padding rows: zeros
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_grouped_query_heads(dtype):
+    run_case(kernel_device(), dtype, nh=4, nkv=2, dims=(16, 16))
+
+
+def test_rows_one_kv_head_many_query_heads_and_odd_dims():
+    run_case(kernel_device(), torch.float32, nh=6, nkv=1, dims=(24, 20), block_size=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_absorbed_rows_over_the_latent_cache(dtype):
+    # one latent 'head' [C + Dr], values its first C channels (a view of the keys)
+    run_case(kernel_device(), dtype, nh=4, nkv=1, dims=(24, 16), latent=True)
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_split_k_merges_to_the_same_rows(splits):
+    run_case(kernel_device(), torch.float32, nh=4, nkv=2, dims=(16, 16), splits=splits)
+
+
+def test_split_count_from_the_shape_alone():
+    kernel_device()
+    from runtime.kernels.paged_attention import split_count
+    assert split_count(64, 2, 4096) == 1 and split_count(1, 8, 512) == 1
+    assert split_count(1, 2, 8192) == 16 and split_count(2, 4, 2048) == 4
+
+
+def test_too_many_own_rows_is_one_line():
+    kernel_device()
+    from runtime.kernels.paged_attention import own_row_bits
+    with pytest.raises(ValueError, match="at most 64"):
+        own_row_bits(65, None)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_on_the_gpu(dtype):
+    dev = torch.device("cuda", 0)
+    run_case(dev, dtype, nh=8, nkv=2, dims=(128, 128))
+    run_case(dev, dtype, nh=16, nkv=1, dims=(576, 512), latent=True)
+    run_case(dev, dtype, nh=8, nkv=2, dims=(128, 128), splits=4)
