@@ -79,6 +79,21 @@ class SeqChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class KernelRows:
+    """What the paged-attention kernel reads besides q and the cache: each sequence's block table
+    [B, NB], and per row [T] its sequence, its first own position (the committed context ends
+    there), one past its sequence's last row, and the bits of the own rows it sees."""
+    block_table: torch.Tensor
+    block_size: int
+    row_seq: torch.Tensor
+    row_start: torch.Tensor
+    row_end: torch.Tensor
+    row_anc: torch.Tensor
+    max_keys: int
+    kernel: object   # runtime.kernels.paged_attention.paged_attention, imported once
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     positions: torch.Tensor      # [T] absolute positions
     cell_mapping: torch.Tensor   # [T] cache cell each row's k/v is written to
@@ -97,6 +112,9 @@ class StepPlan:
     # Batch-invariant attention (runtime.invariant_attention): the step's rows in fixed tiles, each
     # with its own key list; None runs SDPA over the padded batch.
     tiles: ia.AttentionTiles | None = None
+    # The paged-attention kernel's rows (runtime/kernels/paged_attention.py), where the step runs
+    # it: a static step's plan on CUDA (`runtime.static_step`, chosen when its graphs are built).
+    rows: KernelRows | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -291,6 +309,11 @@ class PagedAttention:
                scale: float) -> torch.Tensor:
         writes = self.plan
         p = self.queries if self.queries is not None else writes
+        if p.rows is not None:   # the kernel reads each row's keys in place through the block table
+            self.cache.write(layer_idx, writes.cell_mapping, k, v)
+            r = p.rows
+            return r.kernel(q, self.cache.k[layer_idx], self.cache.v[layer_idx], r.block_table, r.block_size,
+                            r.row_seq, r.row_start, r.row_end, r.row_anc, scale, r.max_keys)
         if p.tiles is None and q.device.type == "cpu" and cpu_ops.load():   # the same calls, natively
             cache = self.cache
             return torch.ops.metrale_cpu.paged_attention(

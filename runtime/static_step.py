@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.attention import PagedAttention, SeqChunk, StepPlan, row_depths
+from runtime.attention import KernelRows, PagedAttention, SeqChunk, StepPlan, row_depths
+from runtime import kernels
 from runtime.device import capture_refusal
 from runtime.kv_cache import PagedKVCache
 
@@ -71,7 +72,10 @@ class StaticBuffers:
     is padding, so a warm-up or capture writes to the scratch cell only. `hidden_in` [T, H]: the
     previous hidden of each row, for the drafter's forward (None for the target's)."""
 
-    def __init__(self, shape: StaticShape, cache: PagedKVCache, hidden: tuple[int, torch.dtype] | None = None) -> None:
+    def __init__(self, shape: StaticShape, cache: PagedKVCache, hidden: tuple[int, torch.dtype] | None = None,
+                 kernel=None) -> None:
+        """`kernel`: the paged-attention kernel the plan's attention runs (`KernelRows`), or None
+        for the padded SDPA."""
         b, q, k, t = shape.num_seqs, shape.num_rows, shape.num_keys, shape.num_tokens
         dev, scratch = cache.device, cache.scratch_cell
         self.shape = shape
@@ -83,10 +87,16 @@ class StaticBuffers:
         self.mask[..., 0] = True
         self.hidden_in = None if hidden is None else torch.zeros(t, hidden[0], dtype=hidden[1], device=dev)
         self._keys = torch.arange(k, device=dev)                                              # [K]
+        nb = -(-k // cache.block_size)
+        self.blocks = torch.zeros(b, nb, dtype=torch.long, device=dev)                         # [B, NB]
+        self.row_meta = torch.zeros(4, t, dtype=torch.long, device=dev)   # [4, T] seq, start, end, own bits
+        rows = None if kernel is None else KernelRows(
+            block_table=self.blocks, block_size=cache.block_size, row_seq=self.row_meta[0], row_start=self.row_meta[1],
+            row_end=self.row_meta[2], row_anc=self.row_meta[3], max_keys=k, kernel=kernel)
         self.plan = StepPlan(positions=self.positions, cell_mapping=self.cell_mapping, gather=self.gather,
                              q_index=torch.arange(t, device=dev).view(b, q),
                              valid=torch.ones(b, q, dtype=torch.bool, device=dev), mask=self.mask,
-                             last_rows=torch.arange(q - 1, t, q, device=dev), mask_mode="padded")
+                             last_rows=torch.arange(q - 1, t, q, device=dev), mask_mode="padded", rows=rows)
 
     def fill(self, tokens: list[int], chunks: list[SeqChunk], cache: PagedKVCache) -> torch.Tensor:
         """Write one step into the buffers; returns the step row of each real row [sum of chunk rows],
@@ -102,6 +112,7 @@ class StaticBuffers:
         starts, counts, ends = [0] * b_max, [0] * b_max, [0] * b_max
         blocks = [0] * (b_max * nb)
         own = [0] * (b_max * q * q)          # [B, Q, Q]: row r of sequence b sees its row j
+        meta = [0] * (4 * t)                 # the kernel's rows: seq, start, end, own-row bits
         rows: list[int] = []
         i = 0
         for b, c in enumerate(chunks):
@@ -119,16 +130,22 @@ class StaticBuffers:
             blocks[b * nb:b * nb + len(table)] = table
             base = b * q * q
             for r in range(c.num_tokens):    # a chain sees its earlier rows, a tree row its ancestors
-                j = r
+                j, bits = r, 0
                 while j != -1:
                     own[base + r * q + j] = 1
+                    bits |= 1 << j
                     j = (j - 1) if c.parents is None else c.parents[j]
+                row = b * q + r
+                meta[row], meta[t + row], meta[2 * t + row], meta[3 * t + row] = b, c.start, c.end, bits
         n = len(rows)
-        host = torch.tensor(host_tokens + host_pos + rows + [0] * (t - n) + starts + counts + ends + blocks + own,
+        host = torch.tensor(host_tokens + host_pos + rows + [0] * (t - n) + starts + counts + ends + blocks + own + meta,
                             dtype=torch.long, device="cpu")
         staged = host.to(cache.device, non_blocking=True)
-        tok, pos, sel, start, count, end, blk, vis = staged.split([t, t, t, b_max, b_max, b_max, b_max * nb,
-                                                                   b_max * q * q])
+        tok, pos, sel, start, count, end, blk, vis, row_meta = staged.split(
+            [t, t, t, b_max, b_max, b_max, b_max * nb, b_max * q * q, 4 * t])
+        if self.plan.rows is not None:
+            self.blocks.copy_(blk.view(b_max, nb))
+            self.row_meta.copy_(row_meta.view(4, t))
         self.tokens.copy_(tok)
         self.positions.copy_(pos)
         keys = self._keys                                                                    # [K]
@@ -165,12 +182,25 @@ class StepGraphs:
     CPU the same padded forward runs eagerly."""
 
     def __init__(self, forward: Callable[..., torch.Tensor], cache: PagedKVCache, max_keys: int,
-                 capture: bool, hidden: tuple[int, torch.dtype] | None = None) -> None:
+                 capture: bool, hidden: tuple[int, torch.dtype] | None = None,
+                 attention_kernel: bool | None = None) -> None:
         """`hidden` (size, dtype): the forward also takes a hidden state per row, as the MTP
-        drafter's `mtp_forward(tokens, prev_hidden, positions, attention)` does."""
+        drafter's `mtp_forward(tokens, prev_hidden, positions, attention)` does.
+        `attention_kernel`: the steps' attention through the Triton paged-attention kernel
+        (reading keys and values in place) instead of the context copy and padded SDPA; None:
+        on CUDA where triton is installed. Chosen here, once."""
         refusal = capture_refusal(cache.device, cache.k.dtype) if capture else None
         if refusal is not None:
             raise ValueError(refusal)
+        if attention_kernel is None:
+            attention_kernel = cache.device.type == "cuda" and kernels.available("cuda")
+        if attention_kernel and not kernels.available(cache.device.type):
+            raise ValueError(f"the Triton attention kernel cannot run on {cache.device} here (triton missing, "
+                             "or TRITON_INTERPRET not 1 for CPU tensors)")
+        self.kernel = None
+        if attention_kernel:
+            from runtime.kernels.paged_attention import paged_attention
+            self.kernel = paged_attention
         self.forward_fn = forward
         self.cache = cache
         self.max_keys = max_keys
@@ -223,7 +253,7 @@ class StepGraphs:
         return self.forward_fn(buffers.tokens, buffers.positions, attention)
 
     def _prepare(self, shape: StaticShape) -> _Entry:
-        buffers = StaticBuffers(shape, self.cache, self.hidden)
+        buffers = StaticBuffers(shape, self.cache, self.hidden, self.kernel)
         if not self.capture:
             return _Entry(buffers)
         graph, output, taken = capture_cuda_graph(lambda: self._forward(buffers), self.pool, self.cache.device)

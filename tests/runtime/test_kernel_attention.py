@@ -10,6 +10,8 @@ import torch
 
 from tests.runtime.kernel_cases import kernel_device, ragged_cache
 
+pytestmark = pytest.mark.triton
+
 # (start, rows, parents) per sequence: decode rows, a chain, a tree with siblings, a tree whose
 # rows share no siblings, a sequence with no committed context, a one-row sequence at position 0.
 SEQS = [(37, 1, None), (20, 4, None), (9, 5, (-1, 0, 0, 1, 2)), (50, 4, (-1, 0, 1, 2)), (0, 3, None), (0, 1, None)]
@@ -101,3 +103,38 @@ def test_rows_on_the_gpu(dtype):
     run_case(dev, dtype, nh=8, nkv=2, dims=(128, 128))
     run_case(dev, dtype, nh=16, nkv=1, dims=(576, 512), latent=True)
     run_case(dev, dtype, nh=8, nkv=2, dims=(128, 128), splits=4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_static_steps_through_the_kernel_match_the_padded_sdpa(dtype):
+    """The embedded model's padded target step (decode, chain and tree rows in one bucket) with
+    its attention through the kernel equals the step through the context copy and SDPA."""
+    kernel_device()
+    from pathlib import Path
+
+    from runtime.attention import SeqChunk
+    from runtime.model_runner import ModelRunner
+    from runtime.static_step import StepGraphs
+    from runtime.weights import load_model
+    model = load_model(Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe", dtype, device="cpu")
+    runner = ModelRunner(model, kv_cache_tokens=1024, batch_invariant=False)
+    prompts = {0: [5, 17, 200, 3, 9], 1: [9, 9, 9, 100, 250, 31, 7, 64, 12], 2: [300, 4, 41, 42, 41, 42, 7]}
+    for s, p in prompts.items():
+        runner.cache.reserve(s, len(p))
+        runner.forward(p, [SeqChunk(s, 0, len(p))])
+    chunks = [SeqChunk(0, 5, 1), SeqChunk(1, 9, 3), SeqChunk(2, 7, 4, (-1, 0, 0, 1))]
+    for c in chunks:
+        runner.cache.reserve(c.seq_id, c.end)
+    toks = [11, 12, 13, 14, 15, 16, 17, 18]
+    outs = []
+    for kernel in (False, True):
+        graphs = StepGraphs(model.forward, runner.cache, 512, capture=False, attention_kernel=kernel)
+        shape = graphs.shape_of(chunks)
+        with torch.inference_mode():
+            hidden, plan = graphs.run(toks, chunks, shape)
+        assert (plan.rows is not None) == kernel
+        outs.append(hidden.float())
+    if dtype == "float32":
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    else:   # one rounding of the kernel's float32 softmax against SDPA's bfloat16 steps, over every layer
+        assert (outs[1] - outs[0]).abs().max() <= 0.02 * outs[0].abs().max()
