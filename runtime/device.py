@@ -103,13 +103,18 @@ def use_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-def capture_refusal(device: torch.device, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> str | None:
+def capture_refusal(device: torch.device, dtype: torch.dtype, capability: tuple[int, int] | None = None,
+                    sync_free_experts: bool = False) -> str | None:
     """Why a step on `device` in `dtype` cannot be captured as a CUDA graph, in one line, or None
     when it can. The routed experts' `torch._grouped_mm` is sync-free only in bfloat16 on sm90 and
     sm100; other types and GPUs fall back to a kernel that reads each group's offset on the host
-    (illegal during capture, a sync per layer eagerly); float64 experts loop on the host."""
+    (illegal during capture, a sync per layer eagerly); float64 experts loop on the host.
+    `sync_free_experts`: the experts run the fused Triton kernels (`runtime.experts.
+    choose_fused_experts`), sync-free in float32 and bfloat16 on any GPU."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device}"
+    if sync_free_experts and dtype in (torch.float32, torch.bfloat16):
+        return None
     if dtype != torch.bfloat16:
         return (f"CUDA graphs are refused in {str(dtype).removeprefix('torch.')}: its routed experts read group "
                 "offsets on the host (a sync-free path exists only in bfloat16); run bfloat16 or eager")

@@ -12,6 +12,7 @@ from runtime.batch_invariant import set_batch_invariant
 from runtime.compiled import compile_step
 from runtime.device import kv_tokens_for_memory, use_device
 from runtime.kv_cache import PagedKVCache
+from runtime.experts import uses_fused_experts
 from runtime.layers import Linear
 from runtime.model import CausalLM, RowTwice
 from runtime.static_step import StepGraphs
@@ -94,7 +95,8 @@ class ModelRunner:
         if (static_steps or cuda_graphs) and not self.batch_invariant:
             max_keys = min(cfg.max_position_embeddings, self.cache.capacity_tokens)
             capture = cuda_graphs and model.dtype != torch.float64   # float64 experts sync with the host
-            self.graphs = StepGraphs(model.forward, self.cache, max_keys, capture)
+            self.graphs = StepGraphs(model.forward, self.cache, max_keys, capture,
+                                     sync_free_experts=uses_fused_experts(model))
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], chunks: list[SeqChunk]) -> tuple[torch.Tensor, StepPlan]:

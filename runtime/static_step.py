@@ -183,13 +183,14 @@ class StepGraphs:
 
     def __init__(self, forward: Callable[..., torch.Tensor], cache: PagedKVCache, max_keys: int,
                  capture: bool, hidden: tuple[int, torch.dtype] | None = None,
-                 attention_kernel: bool | None = None) -> None:
+                 attention_kernel: bool | None = None, sync_free_experts: bool = False) -> None:
         """`hidden` (size, dtype): the forward also takes a hidden state per row, as the MTP
         drafter's `mtp_forward(tokens, prev_hidden, positions, attention)` does.
         `attention_kernel`: the steps' attention through the Triton paged-attention kernel
         (reading keys and values in place) instead of the context copy and padded SDPA; None:
-        on CUDA where triton is installed. Chosen here, once."""
-        refusal = capture_refusal(cache.device, cache.k.dtype) if capture else None
+        on CUDA where triton is installed. Chosen here, once. `sync_free_experts`: the model's
+        experts run the fused kernels, so float32 captures too (`capture_refusal`)."""
+        refusal = capture_refusal(cache.device, cache.k.dtype, sync_free_experts=sync_free_experts) if capture else None
         if refusal is not None:
             raise ValueError(refusal)
         if attention_kernel is None:

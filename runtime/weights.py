@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from runtime.config import ModelConfig, load_config
+from runtime.experts import choose_fused_experts
 from runtime.layers import pack_for_inference
 from runtime.model import CausalLM
 
@@ -212,6 +213,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
             lost = sorted(set(experts) - rows)
             raise CheckpointError(f"checkpoint lacks expert(s) {lost[:5]} for {param}")
     pack_for_inference(model)
+    choose_fused_experts(model)   # on CUDA with triton: the sync-free Triton experts
     model.eval()
     return model
 

@@ -21,7 +21,7 @@ BLOCK_M = 16
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_end_ptr,
-                    num_choices, hidden, inter, topk, stride_xt, stride_we, stride_wn, stride_hc,
+                    num_choices, hidden, inter, topk, stride_xt, stride_we, stride_wn, stride_wk, stride_hc,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
                     UPCAST: tl.constexpr):
     pid = tl.program_id(0)
@@ -42,9 +42,9 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, block_expert_ptr, block_row_
             kk = k0 + tl.arange(0, BK)
             kmask = kk < hidden
             a = tl.load(x_ptr + token[:, None] * stride_xt + kk[None, :], mask=live[:, None] & kmask[None, :], other=0.0)
-            wg = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + kk[:, None],
+            wg = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk,
                          mask=nmask[None, :] & kmask[:, None], other=0.0)                    # [BK, BN]
-            wu = tl.load(w_ptr + e * stride_we + (n[None, :] + inter) * stride_wn + kk[:, None],
+            wu = tl.load(w_ptr + e * stride_we + (n[None, :] + inter) * stride_wn + kk[:, None] * stride_wk,
                          mask=nmask[None, :] & kmask[:, None], other=0.0)
             if UPCAST:   # the interpreter's dot takes no bfloat16: the same products in float32
                 a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
@@ -64,7 +64,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, block_expert_ptr, block_row_
 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, out_ptr, order_ptr, weight_ptr, block_expert_ptr, block_row_ptr, expert_end_ptr,
-                 hidden, inter, stride_hc, stride_we, stride_wn, stride_oc,
+                 hidden, inter, stride_hc, stride_we, stride_wn, stride_wk, stride_oc,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
                     UPCAST: tl.constexpr):
     pid = tl.program_id(0)
@@ -83,7 +83,7 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, order_ptr, weight_ptr, block_expert_ptr,
             kk = k0 + tl.arange(0, BK)
             kmask = kk < inter
             a = tl.load(h_ptr + rows[:, None] * stride_hc + kk[None, :], mask=live[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + kk[:, None],
+            w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk,
                         mask=nmask[None, :] & kmask[:, None], other=0.0)                     # [BK, BN]
             if UPCAST:
                 a, w = a.to(tl.float32), w.to(tl.float32)
@@ -135,8 +135,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
     inter = two_i // 2
     if t == 0:
         return x.new_zeros(0, h)
-    if x.stride(-1) != 1 or gate_up_proj.stride(-1) != 1 or down_proj.stride(-1) != 1:
-        raise ValueError("fused_experts: x and the expert matrices need a contiguous last dim")
+    x = x.contiguous()   # expert matrices: any strides (the CPU keeps them column-major)
     order, end, block_expert, block_row = block_layout(ids, expert_offset, e_local)
     c = t * topk
     nb = block_expert.shape[0]
@@ -148,10 +147,10 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
     bn_i, bn_h = _pow2(inter), _pow2(h)
     _gate_up_kernel[(nb, triton.cdiv(inter, bn_i))](
         x, gate_up_proj, hbuf, order, block_expert, block_row, end, c, h, inter, topk,
-        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), hbuf.stride(0),
+        x.stride(0), *gate_up_proj.stride(), hbuf.stride(0),
         BM=BLOCK_M, BN=bn_i, BK=_pow2(h, 16, 32), IEEE=ieee, UPCAST=upcast)
     _down_kernel[(nb, triton.cdiv(h, bn_h))](
         hbuf, down_proj, per_choice, order, w, block_expert, block_row, end, h, inter,
-        hbuf.stride(0), down_proj.stride(0), down_proj.stride(1), per_choice.stride(0),
+        hbuf.stride(0), *down_proj.stride(), per_choice.stride(0),
         BM=BLOCK_M, BN=bn_h, BK=_pow2(inter, 16, 32), IEEE=ieee, UPCAST=upcast)
     return per_choice.view(t, topk, h).sum(dim=1)

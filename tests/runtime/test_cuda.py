@@ -191,8 +191,11 @@ def test_speculation_with_graphs_on_and_off(dtype):
     graphed_llm = LLM(MODEL, spec="mtp", num_drafts=3, **kw)
     graphed = tokens(graphed_llm)
     graphs = graphed_llm.engine.runner.graphs
-    # float32 runs its padded steps eagerly: capture is refused (runtime.device.capture_refusal)
-    assert graphs.capture == (dtype == "bfloat16") and (graphs.replays > 0) == graphs.capture
+    # float32 captures with the fused Triton experts; without them (no triton) its padded steps
+    # run eagerly (runtime.device.capture_refusal)
+    from runtime.experts import uses_fused_experts
+    assert graphs.capture == (dtype == "bfloat16" or uses_fused_experts(graphed_llm.model))
+    assert (graphs.replays > 0) == graphs.capture
     assert share_equal(graphed, eager) >= 0.9
     assert share_equal(graphed, plain) >= 0.9
     assert all(g[:4] == p[:4] for g, p in zip(graphed, plain))
@@ -242,8 +245,10 @@ def test_nccl_at_world_size_one_through_the_ep_code_path():
     assert got == want
 
 
-def test_float32_capture_is_refused_in_one_line():
+def test_float32_capture_is_refused_in_one_line_without_the_fused_experts():
+    from runtime.experts import choose_fused_experts
     model = load_model(MODEL, "float32", device=CUDA)
+    choose_fused_experts(model, False)
     with pytest.raises(ValueError, match="CUDA graphs are refused in float32"):
         ModelRunner(model, kv_cache_tokens=1024, batch_invariant=False, static_steps=True, cuda_graphs=True)
 
@@ -267,6 +272,25 @@ def test_capture_on_a_second_gpu_replays_its_own_output():
     b, _ = graphed.forward([7], [SeqChunk(0, 5, 1)])
     assert graphed.graphs.replays == 1
     torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+
+
+def test_float32_captures_with_the_fused_experts():
+    """The fused Triton experts are sync-free: a float32 step captures, and its replay gives the
+    eager step's rows."""
+    pytest.importorskip("triton")
+    from runtime.experts import uses_fused_experts
+    model = load_model(MODEL, "float32", device=CUDA)
+    assert uses_fused_experts(model)
+    eager = ModelRunner(model, kv_cache_tokens=1024, batch_invariant=False)
+    graphed = ModelRunner(model, kv_cache_tokens=1024, batch_invariant=False, static_steps=True, cuda_graphs=True)
+    for runner in (eager, graphed):
+        runner.cache.reserve(0, 5)
+        runner.forward([5, 17, 200, 3, 9], [SeqChunk(0, 0, 5)])
+        runner.cache.reserve(0, 6)
+    a, _ = eager.forward([7], [SeqChunk(0, 5, 1)])
+    b, _ = graphed.forward([7], [SeqChunk(0, 5, 1)])
+    assert graphed.graphs.replays == 1
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
 def test_kv_cache_sized_from_free_gpu_memory():

@@ -50,6 +50,10 @@ def test_capture_is_refused_in_one_line_where_the_experts_sync():
         msg = rdevice.capture_refusal(CUDA0, dtype, (9, 0))
         assert msg and "\n" not in msg and "refused in " + str(dtype).removeprefix("torch.") in msg
     assert "sm80" in rdevice.capture_refusal(CUDA0, torch.bfloat16, (8, 0))
+    # the fused Triton experts are sync-free: float32 and bfloat16 capture on any GPU
+    for dtype in (torch.float32, torch.bfloat16):
+        assert rdevice.capture_refusal(CUDA0, dtype, (8, 0), sync_free_experts=True) is None
+    assert "refused in float64" in rdevice.capture_refusal(CUDA0, torch.float64, (9, 0), sync_free_experts=True)
     assert "not cpu" in rdevice.capture_refusal(torch.device("cpu"), torch.bfloat16, (9, 0))
 
 

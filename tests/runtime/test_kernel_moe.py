@@ -76,3 +76,31 @@ def test_block_layout_is_read_off_the_device_only():
 def test_fused_experts_on_the_gpu(dtype):
     check(torch.device("cuda", 0), dtype, t=64, k=4, e_local=16, offset=0, num_global=16, skew=True,
           hidden=256, inter=128)
+
+
+def test_the_model_through_the_fused_experts_matches_the_default():
+    """The embedded model's forward with every routed expert layer on the fused kernels equals the
+    default path (float32), and the choice is refused in one line where the kernels cannot run."""
+    kernel_device()
+    from pathlib import Path
+
+    from runtime.attention import PagedAttention, SeqChunk, build_plan
+    from runtime.experts import choose_fused_experts, uses_fused_experts
+    from runtime.kv_cache import PagedKVCache
+    from runtime.model_runner import cache_layers
+    from runtime.weights import load_model
+    model = load_model(Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe", "float32", device="cpu")
+    assert not uses_fused_experts(model)   # never chosen on the CPU by default
+    outs = []
+    for on in (False, True):
+        choose_fused_experts(model, on)
+        cache = PagedKVCache(num_layers=cache_layers(model), num_blocks=8, block_size=16, dtype=model.dtype,
+                             device="cpu", **model.cache_layout())
+        cache.reserve(0, 6)
+        plan = build_plan(cache, [SeqChunk(0, 0, 6)])
+        with torch.inference_mode():
+            outs.append(model(torch.tensor([5, 17, 200, 3, 9, 11]), plan.positions, PagedAttention(cache, plan)))
+    assert uses_fused_experts(model)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="fused MoE kernels cannot run here"):
+        choose_fused_experts(model.double(), True)
