@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,13 +43,17 @@ import torch  # noqa: E402
 
 EMBEDDED = ROOT / "models" / "tiny-glm-moe"
 
-# Stage sizes: (arms, concurrency, max tokens, requests per cell, seconds allowed per arm).
-FULL = {"embedded": (("none-eager", "none", "k1", "k2", "k3", "ladder", "hf"), "1", 64, 6, 25),
-        "big": (("none-eager", "none", "k1", "k3", "hf"), "1", 48, 4, 30)}
-SMOKE = {"embedded": (("none-eager", "k1-eager", "hf"), "1", 6, 2, 60),
-         "big": (("none-eager",), "1", 6, 2, 60)}
-TESTS_S = {False: 100, True: 60}        # the cuda tests (smoke: they skip)
-CHECKPOINT_S = {False: 60, True: 40}    # writing the random checkpoint
+# Stage sizes: ({arm: seconds allowed, in the order run}, concurrency, max tokens, requests per cell).
+# An arm's process imports torch and transformers and loads the model (~10 s); the compiled arms
+# (none, k*, ladder: torch.compile plus CUDA graphs on CUDA) compile first. Estimates: no GPU has
+# run this yet.
+FULL = {"embedded": ({"none-eager": 25, "none": 60, "k1": 35, "k2": 30, "k3": 30, "ladder": 30, "hf": 20},
+                     "1", 64, 6),
+        "big": ({"none-eager": 30, "none": 50, "k1": 30, "hf": 20}, "1", 48, 4)}
+SMOKE = {"embedded": ({"none-eager": 100, "k1-eager": 100, "hf": 100}, "1", 6, 2),
+         "big": ({"none-eager": 100}, "1", 6, 2)}
+TESTS_S = {False: 120, True: 60}        # the cuda tests (smoke: they skip)
+CHECKPOINT_S = {False: 50, True: 40}    # writing the random checkpoint
 # About 1.1e9 parameters: hidden 1024, 10 layers (1 dense), 64 routed experts, an MTP layer.
 BIG = {"hidden": 1024, "layers": 10, "experts": 64}
 SMOKE_BIG = {"hidden": 64, "layers": 2, "experts": 4}
@@ -59,7 +64,7 @@ LOG_TAIL = 6000   # characters of each stage's output kept in stages.log
 def planned_seconds(smoke: bool) -> int:
     """The stages' limits added up (the check's own start and the table come on top)."""
     sizes = SMOKE if smoke else FULL
-    return TESTS_S[smoke] + CHECKPOINT_S[smoke] + sum(len(s[0]) * s[4] for s in sizes.values())
+    return TESTS_S[smoke] + CHECKPOINT_S[smoke] + sum(sum(s[0].values()) for s in sizes.values())
 
 
 class Budget:
@@ -106,13 +111,22 @@ def run(name: str, cmd: list[str], budget: Budget, limit_s: float, out: Out) -> 
         return None, "skipped: no time left"
     print(f"gpu-check: {name} (at most {timeout:.0f} s, {budget.left():.0f} s left)", flush=True)
     t0 = time.monotonic()
+    # SIGINT at its default in the stage (a shell's background job inherits it ignored), so Python
+    # there turns it into KeyboardInterrupt
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=stage_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=stage_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=timeout)
-        text, code = proc.stdout, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        text = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        text += f"\n[timed out after {timeout:.0f} s]"
+        text, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        # SIGINT first: pytest still writes its junit XML and a bench its finished cells' log
+        proc.send_signal(signal.SIGINT)
+        try:
+            text, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text, _ = proc.communicate()
+        text = (text or "") + f"\n[timed out after {timeout:.0f} s]"
         code = None
     out.stage_log(name, cmd, time.monotonic() - t0, text)
     return code, text
@@ -226,7 +240,8 @@ def run_tests(budget: Budget, limit_s: float, out: Out) -> dict:
 def run_arm(model_name: str, model: Path, arm: str, device: torch.device, sizes: tuple, budget: Budget,
             out: Out, scratch: Path) -> list[dict]:
     """One arm of one model in its own process; its cells (none when it failed or timed out)."""
-    _, conc, max_tokens, requests, limit_s = sizes
+    arms, conc, max_tokens, requests = sizes
+    limit_s = arms[arm]
     record = scratch / f"{model_name}_{arm}.json"
     cmd = [sys.executable, "-m", "launch", "bench", "--model", str(model), "--dtype", "bfloat16",
            "--device", str(device), "--arms", arm, "--concurrency", conc, "--max-tokens", str(max_tokens),
@@ -319,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def bench(model_name: str, model: Path, label: str, weights: dict) -> None:
         arms = sizes[model_name][0]
-        print(f"gpu-check: {label}: {len(arms)} arms, about {len(arms) * sizes[model_name][4]} s at most", flush=True)
+        print(f"gpu-check: {label}: {len(arms)} arms, {sum(arms.values())} s at most", flush=True)
         done = []
         for arm in arms:
             cells = run_arm(model_name, model, arm, device, sizes[model_name], budget, out, scratch)

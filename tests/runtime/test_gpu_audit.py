@@ -181,3 +181,28 @@ def test_nccl_error_handling_is_set_before_a_group_starts():
     assert env["TORCH_NCCL_BLOCKING_WAIT"] == "0"   # what the user set is kept
     assert added == {k: v for k, v in NCCL_ERROR_ENV.items() if k != "TORCH_NCCL_BLOCKING_WAIT"}
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+
+
+def test_rejection_sampling_reads_no_scalar_per_draft():
+    """A chain's acceptance tests and resamples are computed together on the device; the host
+    reads the outcome once, not a float per draft (a GPU sync each)."""
+    from speculative.verify import rejection_tokens
+
+    class Scalars(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Scalars.n += func.__name__.startswith("_local_scalar_dense")
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    p = [torch.softmax(torch.randn(40, generator=g, dtype=torch.float64), 0) for _ in range(5)]
+    q = [torch.softmax(torch.randn(40, generator=g, dtype=torch.float64), 0) for _ in range(4)]
+    drafts = [int(x.argmax()) for x in p[:4]]
+    with Scalars():
+        na, out = rejection_tokens(drafts, q, p, seed=3, first_position=10)
+    assert Scalars.n == 0 and len(out) == na + 1 and out[:na] == drafts[:na]
+    # the same (seed, position) keys give the same outcome again, with or without draft distributions
+    assert rejection_tokens(drafts, q, p, seed=3, first_position=10) == (na, out)
+    na1, out1 = rejection_tokens(drafts, None, p, seed=3, first_position=10)
+    assert out1[:na1] == drafts[:na1] and len(out1) == na1 + 1
