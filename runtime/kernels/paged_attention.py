@@ -8,6 +8,9 @@ step's rows (positions row_start[t] + j, j < row_end[t] - row_start[t] <= 64) wh
 A padding row (row_end 0) sees nothing and gets zeros. Grouped-query heads: one program per
 (row, kv head) computes the kv head's group of query heads from one read of each key. A latent
 cache (MLA, absorbed) is one kv head whose values are a strided view of its keys' first channels.
+Scores and the weighted values are two `tl.dot`s per key block
+(query heads padded to 16 rows), float32 IEEE for a float32 cache, bfloat16 operands with float32
+accumulation for bfloat16 (the probabilities rounded to bfloat16, as flash attention does).
 Split-K (flash-decoding): the key range is cut into `num_splits` parts, each a program, merged
 by their log-sum-exp; for long contexts at few rows, where rows x kv heads alone leave most of the
 GPU idle.
@@ -29,7 +32,8 @@ def _paged_rows_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, table_ptr, row_seq
                        row_anc_ptr, scale, stride_qt, stride_qh, stride_kc, stride_kh, stride_vc, stride_vh,
                        stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_tb, block_size, group,
                        head_dim, value_dim, keys_per_split,
-                       GP: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr):
+                       GP: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, BN: tl.constexpr,
+                       IEEE: tl.constexpr, UPCAST: tl.constexpr):
     t = tl.program_id(0)
     g = tl.program_id(1)
     s = tl.program_id(2)
@@ -45,7 +49,8 @@ def _paged_rows_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, table_ptr, row_seq
     dv = tl.arange(0, BDV)
     dvmask = dv < value_dim
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=hmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)               # [GP, BD]
+                mask=hmask[:, None] & dmask[None, :], other=0.0)                             # [GP, BD]
+    q = q.to(tl.float32) if UPCAST else q.to(k_ptr.dtype.element_ty)
     lo = s * keys_per_split
     hi = tl.minimum(end, lo + keys_per_split)
     m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -59,8 +64,13 @@ def _paged_rows_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, table_ptr, row_seq
         blk = tl.load(table_ptr + b * stride_tb + pos // block_size, mask=inside, other=0).to(tl.int64)
         cell = blk * block_size + pos % block_size
         k = tl.load(k_ptr + cell[:, None] * stride_kc + g * stride_kh + d[None, :],
-                    mask=vis[:, None] & dmask[None, :], other=0.0).to(tl.float32)            # [BN, BD]
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale                       # [GP, BN]
+                    mask=vis[:, None] & dmask[None, :], other=0.0)                           # [BN, BD]
+        if UPCAST:   # the interpreter's dot takes no bfloat16: the same products in float32
+            k = k.to(tl.float32)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                  # [GP, BN]
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
         scores = tl.where(vis[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -68,8 +78,14 @@ def _paged_rows_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, table_ptr, row_seq
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + cell[:, None] * stride_vc + g * stride_vh + dv[None, :],
-                    mask=vis[:, None] & dvmask[None, :], other=0.0).to(tl.float32)           # [BN, BDV]
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+                    mask=vis[:, None] & dvmask[None, :], other=0.0)                          # [BN, BDV]
+        if UPCAST:
+            v = v.to(tl.float32)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:   # the probabilities in the values' type, as flash attention does
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -123,7 +139,8 @@ def paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tenso
         q.stride(0), q.stride(1), k_plane.stride(0), k_plane.stride(1), v_plane.stride(0), v_plane.stride(1),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), block_table.stride(0),
         block_size, group, d, dv, per_split,
-        GP=_pow2(group), BD=_pow2(d, 16), BDV=_pow2(dv, 16), BN=bn)
+        GP=_pow2(group, 16), BD=_pow2(d, 16), BDV=_pow2(dv, 16), BN=bn,
+        IEEE=k_plane.dtype == torch.float32, UPCAST=q.device.type == "cpu", num_warps=4 if d <= 128 else 8)
     if splits == 1:
         return out[:, :, 0]
     # Merge the splits: weights softmax(lse) over the splits (an empty split has lse -inf).
