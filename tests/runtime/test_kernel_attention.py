@@ -105,10 +105,12 @@ def test_rows_on_the_gpu(dtype):
     run_case(dev, dtype, nh=8, nkv=2, dims=(128, 128), splits=4)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_static_steps_through_the_kernel_match_the_padded_sdpa(dtype):
-    """The embedded model's padded target step (decode, chain and tree rows in one bucket) with
-    its attention through the kernel equals the step through the context copy and SDPA."""
+@pytest.mark.parametrize("model_name, dtype", [("embedded", "float32"), ("embedded", "bfloat16"),
+                                               ("deepseek_plain", "float32")])
+def test_static_steps_through_the_kernel_match_the_padded_sdpa(model_name, dtype, family_ckpt):
+    """A padded target step (decode, chain and tree rows in one bucket) with its attention through
+    the kernel equals the step through the context copy and SDPA: the embedded model (grouped-query
+    heads) and a DeepSeek-V3 checkpoint (MLA, absorbed over the latent cache)."""
     kernel_device()
     from pathlib import Path
 
@@ -116,7 +118,10 @@ def test_static_steps_through_the_kernel_match_the_padded_sdpa(dtype):
     from runtime.model_runner import ModelRunner
     from runtime.static_step import StepGraphs
     from runtime.weights import load_model
-    model = load_model(Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe", dtype, device="cpu")
+    path = (Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe" if model_name == "embedded"
+            else family_ckpt(model_name))
+    model = load_model(path, dtype, device="cpu")
+    assert (model.cache_layout()["latent_dim"] is not None) == (model_name != "embedded")
     runner = ModelRunner(model, kv_cache_tokens=1024, batch_invariant=False)
     prompts = {0: [5, 17, 200, 3, 9], 1: [9, 9, 9, 100, 250, 31, 7, 64, 12], 2: [300, 4, 41, 42, 41, 42, 7]}
     for s, p in prompts.items():

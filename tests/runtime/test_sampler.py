@@ -2,6 +2,7 @@
 (penalties, bias, min_tokens, temperature), logprobs, choice seeds, and the histories of verify rows."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from runtime.sampler import (History, RowSpec, SamplingParamError, SamplingParams, choice_seed, draw,
@@ -170,3 +171,18 @@ def test_verify_rows_draw_after_the_drafts_on_their_path():
     tree = tree_rows(seq, [(9, 0, -1), (4, 1, 0), (5, 2, 1), (6, 1, 0), (3, 2, 1)])
     assert [r.position for r in tree] == [3, 4, 5, 4, 5]
     assert [list(r.history.path) for r in tree] == [[], [4], [4, 5], [6], [4, 3]]
+
+
+@pytest.mark.cuda
+def test_the_device_draws_equal_the_cpu_draws():
+    """The (seed, position) uniforms are the same numbers on a GPU as on the CPU, so a batch's
+    sampled tokens are too (given the same probabilities)."""
+    from runtime.sampler import key_uniforms, position_key
+    keys = torch.tensor([position_key(s, p) for s in range(4) for p in (0, 7, 10**6)])
+    assert torch.equal(key_uniforms(keys.cuda(), 1000).cpu(), key_uniforms(keys, 1000))
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(2))
+    rows = [RowSpec(SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, seed=i), i, 30 + i)
+            for i in range(8)]
+    cpu = [s.token for s in sample_rows(logits.double(), rows)]
+    gpu = [s.token for s in sample_rows(logits.double().cuda(), rows)]
+    assert cpu == gpu
