@@ -47,12 +47,13 @@ EMBEDDED = ROOT / "models" / "tiny-glm-moe"
 # An arm's process imports torch and transformers and loads the model (~10 s); the compiled arms
 # (none, k*, ladder: torch.compile plus CUDA graphs on CUDA) compile first. Estimates: no GPU has
 # run this yet.
-FULL = {"embedded": ({"none-eager": 25, "none": 60, "k1": 35, "k2": 30, "k3": 30, "ladder": 30, "hf": 20},
+FULL = {"embedded": ({"none-eager": 25, "none": 60, "k1": 35, "k3": 30, "ladder": 30, "hf": 20},
                      "1", 64, 6),
         "big": ({"none-eager": 30, "none": 50, "k1": 30, "hf": 20}, "1", 48, 4)}
 SMOKE = {"embedded": ({"none-eager": 100, "k1-eager": 100, "hf": 100}, "1", 6, 2),
          "big": ({"none-eager": 100}, "1", 6, 2)}
-TESTS_S = {False: 120, True: 60}        # the cuda tests (smoke: they skip)
+TESTS_S = {False: 110, True: 60}        # the cuda tests (smoke: they skip)
+KERNELS_S = {False: 40, True: 100}      # tools/kernel_bench.py (smoke: under the Triton interpreter)
 CHECKPOINT_S = {False: 50, True: 40}    # writing the random checkpoint
 # About 1.1e9 parameters: hidden 1024, 10 layers (1 dense), 64 routed experts, an MTP layer.
 BIG = {"hidden": 1024, "layers": 10, "experts": 64}
@@ -64,7 +65,7 @@ LOG_TAIL = 6000   # characters of each stage's output kept in stages.log
 def planned_seconds(smoke: bool) -> int:
     """The stages' limits added up (the check's own start and the table come on top)."""
     sizes = SMOKE if smoke else FULL
-    return TESTS_S[smoke] + CHECKPOINT_S[smoke] + sum(sum(s[0].values()) for s in sizes.values())
+    return TESTS_S[smoke] + KERNELS_S[smoke] + CHECKPOINT_S[smoke] + sum(sum(s[0].values()) for s in sizes.values())
 
 
 class Budget:
@@ -237,6 +238,20 @@ def run_tests(budget: Budget, limit_s: float, out: Out) -> dict:
     return {"returncode": rc, **counts, "junit": xml.name if xml.is_file() else None}
 
 
+def run_kernels(device: torch.device, smoke: bool, budget: Budget, limit_s: float, out: Out) -> list[dict]:
+    """tools/kernel_bench.py: each Triton kernel against the path it replaces; its cells (each
+    already in cells.jsonl when the stage ends, whatever stopped it)."""
+    lines = out.folder / "kernel_cells.tmp"
+    lines.unlink(missing_ok=True)
+    cmd = [sys.executable, "tools/kernel_bench.py", "--device", str(device), "--json-out", str(lines)]
+    rc, text = run("kernel bench", cmd + (["--smoke"] if smoke else []), budget, limit_s, out)
+    cells = [json.loads(x) for x in lines.read_text().splitlines()] if lines.is_file() else []
+    lines.unlink(missing_ok=True)
+    for c in cells:
+        out.cell(c)
+    return cells
+
+
 def run_arm(model_name: str, model: Path, arm: str, device: torch.device, sizes: tuple, budget: Budget,
             out: Out, scratch: Path) -> list[dict]:
     """One arm of one model in its own process; its cells (none when it failed or timed out)."""
@@ -287,6 +302,8 @@ def print_table(rows: list[dict], summary: dict) -> None:
             parts.append(f"{key} {v if v is not None else '-'} (target {target}"
                          f"{', met' if v is not None and v >= target else ''})")
         print(f"{model}: " + "; ".join(parts))
+    for c in summary.get("kernels", []):
+        print("kernel: " + ", ".join(f"{k} {v}" for k, v in c.items() if k != "kernel") + f" ({c['kernel']})")
     t = summary["tests"]
     print(f"cuda tests: {t.get('passed', 0)} passed, {t.get('failed', 0)} failed, {t.get('errors', 0)} errors, "
           f"{t.get('skipped', 0)} skipped (exit {t.get('returncode')})")
@@ -328,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
 
     summary["tests"] = run_tests(budget, TESTS_S[args.smoke], out)
     print(f"gpu-check: cuda tests {summary['tests']}", flush=True)
+
+    summary["kernels"] = run_kernels(device, args.smoke, budget, KERNELS_S[args.smoke], out)
+    print(f"gpu-check: kernel cells {len(summary['kernels'])}", flush=True)
 
     rows: list[dict] = []
     scratch = Path(tempfile.mkdtemp(prefix="metrale-gpu-check-"))

@@ -20,6 +20,7 @@ BLOCKER = ROOT / "tests" / "tools" / "gpu_image"
 def gpu_image_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(BLOCKER)
+    env["TRITON_INTERPRET"] = "1"   # the kernel bench's plumbing on CPU tensors
     env.setdefault("OMP_NUM_THREADS", "2")
     return env
 
@@ -36,8 +37,8 @@ def test_the_blocker_hides_the_project_and_the_missing_packages(tmp_path):
 def test_gpu_check_smoke_on_the_cpu_with_the_gpu_image_packages(tmp_path):
     out, big = tmp_path / "check", tmp_path / "big" / "random"
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--device", "cpu", "--smoke",
-                           "--out-dir", str(out), "--big-dir", str(big), "--budget-s", "600"],
-                          cwd=tmp_path, env=gpu_image_env(), capture_output=True, text=True, timeout=650)
+                           "--out-dir", str(out), "--big-dir", str(big), "--budget-s", "700"],
+                          cwd=tmp_path, env=gpu_image_env(), capture_output=True, text=True, timeout=750)
     stages = (out / "stages.log").read_text()[-6000:] if (out / "stages.log").is_file() else ""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + stages
     record = json.loads((out / "gpu_check.json").read_text())
@@ -56,7 +57,10 @@ def test_gpu_check_smoke_on_the_cpu_with_the_gpu_image_packages(tmp_path):
     assert record["ratios"]["embedded"]["best_k_over_none"] is not None
     # Every cell was written as it finished; the output folder holds a few small files only.
     lines = [json.loads(x) for x in (out / "cells.jsonl").read_text().splitlines()]
-    assert lines == record["rows"]
+    assert lines == record["kernels"] + record["rows"]
+    # the kernel bench under the interpreter: both kernels against the paths they replace
+    assert {c["kernel"] for c in record["kernels"]} == {"paged_attention", "fused_moe"}
+    assert all(c.get("kernel_us", c.get("fused_us", 0)) > 0 for c in record["kernels"])
     files = sorted(p.name for p in out.rglob("*"))
     assert files == ["cells.jsonl", "cuda_tests.xml", "gpu_check.json", "stages.log"]
     assert all((out / f).stat().st_size < 1 << 20 for f in files)
