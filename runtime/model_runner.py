@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime import kernels
 from runtime.attention import PagedAttention, SeqChunk, StepPlan, build_plan
 from runtime.step_context import forward_context
 from runtime.batch_invariant import set_batch_invariant
@@ -36,7 +37,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, *, kv_cache_tokens: int, block_size: int = 16,
                  compiled: bool = False, batch_invariant: bool | None = None,
                  gpu_memory_utilization: float | None = None, static_steps: bool = False,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, attention_kernel: bool | None = None) -> None:
         """The cache and every step tensor live on the model's device.
 
         `gpu_memory_utilization` (CUDA only): size the cache from the GPU's free memory after the
@@ -51,7 +52,10 @@ class ModelRunner:
         with paged attention and the routed experts (and in batch-invariant mode every GEMM) as
         opaque ops; float64 always runs eager.
         `batch_invariant`: every row's result is independent of the other rows of its step
-        (runtime.batch_invariant); None: on for float64 only."""
+        (runtime.batch_invariant); None: on for float64 only.
+        `attention_kernel`: decode and verify steps (static or not) attend through the Triton
+        paged-attention kernel, reading keys and values in place; None: on CUDA where triton is
+        installed (float32/bfloat16). Chosen here, once."""
         cfg = model.config
         self.model = model
         self.batch_invariant = model.dtype == torch.float64 if batch_invariant is None else batch_invariant
@@ -91,12 +95,21 @@ class ModelRunner:
         num_blocks = max(1, kv_cache_tokens // block_size)
         self.cache = PagedKVCache(num_layers=cache_layers(model), num_blocks=num_blocks, block_size=block_size,
                                   dtype=model.dtype, device=self.device, **model.cache_layout())
+        if attention_kernel is None:
+            attention_kernel = (self.device.type == "cuda" and kernels.available("cuda")
+                                and model.dtype != torch.float64)
+        if attention_kernel:
+            if not kernels.available(self.device.type):
+                raise ValueError(f"the Triton attention kernel cannot run on {self.device} here (triton missing, "
+                                 "or TRITON_INTERPRET not 1 for CPU tensors)")
+            from runtime.kernels.paged_attention import paged_attention
+            self.cache.attention_kernel = paged_attention
         self.graphs: StepGraphs | None = None
         if (static_steps or cuda_graphs) and not self.batch_invariant:
             max_keys = min(cfg.max_position_embeddings, self.cache.capacity_tokens)
             capture = cuda_graphs and model.dtype != torch.float64   # float64 experts sync with the host
             self.graphs = StepGraphs(model.forward, self.cache, max_keys, capture,
-                                     sync_free_experts=uses_fused_experts(model))
+                                     attention_kernel=bool(attention_kernel), sync_free_experts=uses_fused_experts(model))
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], chunks: list[SeqChunk]) -> tuple[torch.Tensor, StepPlan]:

@@ -143,3 +143,37 @@ def test_static_steps_through_the_kernel_match_the_padded_sdpa(model_name, dtype
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
     else:   # one rounding of the kernel's float32 softmax against SDPA's bfloat16 steps, over every layer
         assert (outs[1] - outs[0]).abs().max() <= 0.02 * outs[0].abs().max()
+
+
+def test_eager_steps_through_the_kernel_match_sdpa():
+    """Unpadded decode, chain and tree steps (`build_plan`) of a runner whose cache carries the
+    kernel equal a runner's without it; a prefill past `KERNEL_MAX_ROWS` rows keeps SDPA."""
+    kernel_device()
+    from pathlib import Path
+
+    from runtime.attention import KERNEL_MAX_ROWS, SeqChunk, build_plan
+    from runtime.model_runner import ModelRunner
+    from runtime.weights import load_model
+    model = load_model(Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe", "float32", device="cpu")
+    runners = [ModelRunner(model, kv_cache_tokens=1024, batch_invariant=False, attention_kernel=on) for on in (False, True)]
+    assert runners[0].cache.attention_kernel is None and runners[1].cache.attention_kernel is not None
+    prompts = {0: [5, 17, 200, 3, 9], 1: [9, 9, 9, 100, 250, 31, 7, 64, 12], 2: [300, 4, 41, 42, 41, 42, 7]}
+    steps = [([11, 12, 13], [SeqChunk(0, 5, 1), SeqChunk(1, 9, 1), SeqChunk(2, 7, 1)]),
+             ([14, 15, 16], [SeqChunk(0, 6, 3)]),
+             ([17, 18, 19, 20, 21, 22], [SeqChunk(1, 10, 2), SeqChunk(2, 8, 4, (-1, 0, 0, 2))])]
+    got = []
+    for runner in runners:
+        outs = []
+        for s, p in prompts.items():
+            runner.cache.reserve(s, len(p))
+            with_rows = build_plan(runner.cache, [SeqChunk(s, 0, len(p))]).rows is not None
+            assert with_rows == (runner is runners[1] and len(p) <= KERNEL_MAX_ROWS)
+            runner.forward(p, [SeqChunk(s, 0, len(p))])
+        for toks, chunks in steps:
+            for c in chunks:
+                runner.cache.reserve(c.seq_id, c.end)
+            hidden, plan = runner.forward(toks, chunks)
+            assert (plan.rows is not None) == (runner is runners[1])
+            outs.append(hidden)
+        got.append(torch.cat(outs))
+    torch.testing.assert_close(got[1], got[0], rtol=1e-4, atol=1e-4)
