@@ -157,7 +157,7 @@ def kernel_rows(cache: PagedKVCache, chunks: list[SeqChunk], kernel) -> KernelRo
         for bits in own_row_bits(c.num_tokens, c.parents):
             meta[row], meta[t + row], meta[2 * t + row], meta[3 * t + row] = i, c.start, c.end, bits
             row += 1
-    staged = torch.tensor(blocks + meta, dtype=torch.long).to(cache.device, non_blocking=True)
+    staged = torch.tensor(blocks + meta, dtype=torch.long, device="cpu").to(cache.device, non_blocking=True)
     table_t, meta_t = staged.split([b * nb, 4 * t])
     meta_t = meta_t.view(4, t)
     return KernelRows(block_table=table_t.view(b, nb), block_size=bs, row_seq=meta_t[0], row_start=meta_t[1],

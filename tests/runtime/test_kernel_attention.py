@@ -177,3 +177,9 @@ def test_eager_steps_through_the_kernel_match_sdpa():
             outs.append(hidden)
         got.append(torch.cat(outs))
     torch.testing.assert_close(got[1], got[0], rtol=1e-4, atol=1e-4)
+    # the kernel's rows name their device (none of the factories the GPU test forbids)
+    from tests.runtime.test_device_placement import DevicelessFactories
+    mode = DevicelessFactories()
+    with mode:
+        assert build_plan(runners[1].cache, steps[2][1]).rows is not None
+    assert mode.calls == []
