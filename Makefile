@@ -4,9 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL ?= models/tiny-glm-moe
 
-# `make gpu-check` on a machine with a GPU: the cuda tests and metrale bench, one table, JSON under
-# GPU_CHECK_OUT. It uses .venv when there is one, else the machine's python3 (with torch built for
-# CUDA, transformers and the project's small dependencies; no Ray); it never installs anything.
+# `make gpu-check` on a machine with a GPU: the cuda tests, the Triton kernels against the paths they
+# replace and metrale bench, one table, four small files under GPU_CHECK_OUT (cells.jsonl grows as
+# each cell finishes), all within 9 minutes. It uses .venv when there is one, else the machine's
+# python3 (with torch built for CUDA, transformers, triton if present and the project's small
+# dependencies; no Ray); it runs from the checkout, never installs anything, never builds the
+# native CPU library, and writes the ~2 GB random checkpoint under the temporary folder.
 GPU_CHECK_OUT ?= gpu-check-out
 GPU_PY ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || echo $(PY))
 # pytest-xdist workers for `make test` (0: one process). Two on two cores: much of the suite waits on

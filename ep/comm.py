@@ -43,6 +43,21 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+# Under NCCL a collective's timeout alone times only its enqueue: a dead peer leaves the kernel
+# waiting until NCCL's watchdog aborts the whole process, and the `CommError` restarts rely on never
+# comes. With blocking waits a failed or timed-out collective raises in the calling thread (then a
+# `CommError`), and error handling 2 (clean up only) aborts the communicator without killing the
+# process. Set before the group starts; a value already in the environment is kept.
+NCCL_ERROR_ENV = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
+def nccl_error_env(environ: dict) -> dict:
+    """`NCCL_ERROR_ENV` set into `environ` (os.environ) where absent; returns what it set."""
+    added = {k: v for k, v in NCCL_ERROR_ENV.items() if k not in environ}
+    environ.update(added)
+    return added
+
+
 class Communicator:
     def __init__(self, *, rank: int, world_size: int, init_method: str | None, timeout_s: float = 60.0,
                  device: torch.device | str, join_group: bool | None = None) -> None:
@@ -60,6 +75,8 @@ class Communicator:
         self.backend = backend_for(self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        if self.backend == "nccl":
+            nccl_error_env(os.environ)
         self.joined = world_size > 1 if join_group is None else join_group
         if world_size > 1 and self.backend == "gloo":
             # Ranks share the host's cores: more threads than cores per rank only adds contention.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +79,21 @@ class SeqChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class KernelRows:
+    """What the paged-attention kernel reads besides q and the cache: each sequence's block table
+    [B, NB], and per row [T] its sequence, its first own position (the committed context ends
+    there), one past its sequence's last row, and the bits of the own rows it sees."""
+    block_table: torch.Tensor
+    block_size: int
+    row_seq: torch.Tensor
+    row_start: torch.Tensor
+    row_end: torch.Tensor
+    row_anc: torch.Tensor
+    max_keys: int
+    kernel: object   # runtime.kernels.paged_attention.paged_attention, imported once
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     positions: torch.Tensor      # [T] absolute positions
     cell_mapping: torch.Tensor   # [T] cache cell each row's k/v is written to
@@ -97,17 +112,59 @@ class StepPlan:
     # Batch-invariant attention (runtime.invariant_attention): the step's rows in fixed tiles, each
     # with its own key list; None runs SDPA over the padded batch.
     tiles: ia.AttentionTiles | None = None
+    # The paged-attention kernel's rows (runtime/kernels/paged_attention.py), where the step runs
+    # it: a static step's plan on CUDA (`runtime.static_step`, chosen when its graphs are built).
+    rows: KernelRows | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
 
+# Rows per sequence up to which a step's attention takes the paged kernel where the cache has one
+# (a decode row, a chain or tree verify); longer chunks (prefills) keep SDPA's flash kernels.
+KERNEL_MAX_ROWS = 8
+
+
 def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: bool = False) -> StepPlan:
     """Plan one step; every chunk's positions must already be reserved in `cache`.
 
     `batch_invariant`: attention runs in fixed tiles whose per-row result does not depend on the
-    other rows of the step (`runtime.invariant_attention.attention`)."""
+    other rows of the step (`runtime.invariant_attention.attention`). Where the cache carries the
+    paged-attention kernel (`PagedKVCache.attention_kernel`, chosen at start) and every chunk has
+    at most `KERNEL_MAX_ROWS` rows, the plan also carries the kernel's rows (`KernelRows`), which
+    its attention then runs."""
+    plan = _build_plan(cache, chunks, batch_invariant=batch_invariant)
+    kernel = cache.attention_kernel
+    if kernel is None or batch_invariant or max(c.num_tokens for c in chunks) > KERNEL_MAX_ROWS:
+        return plan
+    return replace(plan, rows=kernel_rows(cache, chunks, kernel))
+
+
+def kernel_rows(cache: PagedKVCache, chunks: list[SeqChunk], kernel) -> KernelRows:
+    """The kernel's rows of a step laid out as `build_plan` lays it (sequence-major), from the
+    host's block tables: one host-to-device copy."""
+    from runtime.kernels.paged_attention import own_row_bits
+    bs = cache.block_size
+    nb = max(-(-c.end // bs) for c in chunks)
+    b, t = len(chunks), sum(c.num_tokens for c in chunks)
+    blocks = [0] * (b * nb)
+    meta = [0] * (4 * t)
+    row = 0
+    for i, c in enumerate(chunks):
+        table = cache.block_table(c.seq_id)[:-(-c.end // bs)]
+        blocks[i * nb:i * nb + len(table)] = table
+        for bits in own_row_bits(c.num_tokens, c.parents):
+            meta[row], meta[t + row], meta[2 * t + row], meta[3 * t + row] = i, c.start, c.end, bits
+            row += 1
+    staged = torch.tensor(blocks + meta, dtype=torch.long, device="cpu").to(cache.device, non_blocking=True)
+    table_t, meta_t = staged.split([b * nb, 4 * t])
+    meta_t = meta_t.view(4, t)
+    return KernelRows(block_table=table_t.view(b, nb), block_size=bs, row_seq=meta_t[0], row_start=meta_t[1],
+                      row_end=meta_t[2], row_anc=meta_t[3], max_keys=max(c.end for c in chunks), kernel=kernel)
+
+
+def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: bool = False) -> StepPlan:
     if not chunks:
         raise ValueError("a step needs at least one sequence")
     b = len(chunks)
@@ -291,6 +348,11 @@ class PagedAttention:
                scale: float) -> torch.Tensor:
         writes = self.plan
         p = self.queries if self.queries is not None else writes
+        if p.rows is not None:   # the kernel reads each row's keys in place through the block table
+            self.cache.write(layer_idx, writes.cell_mapping, k, v)
+            r = p.rows
+            return r.kernel(q, self.cache.k[layer_idx], self.cache.v[layer_idx], r.block_table, r.block_size,
+                            r.row_seq, r.row_start, r.row_end, r.row_anc, scale, r.max_keys)
         if p.tiles is None and q.device.type == "cpu" and cpu_ops.load():   # the same calls, natively
             cache = self.cache
             return torch.ops.metrale_cpu.paged_attention(

@@ -58,6 +58,13 @@ def check_local_gpus(device: torch.device, num_ranks: int) -> None:
                          f"(one per rank from {device}); it has {count}")
 
 
+# Memory `--gpu-memory-utilization` keeps out of the KV cache for what a step allocates besides it:
+# activations of the largest step, the CUDA graphs' pool, cuBLAS and attention workspaces. The larger
+# of a floor and a share of the device; `make gpu-check` prints the pool the graphs really took.
+KEEP_BACK_MIN_BYTES = 1 << 30
+KEEP_BACK_SHARE = 0.05
+
+
 def kv_tokens_for_memory(device: torch.device, utilization: float, bytes_per_token: int) -> int:
     """KV cache tokens that fit in `utilization` of the GPU's total memory, counting what this
     process and others already hold (weights first: call after loading them), as vLLM's
@@ -65,12 +72,55 @@ def kv_tokens_for_memory(device: torch.device, utilization: float, bytes_per_tok
     if device.type != "cuda":
         raise ValueError(f"--gpu-memory-utilization sizes a CUDA cache; the {device} cache is sized by "
                          "--kv-cache-tokens")
+    free, total = torch.cuda.mem_get_info(device)
+    cached_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return kv_tokens_from(free, total, cached_free, utilization, bytes_per_token, str(device))
+
+
+def kv_tokens_from(free: int, total: int, cached_free: int, utilization: float, bytes_per_token: int,
+                   where: str = "cuda") -> int:
+    """`kv_tokens_for_memory` from the numbers: `free` and `total` as the driver reports them,
+    `cached_free` what this process's allocator holds but does not use (free to the cache, though
+    the driver counts it used), less a keep-back for activations, graph pools and workspaces
+    (`KEEP_BACK_MIN_BYTES`, `KEEP_BACK_SHARE`)."""
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization {utilization} must be in (0, 1]")
-    free, total = torch.cuda.mem_get_info(device)
-    budget = int(total * utilization) - (total - free)
+    used = total - free - max(0, cached_free)
+    keep = max(KEEP_BACK_MIN_BYTES, int(KEEP_BACK_SHARE * total))
+    budget = int(total * utilization) - used - keep
     tokens = budget // max(1, bytes_per_token)
     if tokens < 1:
-        raise ValueError(f"--gpu-memory-utilization {utilization}: {(total - free) / 2**30:.1f} GiB of "
-                         f"{total / 2**30:.1f} GiB on {device} are already in use; nothing is left for the KV cache")
+        raise ValueError(f"--gpu-memory-utilization {utilization}: {used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB "
+                         f"on {where} are in use and {keep / 2**30:.1f} GiB are kept for activations and graphs; "
+                         "nothing is left for the KV cache")
     return int(tokens)
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` this process's current CUDA device (kernels, streams and graph captures that
+    name no device go to it); nothing on the CPU. Called once where a runtime is built on it."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def capture_refusal(device: torch.device, dtype: torch.dtype, capability: tuple[int, int] | None = None,
+                    sync_free_experts: bool = False) -> str | None:
+    """Why a step on `device` in `dtype` cannot be captured as a CUDA graph, in one line, or None
+    when it can. The routed experts' `torch._grouped_mm` is sync-free only in bfloat16 on sm90 and
+    sm100; other types and GPUs fall back to a kernel that reads each group's offset on the host
+    (illegal during capture, a sync per layer eagerly); float64 experts loop on the host.
+    `sync_free_experts`: the experts run the fused Triton kernels (`runtime.experts.
+    choose_fused_experts`), sync-free in float32 and bfloat16 on any GPU."""
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device, not {device}"
+    if sync_free_experts and dtype in (torch.float32, torch.bfloat16):
+        return None
+    if dtype != torch.bfloat16:
+        return (f"CUDA graphs are refused in {str(dtype).removeprefix('torch.')}: its routed experts read group "
+                "offsets on the host (a sync-free path exists only in bfloat16); run bfloat16 or eager")
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    if capability[0] not in (9, 10):
+        return (f"CUDA graphs are refused on sm{capability[0]}{capability[1]}: torch's sync-free grouped GEMM needs "
+                "sm90 or sm100; run eager")
+    return None

@@ -24,6 +24,7 @@ class RoutedExperts(nn.Module):
     batch_invariant = False   # each touched expert's GEMMs through runtime.batch_invariant.linear
     column_major_weights = True   # `pack_for_inference` lays each expert's matrices out for the CPU GEMM
     packed_weights = {"gate_up_packed": "gate_up_proj", "down_packed": "down_proj"}   # and packs them
+    fused = False   # the Triton fused MoE kernels (`choose_fused_experts`), chosen once at load
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, expert_offset: int = 0) -> None:
         super().__init__()
@@ -54,6 +55,8 @@ class RoutedExperts(nn.Module):
             if torch.compiler.is_compiling():
                 return invariant_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
             return _invariant_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
+        if self.fused:   # sync-free in float32 and bfloat16: the step captures in either
+            return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
         if torch.compiler.is_compiling():   # opaque to inductor: grouped_mm has no float32 meta kernel
             if x.device.type == "cpu" and cpu_ops.LOADED:   # the native op itself, no Python op around it
                 return _native_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset,
@@ -142,7 +145,7 @@ class RoutedExperts(nn.Module):
         is_local = (local >= 0) & (local < e_local)
         key = torch.where(is_local, local, e_local)                            # non-local: a last group
         order = torch.argsort(key, stable=True)                                # [T*k]
-        if key.is_cuda:
+        if key.device.type != "cpu":   # CUDA (and the meta device of the dispatch test)
             # CUDA's bincount reads the largest id back on the host, which a CUDA graph capture
             # refuses: the group ends come from the sorted keys instead.
             groups = torch.arange(e_local, device=key.device)
@@ -300,3 +303,38 @@ def _experts_op(name: str, impl):
 
 grouped_experts = _experts_op("grouped_experts", routed_experts)          # the default experts
 invariant_experts = _experts_op("invariant_experts", _invariant_experts)  # the batch-invariant experts
+
+
+def _fused_impl(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
+    from runtime.kernels.fused_moe import fused_experts as kernel
+    return kernel(x, weights, ids, gate_up_proj, down_proj, expert_offset)
+
+
+fused_experts = _experts_op("fused_experts", _fused_impl)   # the Triton kernels, opaque to a compiled step
+
+
+def choose_fused_experts(model: nn.Module, on: bool | None = None) -> bool:
+    """Whether the model's routed experts run the fused Triton kernels (runtime/kernels/fused_moe.py),
+    set on every `RoutedExperts` now, once: `on` None picks them on CUDA where triton is installed,
+    for float32 and bfloat16 (float64 keeps the reference loop). Returns the choice."""
+    from runtime import kernels
+    mods = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    if not mods:
+        return False
+    p = mods[0].gate_up_proj
+    fits = p.dtype in (torch.float32, torch.bfloat16)
+    if on is None:
+        on = p.device.type == "cuda" and kernels.available("cuda") and fits
+    elif on and not (fits and kernels.available(p.device.type)):
+        raise ValueError(f"the fused MoE kernels cannot run here ({p.dtype} on {p.device}; triton installed and, "
+                         "for CPU tensors, TRITON_INTERPRET=1; float32 or bfloat16)")
+    for m in mods:
+        m.fused = on and not m.batch_invariant
+    return bool(on)
+
+
+def uses_fused_experts(model: nn.Module) -> bool:
+    """Whether every routed expert module of `model` runs the fused kernels (so its step is sync-free)."""
+    mods = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    return bool(mods) and all(m.fused for m in mods)

@@ -83,6 +83,9 @@ class PagedKVCache:
         # the caches of other ranks can replay it: the allocator is deterministic, so the same
         # operations give the same block tables everywhere.
         self.journal: list[tuple[str, int, int]] | None = None
+        # The paged-attention kernel (runtime/kernels/paged_attention.py) the steps planned on this
+        # cache run, or None for the context copy + SDPA; set once at start (`ModelRunner`).
+        self.attention_kernel = None
 
     def shared_plane(self, *, num_layers: int, num_kv_heads: int, head_dim: int,
                      dtype: torch.dtype) -> "PagedKVCache":

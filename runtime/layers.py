@@ -54,9 +54,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     few-row kernel (`runtime.cpu_ops.few_rows_max`: a stream of the column-major weights, each
     row's result its own), called straight from a compiled step (`cpu_ops.load` registers its
     fake); from `packed` (`cpu_ops.pack` of `weight`) where one is kept, the same bits."""
+    if x.device.type != "cpu":   # the native library is the CPU's alone: never built for a GPU run
+        return F.linear(x, weight, bias)
     if cpu_ops.LOADED is None and not torch.compiler.is_compiling():
         cpu_ops.load()
-    if x.device.type != "cpu" or not cpu_ops.LOADED or x.dtype not in cpu_ops.FEW_ROWS or (
+    if not cpu_ops.LOADED or x.dtype not in cpu_ops.FEW_ROWS or (
             torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):   # training: autograd's
         return F.linear(x, weight, bias)
     if packed is not None and x.dtype == packed.dtype:   # the op picks: no guard on the rows in a compiled step

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import torch
 
+from runtime import kernels
 from runtime.attention import PagedAttention, SeqChunk, StepPlan, build_plan
 from runtime.step_context import forward_context
 from runtime.batch_invariant import set_batch_invariant
 from runtime.compiled import compile_step
-from runtime.device import kv_tokens_for_memory
+from runtime.device import kv_tokens_for_memory, use_device
 from runtime.kv_cache import PagedKVCache
+from runtime.experts import uses_fused_experts
 from runtime.layers import Linear
 from runtime.model import CausalLM, RowTwice
 from runtime.static_step import StepGraphs
@@ -35,22 +37,25 @@ class ModelRunner:
     def __init__(self, model: CausalLM, *, kv_cache_tokens: int, block_size: int = 16,
                  compiled: bool = False, batch_invariant: bool | None = None,
                  gpu_memory_utilization: float | None = None, static_steps: bool = False,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, attention_kernel: bool | None = None) -> None:
         """The cache and every step tensor live on the model's device.
 
         `gpu_memory_utilization` (CUDA only): size the cache from the GPU's free memory after the
         weights (`runtime.device.kv_tokens_for_memory`) instead of `kv_cache_tokens`.
 
         `static_steps`: decode and verify steps run padded to buckets (runtime.static_step);
-        `cuda_graphs` (CUDA, float32/bfloat16, implies static steps): each bucket's forward is
-        captured once and replayed. Neither applies to batch-invariant steps, whose tiles change
+        `cuda_graphs` (CUDA, bfloat16 on sm90/sm100, implies static steps): each bucket's forward is
+        captured once and replayed; elsewhere a ValueError says why (`runtime.device.capture_refusal`). Neither applies to batch-invariant steps, whose tiles change
         with the step.
 
         `compiled`: the target forward runs through `torch.compile` (inductor, dynamic shapes),
         with paged attention and the routed experts (and in batch-invariant mode every GEMM) as
         opaque ops; float64 always runs eager.
         `batch_invariant`: every row's result is independent of the other rows of its step
-        (runtime.batch_invariant); None: on for float64 only."""
+        (runtime.batch_invariant); None: on for float64 only.
+        `attention_kernel`: decode and verify steps (static or not) attend through the Triton
+        paged-attention kernel, reading keys and values in place; None: on CUDA where triton is
+        installed (float32/bfloat16). Chosen here, once."""
         cfg = model.config
         self.model = model
         self.batch_invariant = model.dtype == torch.float64 if batch_invariant is None else batch_invariant
@@ -84,16 +89,27 @@ class ModelRunner:
         self._compiled_logits = compile_step(model.compute_logits, options) if self.compiled and plain_head else None
         self.config = cfg
         self.device = model.device
+        use_device(self.device)   # streams, graphs and kernels that name no device go to the model's GPU
         if gpu_memory_utilization is not None:
             kv_cache_tokens = kv_tokens_for_memory(self.device, gpu_memory_utilization, kv_bytes_per_token(model))
         num_blocks = max(1, kv_cache_tokens // block_size)
         self.cache = PagedKVCache(num_layers=cache_layers(model), num_blocks=num_blocks, block_size=block_size,
                                   dtype=model.dtype, device=self.device, **model.cache_layout())
+        if attention_kernel is None:
+            attention_kernel = (self.device.type == "cuda" and kernels.available("cuda")
+                                and model.dtype != torch.float64)
+        if attention_kernel:
+            if not kernels.available(self.device.type):
+                raise ValueError(f"the Triton attention kernel cannot run on {self.device} here (triton missing, "
+                                 "or TRITON_INTERPRET not 1 for CPU tensors)")
+            from runtime.kernels.paged_attention import paged_attention
+            self.cache.attention_kernel = paged_attention
         self.graphs: StepGraphs | None = None
         if (static_steps or cuda_graphs) and not self.batch_invariant:
             max_keys = min(cfg.max_position_embeddings, self.cache.capacity_tokens)
             capture = cuda_graphs and model.dtype != torch.float64   # float64 experts sync with the host
-            self.graphs = StepGraphs(model.forward, self.cache, max_keys, capture)
+            self.graphs = StepGraphs(model.forward, self.cache, max_keys, capture,
+                                     attention_kernel=bool(attention_kernel), sync_free_experts=uses_fused_experts(model))
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], chunks: list[SeqChunk]) -> tuple[torch.Tensor, StepPlan]:

@@ -10,9 +10,11 @@ Processing order (vLLM's): the grammar mask of a structured output (the tokens i
 row's history, `runtime.grammar`), logit_bias, the min_tokens mask on stop ids, repetition penalty (prompt
 and output tokens: positive logits divided, negative multiplied), frequency and presence
 penalties (output tokens), then temperature for sampled requests. Logprobs are log_softmax of
-that; sampling then applies min_p, top-k and top-p. The generator for the token at absolute
-position p of a request with seed s is seeded from (s, p) alone, so a request's tokens never
-depend on what else is in the batch, on batch width, or on whether speculation verified them.
+that; sampling then applies min_p, top-k and top-p. The uniforms for the token at absolute
+position p of a request with seed s come from (s, p) alone (a counter-based splitmix64 stream,
+computed on the logits' device for every row at once: the same numbers on the CPU and a GPU), so
+a request's tokens never depend on what else is in the batch, on batch width, or on whether
+speculation verified them.
 
 Shapes: N rows, V vocab.
 """
@@ -203,9 +205,7 @@ def sampling_probs(processed: torch.Tensor, params: SamplingParams) -> torch.Ten
     of highest-probability tokens whose mass reaches top_p). Greedy requests get a one-hot at the
     arg-max."""
     if params.is_greedy:
-        out = torch.zeros_like(processed)
-        out[int(torch.argmax(processed))] = 1.0
-        return out
+        return torch.zeros_like(processed).scatter_(0, torch.argmax(processed).view(1), 1.0)   # no host read
     logits = processed
     if params.min_p > 0.0:
         probs = torch.softmax(logits, dim=-1)
@@ -262,20 +262,52 @@ def choice_seed(seed: int, index: int) -> int:
     return seed if index == 0 else splitmix64(splitmix64(seed) ^ splitmix64(index)) & ((1 << 63) - 1)
 
 
-def position_generator(seed: int, position: int, device: torch.device | str) -> torch.Generator:
-    """The generator on `device` for the token at absolute `position` of a request seeded `seed`
-    (each device type has its own stream: a seed gives the same tokens on every run on one
-    device type, not across CPU and CUDA)."""
-    key = splitmix64(splitmix64(seed) ^ position) & ((1 << 63) - 1)
-    return torch.Generator(device=device).manual_seed(key)
+def position_key(seed: int, position: int) -> int:
+    """The 63-bit key of the token at absolute `position` of a request seeded `seed`."""
+    return splitmix64(splitmix64(seed) ^ position) & ((1 << 63) - 1)
+
+
+def _i64(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _M1, _M2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 tensors (torch's >> is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def key_uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
+    """keys [N] int64 -> [N, n] float64 uniforms in [0, 1): the first n outputs of splitmix64
+    seeded with each key, computed on the keys' device with wrapping int64 arithmetic (no
+    generator, no host read: one op sequence for every row at once; the same numbers on every
+    device)."""
+    i = torch.arange(1, n + 1, dtype=torch.long, device=keys.device)
+    x = keys[:, None] + i[None, :] * _GOLDEN
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    x = x ^ _shr(x, 31)
+    return _shr(x, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+def position_uniforms(seed: int, position: int, n: int, device: torch.device | str) -> torch.Tensor:
+    """[n] float64 uniforms on `device` for the token at absolute `position` of a request seeded `seed`."""
+    return key_uniforms(torch.tensor([position_key(seed, position)], dtype=torch.long, device=device), n)[0]
+
+
+def draw_rows(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row of `probs` [N, V] with each row's key [N] (exponential race:
+    argmax of p_i / E_i, E_i ~ Exp(1), is a draw from p) -> [N] on the device, no host read."""
+    u = key_uniforms(keys, probs.shape[-1])
+    return torch.argmax(probs.to(torch.float64) / -torch.log1p(-u), dim=-1)
 
 
 def draw(probs: torch.Tensor, seed: int, position: int) -> int:
-    """Sample one token from `probs` [V] with the (seed, position) generator (exponential race)."""
-    u = torch.rand(probs.shape[-1], generator=position_generator(seed, position, probs.device), dtype=torch.float64,
-                   device=probs.device)
-    race = probs / -torch.log1p(-u)  # argmax of p_i / E_i, E_i ~ Exp(1): a draw from probs
-    return int(torch.argmax(race))
+    """Sample one token from `probs` [V] with the (seed, position) key."""
+    keys = torch.tensor([position_key(seed, position)], dtype=torch.long, device=probs.device)
+    return int(draw_rows(probs[None], keys)[0])
 
 
 def sample_row(logits: torch.Tensor, row: RowSpec) -> Sampled:
@@ -296,7 +328,27 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, positi
 
 
 def sample_rows(logits: torch.Tensor, rows: Sequence[RowSpec]) -> list[Sampled]:
-    """logits [N, V] -> one `Sampled` per row; plain greedy rows share one arg-max."""
-    greedy = torch.argmax(logits, dim=-1).tolist()
-    return [Sampled(g) if r.params.is_greedy and r.params.is_plain else sample_row(logits[i], r)
-            for i, (g, r) in enumerate(zip(greedy, rows))]
+    """logits [N, V] -> one `Sampled` per row, as `sample_row` samples each: plain greedy rows share
+    one arg-max, the other rows' tokens stay on the device (sampled rows drawn together by their
+    keys) until one host read for the whole batch; logprobs are read for the rows that ask."""
+    tokens = torch.argmax(logits, dim=-1)                                   # [N]
+    probs, keys, drawn, kept = [], [], [], {}
+    for i, r in enumerate(rows):
+        params = r.params
+        if params.is_greedy and params.is_plain:
+            continue
+        processed = process_logits(logits[i], params, r.history)
+        if params.is_greedy:
+            tokens[i] = torch.argmax(processed)
+        else:
+            probs.append(sampling_probs(processed, params))
+            keys.append(position_key(r.seed, r.position))
+            drawn.append(i)
+        if params.logprobs is not None:
+            kept[i] = processed
+    if drawn:
+        picks = draw_rows(torch.stack(probs), torch.tensor(keys, dtype=torch.long, device=logits.device))
+        tokens[torch.tensor(drawn, device=logits.device)] = picks
+    host = tokens.tolist()
+    return [Sampled(t, token_logprobs(kept[i], t, rows[i].params.logprobs) if i in kept else None)
+            for i, t in enumerate(host)]

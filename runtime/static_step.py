@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.attention import PagedAttention, SeqChunk, StepPlan, ancestor_mask, row_depths
+from runtime.attention import KernelRows, PagedAttention, SeqChunk, StepPlan, row_depths
+from runtime import kernels
+from runtime.device import capture_refusal
 from runtime.kv_cache import PagedKVCache
 
 log = logging.getLogger("metrale.static_step")
@@ -70,7 +72,10 @@ class StaticBuffers:
     is padding, so a warm-up or capture writes to the scratch cell only. `hidden_in` [T, H]: the
     previous hidden of each row, for the drafter's forward (None for the target's)."""
 
-    def __init__(self, shape: StaticShape, cache: PagedKVCache, hidden: tuple[int, torch.dtype] | None = None) -> None:
+    def __init__(self, shape: StaticShape, cache: PagedKVCache, hidden: tuple[int, torch.dtype] | None = None,
+                 kernel=None) -> None:
+        """`kernel`: the paged-attention kernel the plan's attention runs (`KernelRows`), or None
+        for the padded SDPA."""
         b, q, k, t = shape.num_seqs, shape.num_rows, shape.num_keys, shape.num_tokens
         dev, scratch = cache.device, cache.scratch_cell
         self.shape = shape
@@ -82,17 +87,32 @@ class StaticBuffers:
         self.mask[..., 0] = True
         self.hidden_in = None if hidden is None else torch.zeros(t, hidden[0], dtype=hidden[1], device=dev)
         self._keys = torch.arange(k, device=dev)                                              # [K]
+        nb = -(-k // cache.block_size)
+        self.blocks = torch.zeros(b, nb, dtype=torch.long, device=dev)                         # [B, NB]
+        self.row_meta = torch.zeros(4, t, dtype=torch.long, device=dev)   # [4, T] seq, start, end, own bits
+        rows = None if kernel is None else KernelRows(
+            block_table=self.blocks, block_size=cache.block_size, row_seq=self.row_meta[0], row_start=self.row_meta[1],
+            row_end=self.row_meta[2], row_anc=self.row_meta[3], max_keys=k, kernel=kernel)
         self.plan = StepPlan(positions=self.positions, cell_mapping=self.cell_mapping, gather=self.gather,
                              q_index=torch.arange(t, device=dev).view(b, q),
                              valid=torch.ones(b, q, dtype=torch.bool, device=dev), mask=self.mask,
-                             last_rows=torch.arange(q - 1, t, q, device=dev), mask_mode="padded")
+                             last_rows=torch.arange(q - 1, t, q, device=dev), mask_mode="padded", rows=rows)
 
     def fill(self, tokens: list[int], chunks: list[SeqChunk], cache: PagedKVCache) -> torch.Tensor:
         """Write one step into the buffers; returns the step row of each real row [sum of chunk rows],
-        in the order of `tokens`."""
+        in the order of `tokens`. Everything is staged on the host as one int64 tensor (tokens,
+        positions, each sequence's start, rows and end, block table and own-row visibility) and
+        reaches the device in one copy; the buffers follow in a fixed number of device ops
+        whatever the number of sequences (no per-sequence copy)."""
         shape = self.shape
-        q, t, scratch = shape.num_rows, shape.num_tokens, cache.scratch_cell
-        host_tokens, host_pos, row_pos = [0] * t, [0] * t, [0] * t
+        b_max, q, k, t = shape.num_seqs, shape.num_rows, shape.num_keys, shape.num_tokens
+        bs = cache.block_size
+        nb = -(-k // bs)
+        host_tokens, host_pos = [0] * t, [0] * t
+        starts, counts, ends = [0] * b_max, [0] * b_max, [0] * b_max
+        blocks = [0] * (b_max * nb)
+        own = [0] * (b_max * q * q)          # [B, Q, Q]: row r of sequence b sees its row j
+        meta = [0] * (4 * t)                 # the kernel's rows: seq, start, end, own-row bits
         rows: list[int] = []
         i = 0
         for b, c in enumerate(chunks):
@@ -100,28 +120,51 @@ class StaticBuffers:
             for r, d in enumerate(depths):
                 host_tokens[b * q + r] = tokens[i]
                 host_pos[b * q + r] = c.start + d
-                row_pos[b * q + r] = c.start + r   # the cache row; a tree's own rows are masked below
                 rows.append(b * q + r)
                 i += 1
-        host = torch.tensor([host_tokens, host_pos, row_pos, rows + [0] * (t - len(rows))], dtype=torch.long,
-                            device="cpu")
-        staged = host.to(cache.device, non_blocking=True)                                     # [4, T]
-        self.tokens.copy_(staged[0])
-        self.positions.copy_(staged[1])
-        self.cell_mapping.fill_(scratch)
-        self.gather.fill_(scratch)
-        for b, c in enumerate(chunks):
-            ctx = cache.cells(c.seq_id, 0, c.end)
-            self.gather[b, :c.end] = ctx
-            self.cell_mapping[b * q:b * q + c.num_tokens] = ctx[c.start:]
-        # Row (b, r) sees the keys up to its own cache row; padding rows (row_pos 0) see key 0 only.
-        pos = staged[2].view(shape.num_seqs, q)                                               # [B, Q]
-        mask = self._keys[None, None, :] <= pos[:, :, None]                                  # [B, Q, K]
-        for b, c in enumerate(chunks):
-            if c.parents is not None:
-                mask[b, :c.num_tokens, c.start:c.end] = ancestor_mask(c.parents, cache.device)
+            starts[b], counts[b], ends[b] = c.start, c.num_tokens, c.end
+            table = cache.block_table(c.seq_id)[:-(-c.end // bs)]
+            if c.end > cache.length(c.seq_id):
+                raise ValueError(f"positions up to {c.end} of sequence {c.seq_id} are not reserved "
+                                 f"(length {cache.length(c.seq_id)})")
+            blocks[b * nb:b * nb + len(table)] = table
+            base = b * q * q
+            for r in range(c.num_tokens):    # a chain sees its earlier rows, a tree row its ancestors
+                j, bits = r, 0
+                while j != -1:
+                    own[base + r * q + j] = 1
+                    bits |= 1 << j
+                    j = (j - 1) if c.parents is None else c.parents[j]
+                row = b * q + r
+                meta[row], meta[t + row], meta[2 * t + row], meta[3 * t + row] = b, c.start, c.end, bits
+        n = len(rows)
+        host = torch.tensor(host_tokens + host_pos + rows + [0] * (t - n) + starts + counts + ends + blocks + own + meta,
+                            dtype=torch.long, device="cpu")
+        staged = host.to(cache.device, non_blocking=True)
+        tok, pos, sel, start, count, end, blk, vis, row_meta = staged.split(
+            [t, t, t, b_max, b_max, b_max, b_max * nb, b_max * q * q, 4 * t])
+        if self.plan.rows is not None:
+            self.blocks.copy_(blk.view(b_max, nb))
+            self.row_meta.copy_(row_meta.view(4, t))
+        self.tokens.copy_(tok)
+        self.positions.copy_(pos)
+        keys = self._keys                                                                    # [K]
+        cells = (blk.view(b_max, nb, 1) * bs + torch.arange(bs, device=keys.device)).view(b_max, nb * bs)[:, :k]
+        self.gather.copy_(torch.where(keys[None, :] < end[:, None], cells, cache.scratch_cell))   # [B, K]
+        r = torch.arange(q, device=keys.device)
+        valid = r[None, :] < count[:, None]                                                 # [B, Q]
+        cache_row = (start[:, None] + r[None, :]).clamp(max=k - 1)
+        mapped = self.gather.gather(1, cache_row)                                            # [B, Q]
+        self.cell_mapping.copy_(torch.where(valid, mapped, cache.scratch_cell).view(t))
+        # Row (b, r) sees the committed context (keys before start) and its own visible rows;
+        # padding rows see key 0 only (softmax never meets an all-masked row).
+        rel = keys[None, :] - start[:, None]                                                 # [B, K]
+        inside = (rel >= 0) & (rel < count[:, None])
+        own_vis = vis.view(b_max, q, q).gather(2, rel.clamp(0, q - 1)[:, None, :].expand(b_max, q, k)).bool()
+        mask = (rel[:, None, :] < 0) | (inside[:, None, :] & own_vis)                       # [B, Q, K]
+        mask = torch.where(valid[:, :, None], mask, keys[None, None, :] == 0)
         self.mask[:, 0].copy_(mask)
-        return staged[3][:len(rows)]
+        return sel[:n]
 
 
 @dataclass(slots=True)
@@ -139,11 +182,26 @@ class StepGraphs:
     CPU the same padded forward runs eagerly."""
 
     def __init__(self, forward: Callable[..., torch.Tensor], cache: PagedKVCache, max_keys: int,
-                 capture: bool, hidden: tuple[int, torch.dtype] | None = None) -> None:
+                 capture: bool, hidden: tuple[int, torch.dtype] | None = None,
+                 attention_kernel: bool | None = None, sync_free_experts: bool = False) -> None:
         """`hidden` (size, dtype): the forward also takes a hidden state per row, as the MTP
-        drafter's `mtp_forward(tokens, prev_hidden, positions, attention)` does."""
-        if capture and cache.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, not {cache.device}")
+        drafter's `mtp_forward(tokens, prev_hidden, positions, attention)` does.
+        `attention_kernel`: the steps' attention through the Triton paged-attention kernel
+        (reading keys and values in place) instead of the context copy and padded SDPA; None:
+        on CUDA where triton is installed. Chosen here, once. `sync_free_experts`: the model's
+        experts run the fused kernels, so float32 captures too (`capture_refusal`)."""
+        refusal = capture_refusal(cache.device, cache.k.dtype, sync_free_experts=sync_free_experts) if capture else None
+        if refusal is not None:
+            raise ValueError(refusal)
+        if attention_kernel is None:
+            attention_kernel = cache.device.type == "cuda" and kernels.available("cuda")
+        if attention_kernel and not kernels.available(cache.device.type):
+            raise ValueError(f"the Triton attention kernel cannot run on {cache.device} here (triton missing, "
+                             "or TRITON_INTERPRET not 1 for CPU tensors)")
+        self.kernel = None
+        if attention_kernel:
+            from runtime.kernels.paged_attention import paged_attention
+            self.kernel = paged_attention
         self.forward_fn = forward
         self.cache = cache
         self.max_keys = max_keys
@@ -196,29 +254,33 @@ class StepGraphs:
         return self.forward_fn(buffers.tokens, buffers.positions, attention)
 
     def _prepare(self, shape: StaticShape) -> _Entry:
-        buffers = StaticBuffers(shape, self.cache, self.hidden)
+        buffers = StaticBuffers(shape, self.cache, self.hidden, self.kernel)
         if not self.capture:
             return _Entry(buffers)
-        graph, output, taken = capture_cuda_graph(lambda: self._forward(buffers), self.pool)
+        graph, output, taken = capture_cuda_graph(lambda: self._forward(buffers), self.pool, self.cache.device)
         self.pool_bytes += taken
         log.info("captured a CUDA graph for %d sequences x %d rows x %d keys (%d graphs, pool %.1f MiB)",
                  shape.num_seqs, shape.num_rows, shape.num_keys, len(self.entries) + 1, self.pool_bytes / 2**20)
         return _Entry(buffers, graph, output)
 
 
-def capture_cuda_graph(fn: Callable[[], torch.Tensor], pool) -> tuple[object, torch.Tensor, int]:
-    """Capture `fn` (a forward over static buffers) into a CUDA graph sharing memory pool `pool`.
-    Returns (graph, its output tensor, device memory the capture reserved). Warm-up runs first,
-    on a side stream, as torch.cuda.graph asks (lazy initialisation, cuBLAS workspaces)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    before = torch.cuda.memory_reserved()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        output = fn()
-    torch.cuda.synchronize()
-    return graph, output, torch.cuda.memory_reserved() - before
+def capture_cuda_graph(fn: Callable[[], torch.Tensor], pool, device: torch.device) -> tuple[object, torch.Tensor, int]:
+    """Capture `fn` (a forward over static buffers on `device`) into a CUDA graph sharing memory
+    pool `pool`. Returns (graph, its output tensor, device memory the capture reserved). Warm-up
+    runs first, on a side stream, as torch.cuda.graph asks (lazy initialisation, cuBLAS
+    workspaces). Everything runs under `torch.cuda.device(device)`: the side stream, the capture
+    stream and the kernels are that GPU's, whichever device is current (on cuda:1 with cuda:0
+    current, a capture on cuda:0's stream replays stale output)."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        before = torch.cuda.memory_reserved(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            output = fn()
+        torch.cuda.synchronize(device)
+        return graph, output, torch.cuda.memory_reserved(device) - before

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from runtime.config import ModelConfig, load_config
+from runtime.experts import choose_fused_experts
 from runtime.layers import pack_for_inference
 from runtime.model import CausalLM
 from runtime.quantization import FP8, SCALE_SUFFIX, Fp8BlockScheme, dequantize, quantization_scheme, scale_window
@@ -160,6 +161,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
     with torch.device("meta"):  # parallel layers are swapped in without allocating
         specs = transform(model) if transform is not None else {}
     device = torch.device(device)
+    _cast(model, dtype)   # on the meta device: every weight is allocated in its serving dtype, no float32 copy first
     model.to_empty(device=device)
     with torch.device(device):
         model.rotary.__init__(cfg)  # non-persistent buffer: recompute after leaving the meta device
@@ -225,11 +227,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
         if len(rows) != len(experts):
             lost = sorted(set(experts) - rows)
             raise CheckpointError(f"checkpoint lacks expert(s) {lost[:5]} for {param}")
-    _cast(model, dtype)
     # What the start-up line reports: how the stored weights became the served ones.
     model.weight_format = (f"{scheme.describe()} in the checkpoint, dequantized to {str(dtype).removeprefix('torch.')} "
                            "on load" if scheme is not None else str(dtype).removeprefix("torch."))
     pack_for_inference(model)
+    choose_fused_experts(model)   # on CUDA with triton: the sync-free Triton experts
     model.eval()
     return model
 

@@ -30,6 +30,8 @@ from ep.comm import CommError, Communicator
 from ep.driver import DriverRunner, ShardedMTPProposer
 from ep.protocol import MAX_SLOT
 from ep.local_drafter import load_local_drafter
+from runtime.device import capture_refusal
+from runtime.experts import uses_fused_experts
 from runtime.model import CausalLM
 from runtime.attention import SeqChunk
 from runtime.heap import freeze_heap, thaw_heap
@@ -183,11 +185,16 @@ class Deployment:
         if self.comm is None:
             on_cuda = torch.device(cfg.device).type == "cuda"
             static = cfg.static_steps if cfg.static_steps is not None else on_cuda and not cfg.enforce_eager
-            runner = ModelRunner(load_model(cfg.model_dir, cfg.dtype, device=cfg.device),
+            model = load_model(cfg.model_dir, cfg.dtype, device=cfg.device)
+            # Graphs where the step can be captured (bfloat16 on sm90/sm100); elsewhere the padded
+            # steps run eagerly, chosen here once.
+            capturable = on_cuda and capture_refusal(model.device, model.dtype,
+                                                     sync_free_experts=uses_fused_experts(model)) is None
+            runner = ModelRunner(model,
                                  kv_cache_tokens=cfg.kv_cache_tokens, compiled=not cfg.enforce_eager,
                                  batch_invariant=cfg.batch_invariant,
                                  gpu_memory_utilization=cfg.gpu_memory_utilization, static_steps=static,
-                                 cuda_graphs=static and on_cuda and not cfg.enforce_eager)
+                                 cuda_graphs=static and capturable and not cfg.enforce_eager)
         else:
             runner = self._join_group(self.comm)
         try:

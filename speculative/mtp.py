@@ -24,6 +24,7 @@ import struct
 
 import torch
 
+from runtime.experts import uses_fused_experts
 from runtime.attention import KVWrites, PagedAttention, SeqChunk, build_plan, chain_plans, last_row_plan
 from runtime.compiled import compile_step
 from runtime.grammar import GrammarMatcher
@@ -98,7 +99,8 @@ class MTPProposer(DraftProposer):
             max_keys = min(model.config.max_position_embeddings, cache.capacity_tokens)
             self.graphs = StepGraphs(model.mtp_forward, cache, max_keys,
                                      capture=cuda_graphs and model.dtype != torch.float64,
-                                     hidden=(model.config.hidden_size, model.dtype))
+                                     hidden=(model.config.hidden_size, model.dtype),
+                                     sync_free_experts=uses_fused_experts(model))
         self._compiled_forward = None
         self._compiled_chain = None    # the chained drafts' graphs (`_chain`)
         self._chain_shapes: set[tuple[int, int]] = set()   # (depth, width) chains compiled (`warm_up_chain`)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.sampler import RowSpec, Sampled, draw, position_generator, sample_rows
+from runtime.sampler import RowSpec, Sampled, draw_rows, key_uniforms, position_key, sample_rows
 from runtime.sequence import Sequence
 
 
@@ -76,24 +76,27 @@ def rejection_tokens(drafts: list[int], draft_dists: list[torch.Tensor] | None, 
     """
     if len(target_dists) != len(drafts) + 1:
         raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} target distributions")
-    out: list[int] = []
-    for i, d in enumerate(drafts):
-        pos = first_position + i
-        p = target_dists[i]
-        if draft_dists is None:
-            q = torch.zeros_like(p)
-            q[d] = 1.0
-        else:
-            q = draft_dists[i].to(p.dtype)
-        u = float(torch.rand(1, generator=position_generator(seed ^ REJECTION_STREAM, pos, p.device),
-                             dtype=torch.float64, device=p.device))
-        qd = float(q[d])
-        if qd > 0 and u < min(1.0, float(p[d]) / qd):
-            out.append(d)
-            continue
-        residual = torch.clamp(p - q, min=0.0)
-        total = float(residual.sum())
-        out.append(draw(residual / total if total > 0 else p, seed, pos))
-        return i, out
-    out.append(draw(target_dists[-1], seed, first_position + len(drafts)))
-    return len(drafts), out
+    # Every draft's test and every position's resample at once on the device, then one host read:
+    # the same keys and draws as testing draft by draft (no sync per draft).
+    k = len(drafts)
+    p = torch.stack(target_dists)                                                    # [K+1, V]
+    dev = p.device
+    d = torch.tensor(drafts, dtype=torch.long, device=dev)
+    rows = torch.arange(k, device=dev)
+    if draft_dists is None:
+        q = torch.zeros_like(p[:k]).index_put_((rows, d), torch.ones((), dtype=p.dtype, device=dev))
+    else:
+        q = torch.stack(draft_dists).to(p.dtype)                                     # [K, V]
+    pd, qd = p[rows, d], q[rows, d]
+    keys = [position_key(seed ^ REJECTION_STREAM, first_position + i) for i in range(k)]
+    u = key_uniforms(torch.tensor(keys, dtype=torch.long, device=dev), 1)[:, 0]
+    accept = (qd > 0) & (u < torch.clamp(pd / torch.where(qd > 0, qd, 1.0), max=1.0))
+    residual = torch.clamp(p[:k] - q, min=0.0)
+    total = residual.sum(dim=-1, keepdim=True)
+    resample = torch.where(total > 0, residual / torch.where(total > 0, total, 1.0), p[:k])
+    draws = draw_rows(torch.cat([resample, p[k:]]),
+                      torch.tensor([position_key(seed, first_position + i) for i in range(k + 1)],
+                                   dtype=torch.long, device=dev))
+    host = torch.cat([accept.long(), draws]).tolist()
+    na = next((i for i in range(k) if not host[i]), k)
+    return na, drafts[:na] + [host[k + na]]

@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU the Triton kernels (runtime/kernels) run under Triton's interpreter on CPU tensors;
+# it is chosen when triton is imported (torch.compile imports it), so before any test runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 320  # a byte-level BPE needs 256 base tokens
 
@@ -17,14 +22,35 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_l
             n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=256,
             eos_token_id=0)
 @pytest.fixture(autouse=True)
-def engines_run_eager_unless_asked(monkeypatch):
+def engines_run_eager_unless_asked(request, monkeypatch):
     """An `LLM` built in the test process runs its step eagerly unless the test passes
     `enforce_eager=False`: every distinct model configuration costs a compile (5-15 s), and only
     the tests of the compiled step need one. (Before this, Dynamo's recompile limit made the 9th
     configuration of a process run eager silently; `ModelRunner` now raises that limit.) Engines
-    in subprocesses (the CLI, tools, EP workers of a compiled rank 0) keep the real default."""
+    in subprocesses (the CLI, tools, EP workers of a compiled rank 0) keep the real default, and
+    so do tests marked `cuda` (their LLMs capture CUDA graphs by default; `forces_eager`)."""
+    if not forces_eager(request.node):
+        return
     from serving.llm import LLM
     monkeypatch.setitem(LLM.__init__.__kwdefaults__, "enforce_eager", True)
+
+
+def forces_eager(node) -> bool:
+    """Whether `engines_run_eager_unless_asked` makes this test's LLMs eager: not for a `cuda` test."""
+    return node.get_closest_marker("cuda") is None
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword a transformers model's forward takes its KV cache by: `cache` from 5.25,
+    `past_key_values` before (the GPU image has 5.17), read off the forward's signature."""
+    import inspect
+    params = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
+def output_cache(out):
+    """The cache a transformers forward returns (`out.cache` from 5.25, `out.past_key_values` before)."""
+    return out.cache if hasattr(out, "cache") else out.past_key_values
 
 
 # One plain config, one with grouped routing, q/k norm, attention bias and routed scaling.

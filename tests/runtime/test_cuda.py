@@ -19,6 +19,7 @@ from runtime.model_runner import ModelRunner
 from runtime.sampler import SamplingParams
 from runtime.static_step import StaticShape
 from runtime.weights import load_model
+from tests.conftest import cache_kwargs, output_cache
 from serving.llm import LLM
 from tests.runtime.test_device_placement import DevicelessFactories
 
@@ -107,10 +108,10 @@ def _reference_stepwise(ref, ids: list[int], prefill: int) -> torch.Tensor:
     cache = DynamicCache(config=ref.config)
     rows = []
     with torch.no_grad():
-        out = ref(torch.tensor([ids[:prefill]], device=CUDA), cache=cache, use_cache=True)
+        out = ref(torch.tensor([ids[:prefill]], device=CUDA), **cache_kwargs(ref, cache), use_cache=True)
         rows.append(out.logits[0].double())
         for t in ids[prefill:]:
-            out = ref(torch.tensor([[t]], device=CUDA), cache=out.cache, use_cache=True)
+            out = ref(torch.tensor([[t]], device=CUDA), **cache_kwargs(ref, output_cache(out)), use_cache=True)
             rows.append(out.logits[0].double())
     return torch.cat(rows)
 
@@ -189,7 +190,12 @@ def test_speculation_with_graphs_on_and_off(dtype):
     eager = tokens(LLM(MODEL, enforce_eager=True, spec="mtp", num_drafts=3, **kw))
     graphed_llm = LLM(MODEL, spec="mtp", num_drafts=3, **kw)
     graphed = tokens(graphed_llm)
-    assert graphed_llm.engine.runner.graphs.replays > 0
+    graphs = graphed_llm.engine.runner.graphs
+    # float32 captures with the fused Triton experts; without them (no triton) its padded steps
+    # run eagerly (runtime.device.capture_refusal)
+    from runtime.experts import uses_fused_experts
+    assert graphs.capture == (dtype == "bfloat16" or uses_fused_experts(graphed_llm.model))
+    assert (graphs.replays > 0) == graphs.capture
     assert share_equal(graphed, eager) >= 0.9
     assert share_equal(graphed, plain) >= 0.9
     assert all(g[:4] == p[:4] for g, p in zip(graphed, plain))
@@ -198,7 +204,7 @@ def test_speculation_with_graphs_on_and_off(dtype):
 def test_one_graph_for_the_arrangements_of_one_depth_multiset():
     """Two verify steps over the same slots with the depths laid out differently replay one
     captured graph, and each gives the rows of the eager step."""
-    model = load_model(MODEL, "float32", device=CUDA)
+    model = load_model(MODEL, "bfloat16", device=CUDA)
     eager = ModelRunner(model, kv_cache_tokens=1024, batch_invariant=False)
     graphed = ModelRunner(model, kv_cache_tokens=1024, batch_invariant=False, static_steps=True, cuda_graphs=True)
     prompt = {0: [5, 17, 200, 3, 9], 1: [9, 9, 9, 100, 250, 31, 7, 64, 12], 2: [300, 4, 41, 42, 41, 42, 7]}
@@ -218,7 +224,7 @@ def test_one_graph_for_the_arrangements_of_one_depth_multiset():
                 runner.cache.reserve(c.seq_id, c.end)
         want, _ = eager.forward(toks, chunks)
         got, _ = graphed.forward(toks, chunks)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     assert set(graphed.graphs.entries) - before == {StaticShape(4, 4, 256)}
     assert graphed.graphs.replays - replays == 3
 
@@ -237,6 +243,54 @@ def test_nccl_at_world_size_one_through_the_ep_code_path():
         comm.close()
     want = tokens(LLM(MODEL, dtype="float64", kv_cache_tokens=2048, device="cuda"), SEEDED)
     assert got == want
+
+
+def test_float32_capture_is_refused_in_one_line_without_the_fused_experts():
+    from runtime.experts import choose_fused_experts
+    model = load_model(MODEL, "float32", device=CUDA)
+    choose_fused_experts(model, False)
+    with pytest.raises(ValueError, match="CUDA graphs are refused in float32"):
+        ModelRunner(model, kv_cache_tokens=1024, batch_invariant=False, static_steps=True, cuda_graphs=True)
+
+
+def test_capture_on_a_second_gpu_replays_its_own_output():
+    """On cuda:1 with cuda:0 current, the captured step gives the eager step's rows."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 1)
+    model = load_model(MODEL, "bfloat16", device=dev)
+    torch.cuda.set_device(0)
+    eager = ModelRunner(model, kv_cache_tokens=1024, batch_invariant=False)
+    torch.cuda.set_device(0)
+    graphed = ModelRunner(model, kv_cache_tokens=1024, batch_invariant=False, static_steps=True, cuda_graphs=True)
+    for runner in (eager, graphed):
+        runner.cache.reserve(0, 5)
+        runner.forward([5, 17, 200, 3, 9], [SeqChunk(0, 0, 5)])
+        runner.cache.reserve(0, 6)
+    a, _ = eager.forward([7], [SeqChunk(0, 5, 1)])
+    b, _ = graphed.forward([7], [SeqChunk(0, 5, 1)])
+    assert graphed.graphs.replays == 1
+    torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+
+
+def test_float32_captures_with_the_fused_experts():
+    """The fused Triton experts are sync-free: a float32 step captures, and its replay gives the
+    eager step's rows."""
+    pytest.importorskip("triton")
+    from runtime.experts import uses_fused_experts
+    model = load_model(MODEL, "float32", device=CUDA)
+    assert uses_fused_experts(model)
+    eager = ModelRunner(model, kv_cache_tokens=1024, batch_invariant=False)
+    graphed = ModelRunner(model, kv_cache_tokens=1024, batch_invariant=False, static_steps=True, cuda_graphs=True)
+    for runner in (eager, graphed):
+        runner.cache.reserve(0, 5)
+        runner.forward([5, 17, 200, 3, 9], [SeqChunk(0, 0, 5)])
+        runner.cache.reserve(0, 6)
+    a, _ = eager.forward([7], [SeqChunk(0, 5, 1)])
+    b, _ = graphed.forward([7], [SeqChunk(0, 5, 1)])
+    assert graphed.graphs.replays == 1
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
 def test_kv_cache_sized_from_free_gpu_memory():

@@ -10,7 +10,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from runtime.device import check_local_gpus, rank_device, resolve_device
-from runtime.sampler import SamplingParams, position_generator
+from runtime.sampler import SamplingParams, position_uniforms
 from serving.llm import LLM
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
@@ -101,12 +101,10 @@ def test_gpu_memory_utilization_is_refused_on_the_cpu():
         LLM(MODEL, device="cpu", gpu_memory_utilization=0.5)
 
 
-def test_position_generator_lives_on_the_device_asked_for():
-    g = position_generator(7, 11, torch.device("cpu"))
-    assert g.device == torch.device("cpu")
-    a = torch.rand(4, generator=g, dtype=torch.float64, device="cpu")
-    b = torch.rand(4, generator=position_generator(7, 11, "cpu"), dtype=torch.float64, device="cpu")
-    assert torch.equal(a, b)
+def test_position_uniforms_live_on_the_device_asked_for():
+    a = position_uniforms(7, 11, 4, torch.device("cpu"))
+    assert a.device == torch.device("cpu") and a.dtype == torch.float64
+    assert torch.equal(a, position_uniforms(7, 11, 4, "cpu"))
 
 
 def test_rank_zero_of_an_ep_group_names_every_device(ckpt_mtp):

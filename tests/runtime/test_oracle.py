@@ -18,6 +18,7 @@ from runtime.kv_cache import PagedKVCache
 from serving.llm import LLM
 from runtime.sampler import SamplingParams
 from runtime.weights import load_model
+from tests.conftest import cache_kwargs, output_cache
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 
@@ -96,10 +97,10 @@ def reference_logits_stepwise(ref, ids: list[int], prefill: int) -> torch.Tensor
     cache = DynamicCache(config=ref.config)
     rows = []
     with torch.no_grad():
-        out = ref(torch.tensor([ids[:prefill]]), cache=cache, use_cache=True)
+        out = ref(torch.tensor([ids[:prefill]]), **cache_kwargs(ref, cache), use_cache=True)
         rows.append(out.logits[0])
         for t in ids[prefill:]:
-            out = ref(torch.tensor([[t]]), cache=out.cache, use_cache=True)
+            out = ref(torch.tensor([[t]]), **cache_kwargs(ref, output_cache(out)), use_cache=True)
             rows.append(out.logits[0])
     return torch.cat(rows)
 

@@ -2,10 +2,11 @@
 (penalties, bias, min_tokens, temperature), logprobs, choice seeds, and the histories of verify rows."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from runtime.sampler import (History, RowSpec, SamplingParamError, SamplingParams, choice_seed, draw,
-                             position_generator, process_logits, prompt_token_logprobs, sample_rows, sample_token,
+                             position_uniforms, process_logits, prompt_token_logprobs, sample_rows, sample_token,
                              sampling_probs, target_probs, token_logprobs)
 
 
@@ -27,8 +28,50 @@ def test_keyed_draws_are_reproducible_and_position_dependent():
     assert a == [draw(probs, 42, pos) for pos in range(20)]
     assert len(set(a)) > 10
     assert a != [draw(probs, 43, pos) for pos in range(20)]
-    g1, g2 = position_generator(1, 5, device="cpu"), position_generator(1, 5, device="cpu")
-    assert torch.equal(torch.rand(4, generator=g1), torch.rand(4, generator=g2))
+    assert torch.equal(position_uniforms(1, 5, 4, "cpu"), position_uniforms(1, 5, 4, "cpu"))
+
+
+def test_the_uniforms_are_splitmix64_computed_on_the_device():
+    """key_uniforms is splitmix64's stream (wrapping int64 arithmetic on the device agrees with
+    Python's integers), uniform, and one op sequence for every row."""
+    from runtime.sampler import _MASK64, key_uniforms, position_key
+    keys = [position_key(s, p) for s, p in ((0, 0), (7, 11), (2**62, 3), (123456789, 10**6))]
+    got = key_uniforms(torch.tensor(keys), 5)
+    for row, key in zip(got.tolist(), keys):
+        want = []
+        for i in range(1, 6):
+            x = (key + i * 0x9E3779B97F4A7C15) & _MASK64
+            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+            want.append(((x ^ (x >> 31)) >> 11) / 2**53)
+        assert row == want
+    u = key_uniforms(torch.tensor([position_key(3, 4)]), 20000)[0]
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
+
+
+def test_sample_rows_reads_the_host_once_for_the_batch():
+    """Sampled rows are drawn together on the device: the batch's tokens come back in one host
+    read (no per-row generator, no per-row arg-max read), and equal `sample_row`'s one by one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from runtime.sampler import sample_row
+
+    class Reads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("_local_scalar_dense"):
+                Reads.n += 1
+            return func(*args, **(kwargs or {}))
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    rows = [RowSpec(SamplingParams(temperature=0.9, top_k=20, seed=5), 5, 10 + i) if i % 3 else
+            RowSpec(SamplingParams(), 0, i) for i in range(5)]
+    rows.append(RowSpec(SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, seed=1), 1, 3))
+    with Reads():
+        got = sample_rows(logits, rows)
+    assert Reads.n <= 1
+    assert [g.token for g in got] == [sample_row(logits[i], r).token for i, r in enumerate(rows)]
 
 
 def test_draw_follows_the_distribution():
@@ -128,3 +171,18 @@ def test_verify_rows_draw_after_the_drafts_on_their_path():
     tree = tree_rows(seq, [(9, 0, -1), (4, 1, 0), (5, 2, 1), (6, 1, 0), (3, 2, 1)])
     assert [r.position for r in tree] == [3, 4, 5, 4, 5]
     assert [list(r.history.path) for r in tree] == [[], [4], [4, 5], [6], [4, 3]]
+
+
+@pytest.mark.cuda
+def test_the_device_draws_equal_the_cpu_draws():
+    """The (seed, position) uniforms are the same numbers on a GPU as on the CPU, so a batch's
+    sampled tokens are too (given the same probabilities)."""
+    from runtime.sampler import key_uniforms, position_key
+    keys = torch.tensor([position_key(s, p) for s in range(4) for p in (0, 7, 10**6)])
+    assert torch.equal(key_uniforms(keys.cuda(), 1000).cpu(), key_uniforms(keys, 1000))
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(2))
+    rows = [RowSpec(SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, seed=i), i, 30 + i)
+            for i in range(8)]
+    cpu = [s.token for s in sample_rows(logits.double(), rows)]
+    gpu = [s.token for s in sample_rows(logits.double().cuda(), rows)]
+    assert cpu == gpu

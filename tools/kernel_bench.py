@@ -1,0 +1,140 @@
+"""The Triton kernels against the paths they replace, one JSON line per cell (`make gpu-check` runs it).
+
+    python tools/kernel_bench.py --device cuda            # on a GPU: bfloat16, the served shapes
+    python tools/kernel_bench.py --device cpu --smoke     # tiny shapes, under TRITON_INTERPRET=1
+
+attention: a static step's attention of one layer (`PagedAttention.attend` over a `StaticBuffers`
+plan) through the paged kernel against the context copy + padded SDPA, for decode steps of B
+sequences over contexts of C keys (GLM-4.5-Air-like heads: 96 query, 8 kv, dim 128), with the
+bytes of keys and values read over the time (GB/s). experts: the fused MoE kernels against the
+grouped-matmul path (`RoutedExperts._grouped`) for T rows (128 experts, k 8, hidden 4096,
+intermediate 1536 on a GPU). Each cell alternates the two arms and keeps the median of the
+timings (CUDA events on a GPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+FULL = {"attention": {"heads": (96, 8, 128), "seqs": (1, 8, 64), "keys": (1024, 8192)},
+        "experts": {"shape": (128, 8, 4096, 1536), "rows": (1, 8, 64, 512)}}
+SMOKE = {"attention": {"heads": (4, 2, 16), "seqs": (1,), "keys": (40,)},
+         "experts": {"shape": (8, 2, 32, 32), "rows": (4,)}}
+
+
+def timed(fns: dict, device: torch.device, reps: int) -> dict:
+    """Median seconds of each function, the arms alternating."""
+    times: dict = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()   # warm-up (compiles the kernels)
+    for _ in range(reps):
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def attention_cells(device: torch.device, dtype: torch.dtype, sizes: dict, reps: int):
+    from runtime.attention import PagedAttention, SeqChunk
+    from runtime.kernels.paged_attention import paged_attention
+    from runtime.kv_cache import PagedKVCache
+    from runtime.static_step import StaticBuffers, static_shape
+    nh, nkv, d = sizes["heads"]
+    for keys in sizes["keys"]:
+        for b in sizes["seqs"]:
+            cache = PagedKVCache(num_layers=1, num_blocks=b * (keys // 16 + 1), block_size=16, num_kv_heads=nkv,
+                                 head_dim=d, dtype=dtype, device=device)
+            cache.k.normal_()
+            cache.v.normal_()
+            chunks = []
+            for s in range(b):
+                cache.reserve(s, keys)
+                chunks.append(SeqChunk(s, keys - 1, 1))
+            shape = static_shape(chunks, keys)
+            plans = {}
+            for arm, kernel in (("kernel", paged_attention), ("sdpa", None)):
+                buffers = StaticBuffers(shape, cache, kernel=kernel)
+                buffers.fill([1] * b, chunks, cache)
+                plans[arm] = buffers.plan
+            t = shape.num_tokens
+            q = torch.randn(t, nh, d, dtype=dtype, device=device)
+            kv = torch.randn(t, nkv, d, dtype=dtype, device=device)
+            fns = {arm: (lambda p=p: PagedAttention(cache, p).attend(0, q, kv, kv, d ** -0.5)) for arm, p in plans.items()}
+            med = timed(fns, device, reps)
+            read = b * keys * nkv * d * 2 * dtype.itemsize
+            yield {"kernel": "paged_attention", "seqs": b, "keys": keys, "heads": f"{nh}/{nkv}x{d}",
+                   "dtype": str(dtype).removeprefix("torch."), "kernel_us": round(med["kernel"] * 1e6, 1),
+                   "sdpa_us": round(med["sdpa"] * 1e6, 1), "sdpa_over_kernel": round(med["sdpa"] / med["kernel"], 2),
+                   "kernel_gb_s": round(read / med["kernel"] / 1e9, 1)}
+
+
+def expert_cells(device: torch.device, dtype: torch.dtype, sizes: dict, reps: int):
+    from runtime.experts import RoutedExperts
+    from runtime.kernels.fused_moe import fused_experts
+    e, k, h, i = sizes["shape"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    m = RoutedExperts(e, h, i)
+    with torch.no_grad():
+        m.gate_up_proj.copy_(torch.randn(m.gate_up_proj.shape, generator=g) * 0.02)
+        m.down_proj.copy_(torch.randn(m.down_proj.shape, generator=g) * 0.02)
+    m = m.to(device=device, dtype=dtype).requires_grad_(False)
+    for t in sizes["rows"]:
+        x = torch.randn(t, h, generator=g).to(device=device, dtype=dtype)
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(device)
+        w = torch.rand(t, k, generator=g).to(device=device, dtype=dtype)
+        fns = {"fused": lambda: fused_experts(x, w, ids, m.gate_up_proj, m.down_proj, 0),
+               "grouped": lambda: RoutedExperts._grouped(m, x, w, ids)}
+        with torch.inference_mode():
+            med = timed(fns, device, reps)
+        yield {"kernel": "fused_moe", "rows": t, "experts": f"{e} k{k} {h}x{i}", "dtype": str(dtype).removeprefix("torch."),
+               "fused_us": round(med["fused"] * 1e6, 1), "grouped_us": round(med["grouped"] * 1e6, 1),
+               "grouped_over_fused": round(med["grouped"] / med["fused"], 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (the CPU under the Triton interpreter)")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--json-out", type=Path, default=None, help="append one JSON line per cell here")
+    args = ap.parse_args(argv)
+    from runtime import kernels
+    device = torch.device(args.device)
+    if not kernels.available(device.type):
+        print(f"kernel bench: the Triton kernels cannot run on {device} here (triton missing, or TRITON_INTERPRET "
+              "not 1 for the CPU)", file=sys.stderr)
+        return 2
+    sizes = SMOKE if args.smoke else FULL
+    reps = args.reps or (1 if args.smoke else 20)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    for cell in [*attention_cells(device, dtype, sizes["attention"], reps),
+                 *expert_cells(device, dtype, sizes["experts"], reps)]:
+        line = json.dumps(cell)
+        print(line, flush=True)
+        if args.json_out:
+            with args.json_out.open("a") as f:
+                f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
