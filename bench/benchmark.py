@@ -16,9 +16,9 @@ goes to JSON, the curves to a PNG.
 No prompt is measured twice: each (repeat, concurrency) has its own set, the same for every arm,
 and no two prompts of the run share their first KV block (`bench_prompts`), so a cache can only
 hit within a request. Every arm runs one cache policy (`prefix_cache`: off by default, `both` on
-for ours and vLLM, whose CPU attention takes 32-token blocks against our 16: no prompt shares even
-its first 16 tokens with another, so neither side can hit across requests in a sweep); each cell
-records its prompt tokens and cache hits. The record names its host (bench.host), both venvs'
+for ours and vLLM, both at 32-token blocks: vLLM's CPU attention takes no smaller block, and ours
+follows it; no prompt shares even its first 16 tokens with another, so neither side can hit
+across requests in a sweep); each cell records its prompt tokens and cache hits. The record names its host (bench.host), both venvs'
 packages, and each peer's set-up.
 """
 from __future__ import annotations
@@ -53,8 +53,8 @@ ENGINE_ARMS = {"none": ("none", 0, "fixed", None), "k1": ("mtp", 1, "fixed", Non
 BUILT_ARMS = (*ENGINE_ARMS, "hf")
 MIN_REQUESTS = 16   # requests behind a cell by default (at least 2 x concurrency)
 PREFIX_CACHE = ("off", "both")   # the cache policy of every arm: off, or on for ours and vLLM alike
-KV_BLOCK = 16       # tokens per KV block of ours: no two prompts share their first
-VLLM_KV_BLOCK = 32  # vLLM's with its cache on: the smallest multiple of ours its CPU attention takes (32k)
+KV_BLOCK = 16       # tokens per KV block of ours with the cache off: no two prompts share their first
+VLLM_KV_BLOCK = 32  # both sides' with the cache on: the smallest block vLLM's CPU attention takes (32k)
 WARMUP_TOKENS = 8   # output tokens per request of the warm-up (every concurrency, prompts never measured)
 TREE_ARM = re.compile(r"^tree([1-4]{1,7})$")   # tree122: the shape 1,2,2, beside other shapes in one run
 EAGER = "-eager"   # an engine arm named with this suffix runs without torch.compile (none-eager, k2-eager)
@@ -226,7 +226,8 @@ class EngineArm:
                        enforce_eager=config.enforce_eager or EAGER in arm_suffixes(name),
                        batch_invariant=True if BATCH_INVARIANT in arm_suffixes(name) else None,
                        moe_a2a="alltoall" if EXCHANGE in arm_suffixes(name) else "auto", device=config.device,
-                       prefix_cache=config.prefix_cache == "both")
+                       prefix_cache=config.prefix_cache == "both",
+                       kv_block_size=VLLM_KV_BLOCK if config.prefix_cache == "both" else KV_BLOCK)
         self.prefix_policy = "on" if config.prefix_cache == "both" else "off"
         self.comm = self.llm.deployment.comm
         self.layout = {"ep": config.ep, "launcher": config.launcher if config.ep > 1 else None,
@@ -547,7 +548,8 @@ def run_bench(config: BenchConfig, json_out: Path | None = None, plot_out: Path 
               "machine": machine(), "host": host(),
               "packages": {"metrale_venv": ours, **({"vllm_venv": theirs} if theirs else {})},
               "params": asdict(config), "verify_key": verify_key_settings(),
-              "prefix_cache": {"policy": config.prefix_cache, "block_size": KV_BLOCK,
+              "prefix_cache": {"policy": config.prefix_cache,
+                               "block_size": VLLM_KV_BLOCK if config.prefix_cache == "both" else KV_BLOCK,
                                "vllm_block_size": VLLM_KV_BLOCK if config.prefix_cache == "both" else None,
                                "arms": {name: ("on" if config.prefix_cache == "both" and arm_base(name) != "hf"
                                                else "off") for name in arm_names}},

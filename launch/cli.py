@@ -129,6 +129,9 @@ def add_model_args(p: argparse.ArgumentParser, model_dir: Path | None = None) ->
     p.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     add_device_args(p)
     p.add_argument("--kv-cache-tokens", type=_positive_int, default=32768, help="KV cache budget in tokens")
+    p.add_argument("--block-size", type=_positive_int, default=16,
+                   help="tokens per KV block, the prefix cache's unit (vLLM's --block-size); other than 16 with "
+                        "--ep 1 only (default: 16)")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="FRACTION",
                    help="CUDA only: size the KV cache to what is left of this share of the GPU's memory after "
                         "the weights (replaces --kv-cache-tokens; refused on the CPU)")
@@ -365,7 +368,8 @@ def make_llm(args: argparse.Namespace):
         raise UsageError(f"--gpu-memory-utilization sizes the KV cache from free GPU memory; on {device} use "
                          "--kv-cache-tokens")
     spec = resolve_speculation(args)
-    common = dict(dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, max_num_seqs=args.max_num_seqs,
+    common = dict(dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, kv_block_size=args.block_size,
+                  max_num_seqs=args.max_num_seqs,
                   gpu_memory_utilization=args.gpu_memory_utilization, spec_settings=spec, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout,
                   enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
                   prefix_cache=args.prefix_cache)

@@ -58,6 +58,9 @@ class GroupStartError(RuntimeError):
     """An EP group could not start: no room for its ranks, or a rank failed while joining."""
 
 
+DEFAULT_KV_BLOCK = 16   # tokens per KV block of every rank (runtime.kv_cache)
+
+
 class GroupFailed(RuntimeError):
     """The group died more often than `--max-restarts` allows."""
 
@@ -106,6 +109,7 @@ class DeploymentConfig:
     warm_standby: bool = True    # spare worker ranks with their shards loaded (only when restarts are allowed)
     device: str = "cpu"                   # a resolved device (runtime.device.resolve_device): cpu, cuda:N
     gpu_memory_utilization: float | None = None   # CUDA only: KV cache from free GPU memory
+    kv_block_size: int = 16   # tokens per KV block; an EP group's ranks keep the default (checked in Deployment)
     # Decode/verify steps padded to buckets (runtime.static_step), captured as CUDA graphs on CUDA
     # unless enforce_eager. None: on for CUDA, off on the CPU (there it only adds padding).
     static_steps: bool | None = None
@@ -160,6 +164,11 @@ class Deployment:
         # Rank 0's shard and the communicator its parallel layers use: a launcher that keeps that
         # object across restarts (it joins each fresh group) gets the shard back without a reload.
         self._shard: tuple[Communicator, CausalLM] | None = None
+        if config.kv_block_size < 1:
+            raise ValueError(f"kv_block_size={config.kv_block_size} must be at least 1")
+        if config.kv_block_size != DEFAULT_KV_BLOCK and (config.ep > 1 or comm is not None):
+            raise ValueError(f"kv_block_size={config.kv_block_size}: an EP group serves {DEFAULT_KV_BLOCK}-token "
+                             "blocks only (its workers size their caches alike)")
         if config.ep > 1 and comm is None:
             self.group = launcher(GroupConfig(model_dir=str(config.model_dir), dtype=config.dtype, ep=config.ep,
                                               moe_a2a=config.moe_a2a, kv_cache_tokens=config.kv_cache_tokens,
@@ -191,7 +200,8 @@ class Deployment:
             capturable = on_cuda and capture_refusal(model.device, model.dtype,
                                                      sync_free_experts=uses_fused_experts(model)) is None
             runner = ModelRunner(model,
-                                 kv_cache_tokens=cfg.kv_cache_tokens, compiled=not cfg.enforce_eager,
+                                 kv_cache_tokens=cfg.kv_cache_tokens, block_size=cfg.kv_block_size,
+                                 compiled=not cfg.enforce_eager,
                                  batch_invariant=cfg.batch_invariant,
                                  gpu_memory_utilization=cfg.gpu_memory_utilization, static_steps=static,
                                  cuda_graphs=static and capturable and not cfg.enforce_eager)

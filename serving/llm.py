@@ -31,7 +31,8 @@ class LLM:
                  max_restarts: int = DEFAULT_MAX_RESTARTS, comm: Communicator | None = None,
                  enforce_eager: bool = False, batch_invariant: bool | None = None,
                  prefix_cache: bool = True, warm_standby: bool = True, device: str = "auto",
-                 gpu_memory_utilization: float | None = None, static_steps: bool | None = None) -> None:
+                 gpu_memory_utilization: float | None = None, static_steps: bool | None = None,
+                 kv_block_size: int = 16) -> None:
         """Speculation: `spec` (none, mtp, ngram) with at most `num_drafts` drafts per step, a
         depth policy (`draft_policy` fixed/ladder/auto, or `mtp_k_ladder` text or "auto"), a
         width cap `mtp_max_seqs`, a confidence stop, a draft-tree shape ("1,2,2"); resolved once
@@ -63,7 +64,9 @@ class LLM:
         `gpu_memory_utilization` (CUDA only, as vLLM's): the KV cache takes what is left of this
         share of the GPU's memory after the weights, instead of `kv_cache_tokens`.
         `static_steps`: decode and verify steps padded to row buckets (runtime.static_step) and,
-        on CUDA unless `enforce_eager`, captured as CUDA graphs; None: on for CUDA only."""
+        on CUDA unless `enforce_eager`, captured as CUDA graphs; None: on for CUDA only.
+        `kv_block_size`: tokens per KV block (the prefix cache's unit; vLLM's `block_size`), 16 by
+        default; other sizes are served by one rank (an EP group keeps 16)."""
         model_dir = Path(model)
         resolved = resolve_device(device) if comm is None else comm.device
         if not model_dir.is_dir():
@@ -81,7 +84,8 @@ class LLM:
                              max_restarts=max_restarts, enforce_eager=enforce_eager,
                              batch_invariant=batch_invariant,
                              warm_standby=warm_standby, device=str(resolved),
-                             gpu_memory_utilization=gpu_memory_utilization, static_steps=static_steps),
+                             gpu_memory_utilization=gpu_memory_utilization, static_steps=static_steps,
+                             kv_block_size=kv_block_size),
             self.spec, launcher, comm)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.engine: Engine | None = Engine(self.deployment.runner, self.tokenizer, config, self.spec,

@@ -89,3 +89,18 @@ def test_prefix_cache_under_preemption_equals_a_roomy_run(ckpt_mtp):
     roomy = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=4096, prefix_cache=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy.generate(prompts, params)]
     assert small.engine.runner.cache.num_free_blocks == small.engine.runner.cache.num_blocks
+
+
+def test_32_token_blocks_give_the_tokens_of_16_and_an_ep_group_refuses_them(ckpt_mtp):
+    """vLLM's CPU build caches prefixes in 32-token blocks only; ours can match it (metrale bench
+    --prefix-cache both) and serves the same tokens at either size."""
+    params = PARAMS["seeded"]
+    big = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, kv_block_size=32, **SPECS["mtp"])
+    small = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, prefix_cache=False, **SPECS["mtp"])
+    assert big.engine.runner.cache.block_size == 32
+    assert [o.token_ids for o in big.generate(FIRST, params)] == [o.token_ids for o in small.generate(FIRST, params)]
+    again = [big.generate([p], params)[0] for p in SECOND]
+    assert [o.cached_tokens for o in again] == [32, 32, 32, 0]   # one 32-token block each (three 16s at 16)
+    assert [stats(o) for o in again] == [stats(small.generate([p], params)[0]) for p in SECOND]
+    with pytest.raises(ValueError, match="an EP group serves 16-token blocks only"):
+        LLM(ckpt_mtp, dtype="float64", ep=2, kv_block_size=32, launcher=lambda cfg: pytest.fail("a group started"))

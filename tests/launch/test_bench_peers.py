@@ -273,13 +273,15 @@ def test_the_record_names_host_cache_policy_hits_and_peers(fake_vllm, tmp_path):
 
 def test_our_hit_counts_are_the_prefix_caches(tmp_path):
     from bench.benchmark import BenchConfig, EngineArm
-    prompt = list(range(5, 45))
-    for policy, hits in (("off", 0), ("both", 32)):
+    prompt = list(range(5, 61))   # 56 tokens: three full 16-token blocks, one full 32-token block
+    for policy, hits, block in (("off", 0, 16), ("both", 32, 32)):
         arm = EngineArm("none", BenchConfig(model=str(EMBEDDED), concurrency=(1,), enforce_eager=True,
                                             prefix_cache=policy))
         try:
+            # With the cache on, ours runs vLLM's 32-token blocks: the same unit of reuse on both sides.
+            assert arm.llm.deployment.runner.cache.block_size == block
             cell = arm.run([prompt, prompt], concurrency=1, n=2, max_tokens=2, ep=1)
         finally:
             arm.close()
-        assert cell["prefix_cache"] == {"policy": "on" if policy == "both" else "off", "prompt_tokens": 80,
+        assert cell["prefix_cache"] == {"policy": "on" if policy == "both" else "off", "prompt_tokens": 112,
                                         "hit_tokens": hits}
