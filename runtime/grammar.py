@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-KINDS = ("json_schema", "json_object", "regex", "choice")
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 # Python's json.dumps spacing and no other whitespace: a model cannot pad the output forever.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -33,7 +33,8 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     """What the output must match: `kind` is one of KINDS; `spec` the JSON schema as JSON text,
-    the regex, or the choices as a JSON list (empty for json_object)."""
+    the regex, the choices as a JSON list (empty for json_object), or an llguidance Lark grammar
+    (lark: what the server builds for tool calls and reasoning budgets)."""
     kind: str
     spec: str = ""
 
@@ -64,6 +65,8 @@ class StructuredOutput:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.spec)
+        if self.kind == "lark":
+            return LLMatcher.grammar_from_lark(self.spec)
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(self.spec)))
 
 
