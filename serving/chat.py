@@ -57,7 +57,7 @@ def budget_grammar(budget: int, opened: bool, rest: StructuredOutput | None) -> 
         body = "REST\nREST: /(?s:.*)/"
     elif rest.kind in ("json_schema", "json_object"):
         schema = json.loads(rest.spec) if rest.kind == "json_schema" else {"type": "object"}
-        body = "/\\n*/ " + _lark_json(schema)
+        body = "/\\n?/ " + _lark_json(schema)
     else:
         raise ValueError(f"a reasoning budget cannot be combined with a {rest.kind} structured output")
     head = "" if opened else json.dumps(THINK) + " "
