@@ -1,5 +1,5 @@
 """A chat request's prompt, the grammar its tool_choice and reasoning budget need, and the
-per-choice parsing of its output into reasoning_content, content and tool_calls (docs/design.md §7.3).
+per-choice parsing of its output into reasoning_content, content and tool_calls (docs/design.md §7).
 
 - The prompt: the chat template (serving.chat_template) rendered with the messages, the tools,
   add_generation_prompt and chat_template_kwargs; a template that fails is a 400.

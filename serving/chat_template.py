@@ -7,7 +7,7 @@ and mutation of the request's objects; a template can raise with `raise_exceptio
 Hugging Face templates do. Anything that fails while rendering is a `TemplateError` with a
 one-line message (the server's 400), never an internal error.
 
-Default template (docs/design.md §7.3): the embedded model (GLM-4.5 architecture) ships no chat
+Default template (docs/design.md §7): the embedded model (GLM-4.5 architecture) ships no chat
 template, so a checkpoint without one renders in GLM-4.5's own chat format: `[gMASK]<sop>`, role
 tags `<|system|>`, `<|user|>`, `<|assistant|>`, `<|observation|>` (tool results, each in
 `<tool_response>`), tools listed as JSON lines in a `# Tools` system block, assistant tool calls
