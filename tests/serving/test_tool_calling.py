@@ -159,8 +159,8 @@ def test_a_template_that_fails_is_a_400_naming_the_problem():
 
 @pytest.fixture(scope="module")
 def models():
-    return (LLM(EMBEDDED, dtype="float64", kv_cache_tokens=4096),
-            LLM(EMBEDDED, dtype="float64", kv_cache_tokens=4096, spec="mtp", num_drafts=3))
+    return (LLM(EMBEDDED, dtype="float64", kv_cache_tokens=4096, enforce_eager=True),
+            LLM(EMBEDDED, dtype="float64", kv_cache_tokens=4096, spec="mtp", num_drafts=3, enforce_eager=True))
 
 
 GRAMMARS = {"required": StructuredOutput.json_schema(required_schema(SCHEMA_OF, False)),
@@ -185,3 +185,22 @@ def test_greedy_output_with_mtp_equals_without_under_a_tool_grammar(models, kind
             jsonschema.validate(call["parameters"], SCHEMA_OF[call["name"]])
     else:
         jsonschema.validate(json.loads(text), WEATHER)
+
+
+FAMILY_PARSERS = {"qwen_norm": ("hermes", "qwen3"), "deepseek_yarn": ("deepseek_v31", "deepseek_r1"),
+                  "glm_lite": ("glm45", "glm45")}
+
+
+@pytest.mark.parametrize("case", FAMILY_PARSERS)
+def test_other_families_get_their_parsers_and_valid_calls(family_ckpt, case):
+    """Random checkpoints of the other families: the family's default parsers, and tool_choice
+    required gives a call valid for its schema (eager, plain: MTP under a grammar is covered above)."""
+    from launch.cli import chat_parsers
+    path = family_ckpt(case)
+    assert chat_parsers(str(path), None, None) == FAMILY_PARSERS[case]
+    ids = Tokenizer(path).encode(load_chat_template(path).render(MSGS), add_special_tokens=False)
+    params = SamplingParams(max_tokens=120, structured=GRAMMARS["required"], temperature=0)
+    out = LLM(path, dtype="float32", kv_cache_tokens=512, enforce_eager=True).generate([ids], params)[0]
+    assert out.finish_reason == "stop"
+    (call,) = json.loads(out.text)
+    jsonschema.validate(call["parameters"], SCHEMA_OF[call["name"]])
