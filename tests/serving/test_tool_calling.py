@@ -93,6 +93,25 @@ def test_required_gives_valid_calls_streamed_and_not(client, parallel):
            [(x.function.name, json.loads(x.function.arguments)) for x in c.message.tool_calls]
 
 
+def test_auto_parses_the_family_format_streamed_and_not(client):
+    """A regex makes the model write text and then a call in GLM's format; tool_choice auto reads it."""
+    regex = (r"Checking [a-z]{2,5}\.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>[A-Z][a-z]{2,6}"
+             r"</arg_value>\n<arg_key>days</arg_key>\n<arg_value>[1-9]</arg_value>\n</tool_call>")
+    kw = dict(model=MODEL, messages=MSGS, tools=TOOLS, temperature=0, max_completion_tokens=80,
+              extra_body={"structured_outputs": {"regex": regex}})
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content.startswith("Checking ")
+    (call,) = c.message.tool_calls
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER)
+    got, finish, deltas = streamed(client.chat.completions.create(**kw, stream=True))
+    assert finish == "tool_calls" and got["content"] == c.message.content
+    assert [(x["name"], json.loads(x["arguments"])) for x in got["calls"]] == [("get_weather", args)]
+    assert deltas[0]["function"]["name"] == "get_weather" and deltas[0]["id"].startswith("call_")
+    none = client.chat.completions.create(**{**kw, "tool_choice": "none"}).choices[0]
+    assert none.finish_reason == "stop" and "<tool_call>get_weather" in none.message.content
+
+
 def test_auto_and_none_answer_as_content_without_a_grammar(client):
     for choice in ("auto", "none"):
         r = client.chat.completions.create(model=MODEL, messages=MSGS, tools=TOOLS, tool_choice=choice,
