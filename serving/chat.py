@@ -106,7 +106,8 @@ def plan_chat(messages: list[dict], options: ChatOptions, template: ChatTemplate
                   else required_schema(options.schemas, options.parallel))
         structured = StructuredOutput.json_schema(schema)
     reasoning = reasoning_parser not in (None, "none")
-    opened = reasoning and prompt_opens_think(prompt)
+    # a grammar without a budget holds the output from its first token: no think block in it
+    opened = reasoning and prompt_opens_think(prompt) and (structured is None or options.reasoning_budget is not None)
     if options.reasoning_budget is not None:
         if not reasoning:
             raise bad(options.budget_field, "this server runs no reasoning parser (--reasoning-parser none)")

@@ -172,3 +172,23 @@ def test_forced_call_streams():
     cut = RequiredCallStream(SCHEMAS)
     parsed = collect(cut.feed(text[:30]) + cut.finish())         # max_tokens cut it: content, no call
     assert parsed.calls == [] and parsed.content == text[:30]
+
+
+def test_a_forced_call_is_not_read_as_reasoning_when_the_prompt_opened_the_block():
+    from serving.chat import plan_chat
+    from serving.chat_template import ChatTemplate
+    from serving.openai_api import parse_chat_options
+    r1_like = ChatTemplate("{{ messages[0].content }}<think>\n", "test")     # DeepSeek-R1's prompt ends inside
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in SCHEMAS.items()]
+    msgs = [{"role": "user", "content": "hi"}]
+    named = plan_chat(msgs, parse_chat_options({"tools": tools, "tool_choice": {"type": "function", "function": {
+        "name": "search"}}}), r1_like, tool_parser="deepseek_v31", reasoning_parser="deepseek_r1", structured=None,
+        structured_field="response_format")
+    out = named.stream()
+    out.feed('{"query": "x"}', final=True)
+    assert out.message()["tool_calls"][0]["function"]["arguments"] == '{"query": "x"}'
+    free = plan_chat(msgs, parse_chat_options({}), r1_like, tool_parser="deepseek_v31", reasoning_parser="deepseek_r1",
+                     structured=None, structured_field="response_format")
+    out = free.stream()
+    out.feed("still thinking</think>answer", final=True)
+    assert out.message()["reasoning_content"] == "still thinking" and out.message()["content"] == "answer"
