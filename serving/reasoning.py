@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serving.tool_parsers import _held
+from serving.tool_parsers import held_tail
 
 DEFAULT_PARSERS = {"glm4_moe": "glm45", "glm4_moe_lite": "glm45", "qwen3_moe": "qwen3",
                    "deepseek_v3": "deepseek_r1"}
@@ -85,7 +85,7 @@ class ReasoningStream:
                 out.reasoning += self.buf[:j]
                 self.buf, self.state = self.buf[j + len(END_THINK):], "after"
                 continue
-            keep = 0 if final else _held(self.buf, (END_THINK,))
+            keep = 0 if final else held_tail(self.buf, (END_THINK,))
             out.reasoning += self.buf[:len(self.buf) - keep]
             self.buf = self.buf[len(self.buf) - keep:]
             return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +59,7 @@ class Partial:
 Schemas = dict[str, dict]       # tool name -> its parameters' JSON schema
 
 
-def _held(text: str, markers: tuple[str, ...]) -> int:
+def held_tail(text: str, markers: tuple[str, ...]) -> int:
     """The length of the longest tail of `text` that is a proper prefix of one of `markers`."""
     best = 0
     for m in markers:
@@ -107,15 +108,16 @@ def _xml_args(pairs: list[tuple[str, str]], open_pair: tuple[str, str] | None, s
     return text
 
 
-class Format:
+class Format(ABC):
     """One family's call syntax: the markers around a call and how to read its body."""
     name = ""
     opens: tuple[str, ...] = ()     # a call begins with one of these
     close = ""                      # and ends with this
     drop: tuple[str, ...] = ()      # region markers around calls, dropped from the content
 
+    @abstractmethod
     def scan(self, body: str, done: bool, schemas: Schemas) -> Partial:
-        raise NotImplementedError
+        """What `body` (a call's text after its opening marker; `done`: all of it) says so far."""
 
 
 class Glm45(Format):
@@ -146,7 +148,7 @@ class Glm45(Format):
         open_pair = None
         if (o := self.OPEN_VALUE.match(left)) is not None:
             value = o.group(2)
-            open_pair = (o.group(1).strip(), value[:len(value) - _held(value, self.MARKERS)])
+            open_pair = (o.group(1).strip(), value[:len(value) - held_tail(value, self.MARKERS)])
         return Partial(name, _xml_args(pairs, open_pair, schema, False))
 
 
@@ -275,7 +277,7 @@ class ToolCallStream:
             if self.call is None:
                 hits = [(i, m) for m in self._markers if (i := self.buf.find(m)) >= 0]
                 if not hits:
-                    keep = 0 if final else _held(self.buf, self._markers)
+                    keep = 0 if final else held_tail(self.buf, self._markers)
                     if len(self.buf) > keep:
                         out.append(Event("content", self.buf[:len(self.buf) - keep]))
                         self.buf = self.buf[len(self.buf) - keep:]
@@ -290,7 +292,7 @@ class ToolCallStream:
             call, close = self.call, self.fmt.close
             j = self.buf.find(close)
             if j < 0 and not final:
-                safe = self.buf[:len(self.buf) - _held(self.buf, (close,))]
+                safe = self.buf[:len(self.buf) - held_tail(self.buf, (close,))]
                 self._advance(call, self.fmt.scan(safe, False, self.schemas), out)
                 return out
             body = self.buf if j < 0 else self.buf[:j]
