@@ -75,9 +75,10 @@ def main() -> int:
     prompts = [tok.encode(template.render([{"role": "user", "content": f"What is the weather in {c} this week?"}],
                                           tools=TOOLS), add_special_tokens=False) for c in CITIES]
     widths = [int(c) for c in args.concurrency.split(",")]
-    for llm in llms.values():           # warm-up: compile, grammar tables
-        for g in GRAMMARS.values():
-            run(llm, prompts[:2], g, 8)
+    for llm in llms.values():           # warm-up at every width: compiled shapes, grammar tables
+        for width in widths:
+            for g in GRAMMARS.values():
+                run(llm, prompts[:width], g, 16)
     cells: dict[str, list[dict]] = {}
     for _ in range(args.repeats):
         for width in widths:

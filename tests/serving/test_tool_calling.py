@@ -183,11 +183,10 @@ def models():
 
 
 GRAMMARS = {"required": StructuredOutput.json_schema(required_schema(SCHEMA_OF, False)),
-            "named": StructuredOutput.json_schema(WEATHER),
             "budget+named": budget_grammar(5, False, StructuredOutput.json_schema(WEATHER))}
 
 
-@pytest.mark.parametrize("kind", GRAMMARS)
+@pytest.mark.parametrize("kind", GRAMMARS)     # a named function's grammar is a JSON schema: test_structured_outputs
 def test_greedy_output_with_mtp_equals_without_under_a_tool_grammar(models, kind):
     plain, mtp = models
     prompt = load_chat_template(EMBEDDED).render(MSGS, tools=TOOLS)
