@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -102,7 +103,7 @@ def main() -> int:
         r["decode_vs_plain_free"] = r["decode_tok_s_median"] / base["decode_tok_s_median"]
     record = {"what": "tool-call grammar vs unconstrained, plain vs MTP", "model": str(model), "dtype": args.dtype,
               "num_drafts": args.num_drafts, "max_tokens": args.max_tokens, "repeats": args.repeats,
-              "greedy": True, "rows": rows}
+              "greedy": True, "load_average_at_end": list(os.getloadavg()), "rows": rows}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     for r in rows:
