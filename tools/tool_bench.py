@@ -66,12 +66,13 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--enforce-eager", action="store_true", help="no compiled step (a quick check)")
     args = ap.parse_args()
     model = Path(args.model)
     template = load_chat_template(model)
-    llms = {"plain": LLM(model, args.dtype, kv_cache_tokens=8192),
+    llms = {"plain": LLM(model, args.dtype, kv_cache_tokens=8192, enforce_eager=args.enforce_eager),
             "mtp": LLM(model, args.dtype, kv_cache_tokens=8192, spec="mtp", num_drafts=args.num_drafts,
-                       draft_policy="fixed", mtp_max_seqs=64)}
+                       draft_policy="fixed", mtp_max_seqs=64, enforce_eager=args.enforce_eager)}
     tok = llms["plain"].engine.tokenizer
     prompts = [tok.encode(template.render([{"role": "user", "content": f"What is the weather in {c} this week?"}],
                                           tools=TOOLS), add_special_tokens=False) for c in CITIES]

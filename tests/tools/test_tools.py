@@ -255,3 +255,14 @@ def test_eager_split_splits_both_arms_and_bounds_their_ratio(tmp_path):
 
 def test_eager_split_refuses_a_width_beyond_the_prompts():
     assert "fewer than --width" in refused(run_tool("eager_split.py", "--model", MODEL, "--width", 1000))
+
+
+def test_tool_bench_measures_every_arm_and_grammar(tmp_path):
+    out = run_tool("tool_bench.py", "--model", MODEL, "--repeats", "1", "--concurrency", "1,2", "--max-tokens", "6",
+                   "--enforce-eager", "--out", tmp_path / "tg", timeout=300)
+    ok(out)
+    record = json.loads((tmp_path / "tg.json").read_text())
+    assert {(r["spec"], r["grammar"], r["concurrency"]) for r in record["rows"]} == {
+        (s, g, c) for s in ("plain", "mtp") for g in ("free", "named", "required") for c in (1, 2)}
+    assert all((r["accept_len"] is not None) == (r["spec"] == "mtp") for r in record["rows"])
+    assert (tmp_path / "tg.png").stat().st_size > 0
