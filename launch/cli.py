@@ -247,10 +247,42 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=_non_negative_float, default=None, metavar="S",
                    help="on SIGTERM or Ctrl-C, how long open requests may still run before they are ended with "
                         "finish reason 'shutdown' (default 30)")
+    add_chat_args(s)
 
     from launch.bench_cli import add_bench_parser
     add_bench_parser(sub)
     return ap
+
+
+def add_chat_args(s: argparse.ArgumentParser) -> None:
+    """Chat options of `serve` (serving.chat): the template, the tool-call and reasoning parsers."""
+    from serving.reasoning import PARSER_NAMES as REASONING
+    from serving.tool_parsers import PARSER_NAMES as TOOLS
+    s.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="a Jinja chat template file (default: the model folder's chat_template.jinja or "
+                        "tokenizer_config.json's, else the GLM-4.5 format)")
+    s.add_argument("--tool-call-parser", choices=(*TOOLS, "none"), default=None,
+                   help="how tool calls in the output are read (default: the model family's: GLM glm45, "
+                        "Qwen3 hermes, DeepSeek deepseek_v31)")
+    s.add_argument("--reasoning-parser", choices=REASONING, default=None,
+                   help="how <think> blocks become reasoning_content (default: the model family's: GLM glm45, "
+                        "Qwen3 qwen3, DeepSeek deepseek_r1)")
+
+
+def chat_parsers(model: str, tool: str | None, reasoning: str | None) -> tuple[str | None, str | None]:
+    """The tool-call and reasoning parsers: those asked for, else the model family's (none when the
+    folder has no config.json of a known family)."""
+    from runtime.families import family_of
+    from serving.reasoning import DEFAULT_PARSERS as REASONING
+    from serving.tool_parsers import DEFAULT_PARSERS as TOOLS
+    model_type = None
+    try:
+        model_type = family_of(json.loads((Path(model) / "config.json").read_text())).model_type
+    except (OSError, ValueError):
+        pass
+    tool = tool or TOOLS.get(model_type, "none")
+    reasoning = reasoning or REASONING.get(model_type, "none")
+    return (None if tool == "none" else tool), (None if reasoning == "none" else reasoning)
 
 
 def read_prompts(path: Path) -> list[str | list[int]]:
@@ -498,7 +530,8 @@ def quantized_weights(llm) -> str | None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM (or Ctrl-C): drain (serving.lifecycle), stop every EP rank, exit 0."""
     from serving.async_engine import QueueLimits
-    from serving.server import ServerConfig, load_chat_template, serve
+    from serving.chat_template import load_chat_template
+    from serving.server import ServerConfig, serve
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} is not a TCP port")
@@ -507,8 +540,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     given = {k: v for k, v in (("max_waiting", args.max_waiting), ("request_timeout_s", args.request_timeout))
              if v is not None}
     drain_kw = {} if args.drain_timeout is None else {"drain_timeout_s": args.drain_timeout}
-    config = ServerConfig(served_model_name=name, api_key=args.api_key,
-                          chat_template=load_chat_template(Path(args.model)) if Path(args.model).is_dir() else None,
+    try:
+        template = load_chat_template(Path(args.model), args.chat_template) \
+            if Path(args.model).is_dir() or args.chat_template else None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    tool_parser, reasoning_parser = chat_parsers(args.model, args.tool_call_parser, args.reasoning_parser)
+    config = ServerConfig(served_model_name=name, api_key=args.api_key, chat_template=template,
+                          tool_call_parser=tool_parser, reasoning_parser=reasoning_parser,
                           limits=QueueLimits(**given), **drain_kw)
     llm = make_llm(args)
     if llm is None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-KINDS = ("json_schema", "json_object", "regex", "choice")
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 # Python's json.dumps spacing and no other whitespace: a model cannot pad the output forever.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -33,7 +33,8 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     """What the output must match: `kind` is one of KINDS; `spec` the JSON schema as JSON text,
-    the regex, or the choices as a JSON list (empty for json_object)."""
+    the regex, the choices as a JSON list (empty for json_object), or an llguidance Lark grammar
+    (lark: what the server builds for tool calls and reasoning budgets)."""
     kind: str
     spec: str = ""
 
@@ -55,6 +56,12 @@ class StructuredOutput:
             raise ValueError(f"choice needs a non-empty list of non-empty strings, got {choices!r}")
         return cls("choice", json.dumps(list(choices)))
 
+    @property
+    def counts_tokens(self) -> bool:
+        """A grammar with a token limit on a rule: llguidance cannot roll its matcher back, so a
+        row's path is consumed by a copy of the matcher instead."""
+        return self.kind == "lark" and "max_tokens=" in self.spec
+
     def grammar(self) -> str:
         """The llguidance grammar text."""
         from llguidance import LLMatcher
@@ -64,6 +71,8 @@ class StructuredOutput:
             return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.spec)
+        if self.kind == "lark":
+            return LLMatcher.grammar_from_lark(self.spec)
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(self.spec)))
 
 
@@ -113,14 +122,17 @@ class GrammarCompiler:
         m = LLMatcher(self.tokenizer, structured.grammar(), log_level=0)
         if m.is_error():
             raise ValueError(f"invalid {structured.kind}: {m.get_error().strip().splitlines()[0]}")
-        return GrammarMatcher(m, self.vocab_size, self.stats, self.device)
+        return GrammarMatcher(m, self.vocab_size, self.stats, self.device, copy_paths=structured.counts_tokens)
 
 
 class GrammarMatcher:
     """One sequence's grammar state: its committed output consumed."""
 
-    def __init__(self, matcher, vocab_size: int, stats: GrammarStats, device: torch.device | str) -> None:
+    def __init__(self, matcher, vocab_size: int, stats: GrammarStats, device: torch.device | str,
+                 copy_paths: bool = False) -> None:
+        """`copy_paths`: consume a path on a copy of the matcher (grammars that cannot roll back)."""
         self._m = matcher
+        self.copy_paths = copy_paths
         self.vocab_size = vocab_size
         self.stats = stats
         device = torch.device(device)
@@ -135,14 +147,14 @@ class GrammarMatcher:
         """bool [V]: the tokens allowed after the committed output and `path`; None when the
         grammar refuses a token of `path` (the row cannot be reached)."""
         t0 = time.perf_counter()
-        m = self._m
+        m = self._m.deep_copy() if path and self.copy_paths else self._m
         n = m.try_consume_tokens(list(path)) if path else 0
         allowed = None
         if n == len(path):
             m.unsafe_compute_mask_ptr(self._words.data_ptr(), self._words.numel() * 4)
             words = self._words.to(self.device, copy=True, non_blocking=True)  # the next mask reuses the buffer
             allowed = ((words.unsqueeze(-1) >> self._bits) & 1).flatten()[:self.vocab_size].bool()
-        if n:
+        if n and m is self._m:
             m.rollback(n)
         self.stats.num_masks += 1
         self.stats.mask_s += time.perf_counter() - t0
@@ -151,9 +163,10 @@ class GrammarMatcher:
     def num_allowed(self, tokens: Sequence[int]) -> int:
         """How many leading `tokens` the grammar accepts one after another after the committed
         output; the state is left where it was."""
-        n = self._m.try_consume_tokens(list(tokens)) if tokens else 0
-        if n:
-            self._m.rollback(n)
+        m = self._m.deep_copy() if tokens and self.copy_paths else self._m
+        n = m.try_consume_tokens(list(tokens)) if tokens else 0
+        if n and m is self._m:
+            m.rollback(n)
         return n
 
     def commit(self, token: int) -> bool:

@@ -1,8 +1,16 @@
 """OpenAI request bodies -> prompts and SamplingParams, with errors that name the field.
 
 Each endpoint has a whitelist of the fields it implements; any other field, and any known field
-this server does not implement (tools, suffix), is a 400 naming it. Nothing is accepted and then
+this server does not implement (suffix), is a 400 naming it. Nothing is accepted and then
 ignored, except `user`, which only labels a request.
+
+Chat messages: roles system, developer (rendered as system), user, assistant (content may be null
+when it has tool_calls; reasoning_content is passed to the template) and tool (tool_call_id).
+`content` is a string or a list of OpenAI content parts: text parts are joined with newlines (as
+vLLM does); any other part type is a 400 naming it. Tool calls: `tools` (functions with a JSON
+schema), `tool_choice` (auto, none, required, or a named function), `parallel_tool_calls`; the
+chat template's extras in `chat_template_kwargs`; reasoning: `include_reasoning`, and a budget
+in `max_reasoning_tokens` (or its alias `thinking_budget`). See serving.chat for what they do.
 
 Structured outputs, on both endpoints, in one of two shapes (not both in one request):
 - OpenAI's `response_format`: {"type": "text"}, {"type": "json_object"}, or {"type": "json_schema",
@@ -12,14 +20,14 @@ Structured outputs, on both endpoints, in one of two shapes (not both in one req
 """
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
 from runtime.grammar import StructuredOutput
 from runtime.sampler import MAX_LOGPROBS, SamplingParamError, SamplingParams
 
-DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 MAX_N = 128
 MAX_SEQS_PER_REQUEST = 256      # prompts x best_of
 
@@ -28,11 +36,14 @@ _SAMPLING = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stre
              "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
              "structured_outputs"}    # the last six: vLLM's
 COMPLETION_FIELDS = _SAMPLING | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice"}
+CHAT_FIELDS = _SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
+                           "parallel_tool_calls", "chat_template_kwargs", "add_generation_prompt",
+                           "include_reasoning", "max_reasoning_tokens", "thinking_budget"}
 # Known fields this server refuses whenever they carry a value.
-REFUSED = {"suffix": "suffix (insertion) is not supported",
-           "tools": "tool calling is not supported", "tool_choice": "tool calling is not supported"}
+REFUSED = {"suffix": "suffix (insertion) is not supported"}
 MESSAGE_ROLES = ("system", "user", "assistant", "tool", "developer")
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal"}
+TOOL_CHOICES = ("auto", "none", "required")
 
 
 class APIError(Exception):
@@ -53,6 +64,7 @@ class ParsedRequest:
     prompts: list[str | list[int]]      # completions: one or more; chat: none (see messages)
     structured_field: str               # the field that asked for a structured output (for errors)
     messages: list[dict] | None
+    chat: ChatOptions | None            # chat: tools, tool_choice, template kwargs, reasoning options
     params: SamplingParams              # every choice's, before its seed is derived (choice_seed)
     n: int                              # choices returned per prompt
     best_of: int                        # sequences generated per prompt (>= n; the best n by cumulative logprob)
@@ -111,18 +123,150 @@ def parse_prompts(prompt: Any) -> list[str | list[int]]:
     return prompts
 
 
+def _content(value: Any, field: str, *, nullable: bool) -> str | None:
+    """A message's content: a string, or a list of OpenAI content parts whose text parts are joined
+    with newlines; null only where `nullable` (an assistant message with tool calls)."""
+    if value is None and nullable:
+        return None
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad(field, f"expected a string or a list of content parts, got {type(value).__name__}")
+    texts = []
+    for j, part in enumerate(value):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise bad(f"{field}[{j}]", "expected a content part object with a string 'type'")
+        if part["type"] != "text":
+            raise bad(f"{field}[{j}].type", f"content parts of type {part['type']!r} are not supported "
+                                            "(only 'text': this model reads text)")
+        if not isinstance(part.get("text"), str):
+            raise bad(f"{field}[{j}].text", "a text part needs a string 'text'")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _tool_calls(value: Any, field: str) -> list[dict]:
+    """An assistant message's tool_calls, for the template: arguments as an object when they are
+    a JSON object's text (templates iterate over them), else the text as given."""
+    if not isinstance(value, list):
+        raise bad(field, "expected a list of tool calls")
+    out = []
+    for j, call in enumerate(value):
+        f = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise bad(f"{field}[{j}]", "expected {id, type: 'function', function: {name, arguments}}")
+        args = f.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+            except ValueError:
+                parsed = None
+            args = parsed if isinstance(parsed, dict) else args
+        elif not isinstance(args, dict):
+            raise bad(f"{field}[{j}].function.arguments", "expected the arguments' JSON text")
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}})
+    return out
+
+
 def parse_messages(messages: Any) -> list[dict]:
+    """The request's messages as the chat template reads them (content as text, developer as system)."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "a non-empty list of {role, content} objects is required")
+    out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise bad(f"messages[{i}]", "expected an object with string 'role' and 'content'")
-        if m["role"] not in MESSAGE_ROLES:
-            raise bad(f"messages[{i}].role", f"unknown role {m['role']!r}")
-        extra = sorted(set(m) - {"role", "content"})
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}]", "expected an object with a string 'role'")
+        role = m["role"]
+        if role not in MESSAGE_ROLES:
+            raise bad(f"messages[{i}].role", f"unknown role {role!r} (one of {', '.join(MESSAGE_ROLES)})")
+        extra = sorted(set(m) - MESSAGE_FIELDS)
         if extra:
-            raise bad(f"messages[{i}].{extra[0]}", "is not supported (only role and content)")
-    return messages
+            raise bad(f"messages[{i}].{extra[0]}", f"is not a field of a message ({', '.join(sorted(MESSAGE_FIELDS))})")
+        has_calls = role == "assistant" and m.get("tool_calls") not in (None, [])
+        if "content" not in m and not has_calls:
+            raise bad(f"messages[{i}].content", "is required")
+        msg = {"role": "system" if role == "developer" else role,
+               "content": _content(m.get("content"), f"messages[{i}].content", nullable=role == "assistant")}
+        if m.get("name") is not None:
+            msg["name"] = _get(m, "name", (str,), None, name="a string")
+        if role == "assistant":
+            if has_calls:
+                msg["tool_calls"] = _tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+            if m.get("reasoning_content") is not None:
+                msg["reasoning_content"] = _content(m["reasoning_content"], f"messages[{i}].reasoning_content",
+                                                    nullable=False)
+        elif m.get("tool_calls") is not None or m.get("reasoning_content") is not None:
+            key = "tool_calls" if m.get("tool_calls") is not None else "reasoning_content"
+            raise bad(f"messages[{i}].{key}", "is only allowed on an assistant message")
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise bad(f"messages[{i}].tool_call_id", "a tool message needs the string id of the call it answers")
+            msg["tool_call_id"] = m["tool_call_id"]
+        elif m.get("tool_call_id") is not None:
+            raise bad(f"messages[{i}].tool_call_id", "is only allowed on a tool message")
+        out.append(msg)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """A chat request's tools and template/reasoning options."""
+    tools: list[dict] | None            # the request's tools as given (for the template)
+    schemas: dict[str, dict]            # function name -> its parameters' JSON schema
+    tool_choice: str                    # auto, none, required, or "function" (named)
+    function: str | None                # the named function
+    parallel: bool                      # parallel_tool_calls
+    template_kwargs: dict
+    add_generation_prompt: bool
+    include_reasoning: bool
+    reasoning_budget: int | None        # max_reasoning_tokens / thinking_budget
+    budget_field: str
+
+
+def parse_chat_options(body: dict) -> ChatOptions:
+    tools = _get(body, "tools", (list,), None, name="a list of tools")
+    schemas: dict[str, dict] = {}
+    for i, tool in enumerate(tools or ()):
+        f = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(f, dict):
+            raise bad(f"tools[{i}]", "expected {type: 'function', function: {name, description, parameters}}")
+        name = f.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", name):
+            raise bad(f"tools[{i}].function.name", "expected 1-64 letters, digits, '_', '.', ':' or '-'")
+        if name in schemas:
+            raise bad(f"tools[{i}].function.name", f"{name!r} is given twice")
+        params = f.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise bad(f"tools[{i}].function.parameters", "expected a JSON schema object")
+        schemas[name] = params
+    choice = body.get("tool_choice")
+    function = None
+    if choice is None:
+        choice = "auto" if tools else "none"
+    elif isinstance(choice, dict):
+        f = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise bad("tool_choice", "expected auto, none, required or {type: 'function', function: {name}}")
+        function, choice = f["name"], "function"
+        if function not in schemas:
+            raise bad("tool_choice.function.name", f"{function!r} is not one of the request's tools")
+    elif choice not in TOOL_CHOICES:
+        raise bad("tool_choice", f"expected auto, none, required or a named function, got {choice!r}")
+    if choice in ("required", "function", "auto") and not tools and body.get("tool_choice") is not None:
+        raise bad("tool_choice", f"{choice!r} needs tools")
+    kwargs = _get(body, "chat_template_kwargs", (dict,), {}, name="an object")
+    budget_field = "thinking_budget" if body.get("thinking_budget") is not None else "max_reasoning_tokens"
+    if body.get("thinking_budget") is not None and body.get("max_reasoning_tokens") is not None:
+        raise bad("thinking_budget", "give max_reasoning_tokens or thinking_budget, not both")
+    budget = _get(body, budget_field, (int,), None, name="an integer")
+    if budget is not None and budget < 1:
+        raise bad(budget_field, f"must be at least 1, got {budget}")
+    return ChatOptions(tools=tools or None, schemas=schemas, tool_choice=choice, function=function,
+                       parallel=_get(body, "parallel_tool_calls", (bool,), True, name="a boolean"),
+                       template_kwargs=kwargs,
+                       add_generation_prompt=_get(body, "add_generation_prompt", (bool,), True, name="a boolean"),
+                       include_reasoning=_get(body, "include_reasoning", (bool,), True, name="a boolean"),
+                       reasoning_budget=budget, budget_field=budget_field)
 
 
 def parse_logit_bias(value: Any, vocab_size: int) -> dict[int, float] | None:
@@ -224,6 +368,7 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int, vocab_size:
     if not isinstance(model, str) or not model:
         raise bad("model", "a model name (string) is required")
     messages = parse_messages(body.get("messages")) if chat else None
+    options = parse_chat_options(body) if chat else None
     prompts = [] if chat else parse_prompts(body.get("prompt"))
     n, best_of = _parse_counts(body, max(1, len(prompts)))
     stream, include_usage = _parse_stream(body)
@@ -242,7 +387,8 @@ def parse_request(body: Any, *, chat: bool, default_max_tokens: int, vocab_size:
                              prompt_logprobs=logprobs if echo else None)
     if structured is not None:
         params = replace(params, structured=structured)
-    return ParsedRequest(model=model, prompts=prompts, structured_field=structured_field, messages=messages, params=params, n=n, best_of=best_of,
+    return ParsedRequest(model=model, prompts=prompts, structured_field=structured_field, messages=messages,
+                         chat=options, params=params, n=n, best_of=best_of,
                          echo=echo, logprobs=logprobs, stream=stream, include_usage=include_usage,
                          max_key=max_key, max_tokens_given=body.get(max_key) is not None)
 
@@ -343,10 +489,3 @@ def with_max_tokens(params: SamplingParams, max_tokens: int, chat: bool) -> Samp
         return replace(params, max_tokens=max_tokens)
     except SamplingParamError as exc:
         raise bad(api_field(exc.field, chat), f"{exc} (the context leaves room for {max_tokens} tokens)") from None
-
-
-def render_chat(messages: list[dict], template: str | None) -> str:
-    """Apply the model's chat template (jinja2), or a plain default when it has none."""
-    import jinja2
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(template or DEFAULT_CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)

@@ -17,6 +17,7 @@ from collections.abc import Sequence as Seq
 from runtime.sampler import TokenLogprobs
 from runtime.sequence import Sequence
 from runtime.tokenizer import Tokenizer
+from serving.chat import ChatPlan, finish_reason
 
 
 class TokenText:
@@ -149,18 +150,24 @@ def completion_choice(index: int, seq: Sequence, text_of: TokenText, *, echo: st
     return {"index": index, "text": (echo or "") + seq.text, "logprobs": lp, "finish_reason": seq.finish_reason}
 
 
-def chat_choice(index: int, seq: Sequence, text_of: TokenText, *, logprobs: bool) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": seq.text},
+def chat_choice(index: int, seq: Sequence, text_of: TokenText, *, logprobs: bool, plan: ChatPlan) -> dict:
+    """One finished chat choice: the text parsed into reasoning_content, content and tool_calls."""
+    out = plan.stream()
+    out.feed(seq.text, final=True)
+    return {"index": index, "message": out.message(),
             "logprobs": chat_logprobs(text_of, seq.output_ids, seq.logprobs) if logprobs else None,
-            "finish_reason": seq.finish_reason}
+            "finish_reason": finish_reason(seq.finish_reason, out, plan.options.tool_choice == "function")}
 
 
 class ChoiceStream:
     """One choice of a stream: what it has sent of the text and of the tokens' logprobs."""
 
     def __init__(self, index: int, text_of: TokenText, *, stops: tuple[str, ...] | None, chat: bool,
-                 echo: str | None, logprobs: bool) -> None:
+                 echo: str | None, logprobs: bool, plan: ChatPlan | None = None) -> None:
+        """`plan`: a chat request's (its text becomes reasoning_content, content and tool_calls deltas)."""
         self.index, self.text_of = index, text_of
+        self.plan = plan
+        self.parser = plan.stream() if plan is not None else None
         self.chat, self.echo, self.logprobs = chat, echo, logprobs
         self.text = TextStream(stops)
         self.num_tokens = 0                     # output tokens whose logprobs went out
@@ -195,11 +202,18 @@ class ChoiceStream:
             lp = completion_logprobs(self.text_of, tokens, entries, self.offsets)
             if prompt is not None:
                 lp = {k: prompt[k] + lp[k] for k in lp}
-        if not (delta or echo or finished or (self.logprobs and tokens)):
-            return None
         finish = seq.finish_reason if finished else None
         if self.chat:
-            return {"index": self.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                    "finish_reason": finish}
+            if self.parser is not None:
+                parts = self.parser.feed(delta, final=finished) if delta or finished else {}
+                if finished:
+                    finish = finish_reason(finish, self.parser, self.plan.options.tool_choice == "function")
+            else:
+                parts = {"content": delta} if delta else {}
+            if not (parts or finished or (self.logprobs and tokens)):
+                return None
+            return {"index": self.index, "delta": parts, "logprobs": lp, "finish_reason": finish}
+        if not (delta or echo or finished or (self.logprobs and tokens)):
+            return None
         return {"index": self.index, "text": (self.echo if echo else "") + delta, "logprobs": lp,
                 "finish_reason": finish}

@@ -26,7 +26,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -44,12 +43,13 @@ from serving.async_engine import (
     RequestHandle,
     Update,
 )
+from serving.chat import ChatPlan, plan_chat
+from serving.chat_template import GLM45_TEMPLATE, ChatTemplate
 from serving.lifecycle import DEFAULT_DRAIN_TIMEOUT_S, Drain, run_server
 from serving.openai_api import (
     APIError,
     ParsedRequest,
     parse_request,
-    render_chat,
     with_max_tokens,
 )
 from serving.responses import (
@@ -71,7 +71,9 @@ RETRY_AFTER_S = 1              # what a 503 tells the client to wait before tryi
 class ServerConfig:
     served_model_name: str
     api_key: str | None = None
-    chat_template: str | None = None
+    chat_template: ChatTemplate | None = None   # None: the GLM-4.5-format default (serving.chat_template)
+    tool_call_parser: str | None = None         # serving.tool_parsers format; None: calls are not parsed
+    reasoning_parser: str | None = None         # serving.reasoning parser; None: no reasoning split
     max_body_bytes: int = MAX_BODY_BYTES
     limits: QueueLimits = field(default_factory=QueueLimits)
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
@@ -79,18 +81,6 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s={self.drain_timeout_s!r} must be at least 0 seconds")
-
-
-def load_chat_template(model_dir: Path) -> str | None:
-    path = model_dir / "tokenizer_config.json"
-    if not path.is_file():
-        return None
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
-    template = raw.get("chat_template") if isinstance(raw, dict) else None
-    return template if isinstance(template, str) else None
 
 
 def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
@@ -157,12 +147,15 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
             raise APIError(400, f"malformed JSON body: {exc}") from None
 
     text_of = TokenText(tokenizer)
+    template = config.chat_template or ChatTemplate(GLM45_TEMPLATE, "default (GLM-4.5 format)")
 
-    def encode(prompt: str | list[int]) -> list[int]:
+    def encode(prompt: str | list[int], chat: bool = False) -> list[int]:
         if isinstance(prompt, str):
             if tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-            return tokenizer.encode(prompt)
+                raise APIError(400, "this model has no tokenizer: send the prompt as token ids",
+                               param="messages" if chat else "prompt")
+            # a chat template writes the special tokens itself (BOS included)
+            return tokenizer.encode(prompt, add_special_tokens=not chat)
         return list(prompt)
 
     def echo_text(prompt: str | list[int]) -> str:
@@ -193,8 +186,17 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
             if req.model != config.served_model_name:
                 raise APIError(404, f"model {req.model!r} does not exist (serving {config.served_model_name!r})",
                                param="model", code="model_not_found")
+            plan = None
             if chat:
-                prompts = [encode(render_chat(req.messages, config.chat_template))]
+                plan = plan_chat(req.messages, req.chat, template, tool_parser=config.tool_call_parser,
+                                 reasoning_parser=config.reasoning_parser, structured=req.params.structured,
+                                 structured_field=req.structured_field)
+                if plan.structured is not req.params.structured:
+                    req = replace(req, params=replace(req.params, structured=plan.structured),
+                                  structured_field="tool_choice" if req.chat.tool_choice in ("required", "function")
+                                  else req.chat.budget_field if req.chat.reasoning_budget is not None
+                                  else req.structured_field)
+                prompts = [encode(plan.prompt, chat=True)]
             else:
                 prompts = [encode(p) for p in req.prompts]
             seqs = []
@@ -221,9 +223,9 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         echoes = [echo_text(p) if req.echo else None for p in req.prompts] or [None]
         if req.stream:
-            return StreamingResponse(stream(request, handle, req, rid, chat, num_prompt_tokens, echoes),
+            return StreamingResponse(stream(request, handle, req, rid, plan, num_prompt_tokens, echoes),
                                      media_type="text/event-stream")
-        return await complete(request, handle, req, rid, chat, num_prompt_tokens, echoes)
+        return await complete(request, handle, req, rid, plan, num_prompt_tokens, echoes)
 
     async def next_update(request: Request, handle: RequestHandle) -> list[Update] | None:
         """The next step's updates, or None when the client went away (the request is then aborted)."""
@@ -248,7 +250,8 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
         if seq.first_token_time is not None:
             metrics.ttft.observe(seq.first_token_time - seq.arrival_time)
 
-    async def complete(request, handle, req, rid, chat, num_prompt_tokens, echoes) -> Response:
+    async def complete(request, handle, req, rid, plan: ChatPlan | None, num_prompt_tokens, echoes) -> Response:
+        chat = plan is not None
         remaining = len(handle.seqs)
         try:
             while remaining:
@@ -269,13 +272,14 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
             group = best_sequences(handle.seqs[p * req.best_of:(p + 1) * req.best_of], req.n)
             for j, seq in enumerate(group):
                 index = p * req.n + j
-                choices.append(chat_choice(index, seq, text_of, logprobs=show) if chat else
+                choices.append(chat_choice(index, seq, text_of, logprobs=show, plan=plan) if chat else
                                completion_choice(index, seq, text_of, echo=echo, logprobs=show))
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "created": int(time.time()), "model": config.served_model_name,
                              "choices": choices, "usage": usage(handle.seqs, num_prompt_tokens, req.best_of)})
 
-    async def stream(request, handle, req, rid, chat, num_prompt_tokens, echoes):
+    async def stream(request, handle, req, rid, plan: ChatPlan | None, num_prompt_tokens, echoes):
+        chat = plan is not None
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -285,7 +289,7 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
 
         # best_of == n when streaming: sequence k is choice k. The engine thread sets handle.seqs[k]
         # before the first update of sequence k, so a choice reads its sequence only from then on.
-        choices = [ChoiceStream(k, text_of, stops=req.params.stop, chat=chat, echo=echoes[k // req.n],
+        choices = [ChoiceStream(k, text_of, stops=req.params.stop, chat=chat, plan=plan, echo=echoes[k // req.n],
                                 logprobs=req.logprobs is not None) for k in range(len(handle.seqs))]
         if chat:
             for c in choices:

@@ -163,7 +163,7 @@ def test_bad_input_is_a_named_4xx_and_server_stays_up(server, body, status, para
 def test_bad_chat_messages(server):
     body = json.dumps({"model": MODEL, "messages": [{"role": "user"}]}).encode()
     got, raw = http("POST", server + "/v1/chat/completions", body, AUTH)
-    assert got == 400 and json.loads(raw)["error"]["param"] == "messages[0]"
+    assert got == 400 and json.loads(raw)["error"]["param"] == "messages[0].content"
 
 
 def test_concurrent_requests_equal_one_at_a_time(client):

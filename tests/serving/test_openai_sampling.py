@@ -235,7 +235,14 @@ BAD = [
     ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats",
      False),
     ({"prompt": ["a", [1, 2]]}, "prompt", False),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", True),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name", True),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+      "function": {"name": "g"}}}, "tool_choice.function.name", True),
+    ({"chat_template_kwargs": [1]}, "chat_template_kwargs", True),
+    ({"max_reasoning_tokens": 0}, "max_reasoning_tokens", True),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     "messages[0].content[0].type", True),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", True),
     ({"tool_choice": "auto"}, "tool_choice", True),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name",
      True),
@@ -247,7 +254,7 @@ BAD = [
     ({"echo": True}, "echo", True),
     ({"best_of": 2}, "best_of", True),
     ({"max_tokens": 5, "max_completion_tokens": 5}, "max_tokens", True),
-    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name", True),
+    ({"messages": [{"role": "user", "content": "x", "audio": {}}]}, "messages[0].audio", True),
 ]
 
 

@@ -282,3 +282,14 @@ def test_random_checkpoint_fp8_writes_block_scaled_weights_the_runtime_serves(tm
     assert "[weights: fp8 blocks 16x16 in the checkpoint, dequantized to float32 on load]" in gen.stderr
     assert "--fp8-block" in refused(run_tool("random_checkpoint.py", tmp_path / "bad", "--tokenizer",
                                              MODEL / "tokenizer.json", "--fp8-block", "128", timeout=60))
+
+
+def test_tool_bench_measures_every_arm_and_grammar(tmp_path):
+    out = run_tool("tool_bench.py", "--model", MODEL, "--repeats", "1", "--concurrency", "1,2", "--max-tokens", "6",
+                   "--enforce-eager", "--out", tmp_path / "tg", timeout=300)
+    ok(out)
+    record = json.loads((tmp_path / "tg.json").read_text())
+    assert {(r["spec"], r["grammar"], r["concurrency"]) for r in record["rows"]} == {
+        (s, g, c) for s in ("plain", "mtp") for g in ("free", "named", "required") for c in (1, 2)}
+    assert all((r["accept_len"] is not None) == (r["spec"] == "mtp") for r in record["rows"])
+    assert (tmp_path / "tg.png").stat().st_size > 0
