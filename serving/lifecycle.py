@@ -6,12 +6,18 @@ connection), lets the open requests finish for up to `drain_timeout_s`, ends the
 reason `shutdown` (their clients get a final event or an error saying so), and only then lets
 uvicorn close its connections and return, so the caller can stop every EP rank and exit 0.
 A second signal during the drain exits at once.
+
+Threads: uvicorn's event loop runs on a thread of its own ("metrale-http"); the calling thread,
+the one that built and warmed up the engine, runs the engine loop (`AsyncEngine.run`) and takes
+the signals, so all torch work stays on one thread (serving.async_engine).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
+import threading
 import time
 from types import FrameType
 
@@ -91,6 +97,32 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(app, *, host: str, port: int, drain: Drain) -> None:
-    """Serve `app` until a signal's drain (or a second signal) ends it."""
+    """Serve `app` until a signal's drain (or a second signal) ends it: uvicorn on an HTTP thread,
+    the engine loop (`drain.aengine.run`) on this one, which must be the main thread (signals)."""
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
-    DrainingServer(config, drain).run()
+    server = DrainingServer(config, drain)
+    aengine = drain.aengine
+    failed: list[BaseException] = []
+
+    def http() -> None:
+        try:
+            server.run()
+        except BaseException as exc:   # uvicorn exits (SystemExit) when it cannot bind the port
+            failed.append(exc)
+        finally:
+            aengine.shutdown()
+
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=http, name="metrale-http", daemon=True)
+    try:
+        thread.start()
+        aengine.run()
+        while thread.is_alive():    # the engine failed: keep answering (/health says so) until a signal
+            thread.join(timeout=0.5)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if failed:
+        raise failed[0]

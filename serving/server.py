@@ -361,8 +361,9 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
 
 
 def serve(llm, *, host: str, port: int, config: ServerConfig) -> Drain:
-    """Run the server until a signal's drain ends it (serving.lifecycle); the engine thread stops
-    with it. Returns the finished drain (how many requests it had to end)."""
+    """Run the server until a signal's drain ends it (serving.lifecycle). Call it on the thread
+    that built (and warmed up) `llm`: the engine loop runs here, the event loop on a thread of its
+    own. Returns the finished drain (how many requests it had to end)."""
     metrics = ServerMetrics()
     deployment = llm.deployment
 
@@ -374,8 +375,5 @@ def serve(llm, *, host: str, port: int, config: ServerConfig) -> Drain:
     aengine = AsyncEngine(llm.engine, deployment, on_step=observe, limits=config.limits)
     drain = Drain(aengine, config.drain_timeout_s)
     app = build_app(aengine, config, metrics, ranks=lambda: llm.rank_info, drain=drain)
-    try:
-        run_server(app, host=host, port=port, drain=drain)
-    finally:
-        aengine.shutdown()
+    run_server(app, host=host, port=port, drain=drain)
     return drain
