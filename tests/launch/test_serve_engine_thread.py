@@ -13,7 +13,12 @@ from serving.deployment import WrongThread
 from serving.llm import LLM
 from serving.responses import TokenText
 from runtime.sampler import SamplingParams
+from tests.conftest import ROOT
 from tests.launch.test_server import API_KEY, MODEL, http, start_server, stop_server
+
+# The embedded model: big enough for its steps to open OpenMP parallel regions (the tiny test
+# checkpoints' steps never do, so a second team could not show).
+EMBEDDED = ROOT / "models" / "tiny-glm-moe"
 
 PROMPT = [5, 17, 42, 99, 7, 250, 31, 12]
 
@@ -23,13 +28,21 @@ def num_threads(pid: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def served(ckpt_plain):
-    """A float64 server (torch on 2 threads: OMP_NUM_THREADS=2 from run_env) and its thread count
-    right after it answered /health, before any step."""
-    proc, base = start_server(ckpt_plain, "--kv-cache-tokens", "4096", "--max-num-seqs", "8")
+def served():
+    """A float32 eager server on the embedded model (torch on 2 threads: OMP_NUM_THREADS=2 from
+    run_env) and its thread count right after it answered /health, before any step."""
+    proc, base = start_server(EMBEDDED, "--kv-cache-tokens", "4096", "--max-num-seqs", "8", "--dtype", "float32",
+                              "--enforce-eager")
     threads_at_start = num_threads(proc.pid)
     yield proc, base, threads_at_start
     stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    llm = LLM(EMBEDDED, dtype="float32", kv_cache_tokens=4096, max_num_seqs=8, enforce_eager=True)   # as served
+    yield llm
+    llm.shutdown()
 
 
 def complete(base: str, **body) -> dict:
@@ -63,7 +76,7 @@ def test_serving_opens_no_second_openmp_team(served):
     """The cause of the 0.21x server (issue 44): a step on a thread other than the one that loaded
     and warmed up the model starts a second OpenMP thread team (one more OS thread per extra
     intra-op thread), and libgomp, managing more threads than CPUs, stops spinning. Serving
-    requests, streamed and not, must start no thread at all."""
+    requests, streamed and not, must start no thread at all (the old server went from 4 to 5)."""
     proc, base, at_start = served
     complete(base, max_tokens=6)
     status, raw = http("POST", base + "/v1/completions",
@@ -75,27 +88,22 @@ def test_serving_opens_no_second_openmp_team(served):
 
 @pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=1.0, top_k=20, seed=1234)],
                          ids=["greedy", "seeded"])
-def test_lone_request_gives_generates_tokens(served, ckpt_plain, params):
+def test_lone_request_gives_generates_tokens(served, offline, params):
     _, base, _ = served
     max_tokens = 40
     out = complete(base, max_tokens=max_tokens, logprobs=0, **params)
-    served = out["choices"][0]["logprobs"]["tokens"]
-    llm = LLM(ckpt_plain, dtype="float64", kv_cache_tokens=4096, max_num_seqs=8)
-    try:
-        offline = llm.generate(PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params))[0]
-    finally:
-        llm.shutdown()
+    expected = offline.generate(PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params))[0]
     assert out["usage"]["completion_tokens"] == max_tokens
-    text_of = TokenText(llm.tokenizer)
-    assert served == [text_of(t) for t in offline.token_ids]
-    assert out["choices"][0]["text"] == offline.text
+    text_of = TokenText(offline.tokenizer)
+    assert out["choices"][0]["logprobs"]["tokens"] == [text_of(t) for t in expected.token_ids]
+    assert out["choices"][0]["text"] == expected.text
 
 
-def test_serve_workload_against_our_server(served, ckpt_plain, tmp_path):
+def test_serve_workload_against_our_server(served, tmp_path):
     from launch.cli import main
     _, base, _ = served
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
-    code = main(["bench", "--workload", "serve", "--model", str(ckpt_plain), "--url", f"ours={base}",
+    code = main(["bench", "--workload", "serve", "--model", str(EMBEDDED), "--url", f"ours={base}",
                  "--api-key", API_KEY, "--concurrency", "1,3", "--requests", "4", "--input-len", "6",
                  "--max-tokens", "5", "--json-out", str(out), "--plot-out", str(png)])
     assert code == 0
