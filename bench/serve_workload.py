@@ -294,3 +294,23 @@ def run_serve_workload(config: ServeWorkloadConfig, json_out: Path | None = None
     if plot_out is not None:
         plot(cells, plot_out, f"serve workload: {config.input_len} in / {config.output_len} out tokens")
     return record
+
+
+def cell_from_vllm_result(path: Path, server: str) -> dict:
+    """A cell of this module's shape from the JSON `vllm bench serve --save-result` writes, so a
+    run of vLLM's own client sits in the same record and plot as this workload's cells."""
+    r = json.loads(Path(path).read_text())
+    missing = [k for k in ("max_concurrency", "completed", "total_output_tokens", "duration", "output_throughput")
+               if k not in r]
+    if missing:
+        raise ValueError(f"{path}: not a `vllm bench serve` result (no {', '.join(missing)})")
+    cell = {"server": server, "concurrency": r["max_concurrency"], "requests": r["completed"],
+            "output_tokens": r["total_output_tokens"], "wall_s": round(r["duration"], 3),
+            "tok_s": round(r["output_throughput"], 2), "req_s": round(r["request_throughput"], 3),
+            "client": "vllm bench serve"}
+    for metric in ("ttft", "tpot"):
+        cell[f"{metric}_mean_ms"] = round(r[f"mean_{metric}_ms"], 2)
+        for q in (50, 90, 99):
+            key = f"median_{metric}_ms" if q == 50 else f"p{q}_{metric}_ms"
+            cell[f"{metric}_p{q}_ms"] = round(r[key], 2) if key in r else None
+    return cell

@@ -128,3 +128,18 @@ def test_serve_workload_bad_input():
         ServeWorkloadConfig(servers=(("a", "http://x"), ("a", "http://y")), vocab_size=10)
     with pytest.raises(ValueError, match="output_len"):
         ServeWorkloadConfig(servers=(("a", "http://x"),), vocab_size=10, output_len=1)
+
+
+def test_vllm_result_becomes_a_cell(tmp_path):
+    from bench.serve_workload import cell_from_vllm_result
+    result = {"max_concurrency": 16, "completed": 96, "total_output_tokens": 6144, "duration": 3.2,
+              "output_throughput": 1920.0, "request_throughput": 30.0, "mean_ttft_ms": 20.0, "median_ttft_ms": 18.0,
+              "p99_ttft_ms": 40.0, "mean_tpot_ms": 7.0, "median_tpot_ms": 6.6, "p99_tpot_ms": 9.0}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    cell = cell_from_vllm_result(path, "vllm")
+    assert (cell["concurrency"], cell["tok_s"], cell["ttft_p50_ms"], cell["tpot_p50_ms"], cell["tpot_p90_ms"]) == \
+        (16, 1920.0, 18.0, 6.6, None)
+    path.write_text(json.dumps({"completed": 1}))
+    with pytest.raises(ValueError, match="not a `vllm bench serve` result"):
+        cell_from_vllm_result(path, "vllm")
