@@ -107,7 +107,7 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     def draining() -> bool:
-        return drain is not None and drain.is_draining
+        return drain is not None and drain.check()
 
     def ended_error(handle: RequestHandle) -> APIError | None:
         """Why the server ended this request before it finished (timeout, shutdown), or None."""
