@@ -11,9 +11,10 @@ def add_bench_parser(sub) -> None:
     from launch.cli import DTYPE_HELP, DTYPES
     b.add_argument("--model", default=None, help="checkpoint folder (config.json, *.safetensors, tokenizer.json); "
                    "required unless --compare")
-    b.add_argument("--workload", default="sweep", choices=["sweep", "chat"],
+    b.add_argument("--workload", default="sweep", choices=["sweep", "chat", "serve"],
                    help="sweep: closed-loop concurrency sweep; chat: conversations over a shared system prompt "
-                        "through the server's chat endpoint, prefix cache on and off (arms cache, no-cache)")
+                        "through the server's chat endpoint, prefix cache on and off (arms cache, no-cache); "
+                        "serve: running OpenAI-compatible servers (--url) driven in a closed loop (default: sweep)")
     b.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     add_device_args(b)
     b.add_argument("--quick", action="store_true", help="small sweep that finishes in a few minutes")
@@ -55,6 +56,11 @@ def add_bench_parser(sub) -> None:
                    help="no run: A's cells over B's, per arm and concurrency; refused between records of different hosts")
     b.add_argument("--json-out", type=Path, default=None, help="where the JSON record goes (default: not written)")
     b.add_argument("--plot-out", type=Path, default=None, help="where the PNG plot goes (default: not drawn)")
+    srv = b.add_argument_group("serve workload (--model: the model folder, for its vocabulary)")
+    srv.add_argument("--url", action="append", default=[], metavar="NAME=URL",
+                     help="a running server to drive, e.g. metrale=http://127.0.0.1:8000 (repeat: they take turns)")
+    srv.add_argument("--input-len", type=int, default=128, help="random prompt tokens per request")
+    srv.add_argument("--api-key", default=None, help="bearer token the servers ask for (default: none)")
     chat = b.add_argument_group("chat workload")
     chat.add_argument("--conversations", type=int, default=16, help="conversations run at once")
     chat.add_argument("--turns", type=int, default=4, help="user turns per conversation")
@@ -71,6 +77,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("bench needs --model DIR (or --compare A.json B.json)")
     if args.workload == "chat":
         return cmd_chat_bench(args)
+    if args.workload == "serve":
+        return cmd_serve_bench(args)
     from bench.benchmark import BenchConfig, run_bench
 
     conc = args.concurrency or ("1,4" if args.quick else "1,2,4,8,16,32")
@@ -119,4 +127,27 @@ def cmd_compare(a: Path, b: Path) -> int:
     for r in record_ratios(*records, names=(str(a), str(b))):
         print(f"{r['arm']} c={r['concurrency']}: {r['a_tok_s']:.1f} / {r['b_tok_s']:.1f} = "
               f"{'tie' if r['tie'] else format(r['ratio'], '.3f')} [{r['range'][0]:.2f}-{r['range'][1]:.2f}]")
+    return 0
+
+
+def cmd_serve_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from bench.serve_workload import ServeWorkloadConfig, parse_servers, run_serve_workload
+
+    cfg = Path(args.model) / "config.json"
+    if not cfg.is_file():
+        raise ValueError(f"--model {args.model!r}: no config.json there (the serve workload reads the vocabulary size)")
+    model = json.loads(cfg.read_text())
+    eos = model.get("eos_token_id")
+    conc = args.concurrency or ("1,4" if args.quick else "1,16")
+    try:
+        levels = tuple(int(c) for c in conc.split(","))
+    except ValueError:
+        raise ValueError(f"--concurrency {conc!r} is not a comma list of integers") from None
+    config = ServeWorkloadConfig(servers=parse_servers(args.url), vocab_size=int(model["vocab_size"]),
+                                 avoid_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+                                 concurrency=levels, requests=args.requests, input_len=args.input_len,
+                                 output_len=args.max_tokens or 64, repeats=args.repeats, api_key=args.api_key)
+    run_serve_workload(config, json_out=args.json_out, plot_out=args.plot_out)
     return 0

@@ -1,4 +1,13 @@
-"""The engine on its own thread, so the server's event loop never waits on a forward.
+"""The engine's step loop, run on the thread that built the engine; the server's event loop runs
+on another thread and never waits on a forward.
+
+Every piece of torch work (load, compile, warm-up, steps, shutdown) runs on one thread: the one
+that built the deployment (`Deployment.thread_id`), which `run` checks. torch's CPU build runs its
+intra-op parallelism on GNU OpenMP, which gives every OS thread that opens a parallel region a thread
+team of its own; a second team makes libgomp manage more threads than there are CPUs, and it then
+spins only briefly before sleeping, so every parallel region of the step waits on woken threads
+(a lone request at a fifth of the offline engine's speed on 2 cores, docs/design.md §6). The event
+loop's thread only tokenizes, detokenizes and encodes JSON, none of which opens a parallel region.
 
 Requests and aborts go to the engine thread through a queue. A request is one or more sequences
 (the n choices of each of its prompts), added in one go so they share steps. After every step the
@@ -22,6 +31,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from engine.engine import Engine
 from runtime.sampler import SamplingParams
@@ -88,8 +99,6 @@ class AsyncEngine:
         self._num_waiting = 0    # the scheduler's waiting sequences after the engine thread's last look
         self._stop = threading.Event()
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="metrale-engine", daemon=True)
-        self._thread.start()
 
     # --- event-loop side ------------------------------------------------------------------
     async def submit(self, seqs: list[tuple[list[int], SamplingParams]]) -> RequestHandle:
@@ -127,9 +136,9 @@ class AsyncEngine:
             return len(self._open) + self._inbox_requests
 
     def shutdown(self) -> None:
+        """Make `run` return after its current step (any thread)."""
         self._stop.set()
         self._inbox.put(("wake",))
-        self._thread.join(timeout=30)
 
     # --- engine thread --------------------------------------------------------------------
     def _notify(self, handle: RequestHandle, item: list[Update] | BaseException) -> None:
@@ -215,18 +224,25 @@ class AsyncEngine:
                 self._open.pop(id(handle), None)
             self._notify(handle, sorted(updates, key=lambda u: u.index))
 
-    def _loop(self) -> None:
+    def run(self) -> None:
+        """Step until `shutdown`, on the calling thread, which must be the one that built the
+        deployment (raises `WrongThread` otherwise). A failing engine fails every open request
+        and ends the loop (`error` says why; the server's /health then says so)."""
+        self.deployment.check_thread("the server's engine loop")
         try:
-            while not self._stop.is_set():
-                self._drain(block=not self.engine.has_unfinished())
-                self._expire()
-                self._step()  # also after aborts, which change the batch without a step
-                with self._lock:
-                    self._num_waiting = len(self.engine.scheduler.waiting)
-                if self.on_step is not None:
-                    self.on_step(self.engine)
+            with torch.inference_mode():   # as LLM.generate steps
+                while not self._stop.is_set():
+                    self._drain(block=not self.engine.has_unfinished())
+                    self._expire()
+                    self._step()  # also after aborts, which change the batch without a step
+                    with self._lock:
+                        self._num_waiting = len(self.engine.scheduler.waiting)
+                    if self.on_step is not None:
+                        self.on_step(self.engine)
         except BaseException as exc:  # a broken engine fails every waiting request, loudly
-            log.exception("engine thread failed")
+            log.exception("engine loop failed")
             self.error = exc
             for handle in {id(h): h for h, _ in self._handles.values()}.values():
                 self._notify(handle, exc)
+            if not isinstance(exc, Exception):
+                raise

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +64,10 @@ DEFAULT_KV_BLOCK = 16   # tokens per KV block of every rank (runtime.kv_cache)
 
 class GroupFailed(RuntimeError):
     """The group died more often than `--max-restarts` allows."""
+
+
+class WrongThread(RuntimeError):
+    """Torch work asked of a thread other than the one that built the deployment."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -154,6 +159,9 @@ class Deployment:
         self.config = config
         self.spec = spec
         self.launcher = launcher
+        # The thread that loads, compiles and steps (serving.async_engine): one OpenMP team.
+        self.thread_id = threading.get_ident()
+        self._warned_thread = False
         self.group: WorkerGroup | None = None
         self.comm: Communicator | None = comm
         self.rank_info: list[dict] = [local_rank_info(0)]
@@ -187,6 +195,14 @@ class Deployment:
     @property
     def is_supervised(self) -> bool:
         return self.group is not None
+
+    def check_thread(self, what: str) -> None:
+        """Raise `WrongThread` unless the calling thread built this deployment: torch work on a
+        second thread opens a second OpenMP thread team, and with more threads than CPUs every
+        parallel region then waits on sleeping threads (serving.async_engine)."""
+        if threading.get_ident() != self.thread_id:
+            raise WrongThread(f"{what} runs on thread {threading.current_thread().name!r}, but the model was "
+                              "built on another: run all torch work (load, warm-up, steps) on one thread")
 
     # --- construction ---------------------------------------------------------------------
     def _build(self) -> tuple[ModelRunner | DriverRunner, DraftProposer | None]:
@@ -388,6 +404,11 @@ class Deployment:
             return StepOutcome([], recovered=True)
         if not engine.has_unfinished():
             return StepOutcome([])
+        if not self._warned_thread and threading.get_ident() != self.thread_id:
+            self._warned_thread = True
+            log.warning("stepping on thread %r, not the one that built the model: a second OpenMP thread team "
+                        "can make every step several times slower; build and step on one thread",
+                        threading.current_thread().name)
         try:
             self.warm_up()
             return StepOutcome(engine.step())

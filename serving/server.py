@@ -97,7 +97,7 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     def draining() -> bool:
-        return drain is not None and drain.is_draining
+        return drain is not None and drain.check()
 
     def ended_error(handle: RequestHandle) -> APIError | None:
         """Why the server ended this request before it finished (timeout, shutdown), or None."""
@@ -365,8 +365,9 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
 
 
 def serve(llm, *, host: str, port: int, config: ServerConfig) -> Drain:
-    """Run the server until a signal's drain ends it (serving.lifecycle); the engine thread stops
-    with it. Returns the finished drain (how many requests it had to end)."""
+    """Run the server until a signal's drain ends it (serving.lifecycle). Call it on the thread
+    that built (and warmed up) `llm`: the engine loop runs here, the event loop on a thread of its
+    own. Returns the finished drain (how many requests it had to end)."""
     metrics = ServerMetrics()
     deployment = llm.deployment
 
@@ -378,8 +379,5 @@ def serve(llm, *, host: str, port: int, config: ServerConfig) -> Drain:
     aengine = AsyncEngine(llm.engine, deployment, on_step=observe, limits=config.limits)
     drain = Drain(aengine, config.drain_timeout_s)
     app = build_app(aengine, config, metrics, ranks=lambda: llm.rank_info, drain=drain)
-    try:
-        run_server(app, host=host, port=port, drain=drain)
-    finally:
-        aengine.shutdown()
+    run_server(app, host=host, port=port, drain=drain)
     return drain
