@@ -132,6 +132,9 @@ FAMILY_CASES = {
     "deepseek_plain": ("deepseek_v3", dict(q_lora_rank=None, n_group=1, topk_group=1, first_k_dense_replace=2,
                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "glm_lite": ("glm4_moe_lite", dict(mlp_layer_types=["dense", "sparse", "sparse"], q_lora_rank=None)),
+    # Sparse attention: top 8 keys, layer 1 sharing layer 0's selection (the MTP layer copies layer 2's indexer).
+    "glm5": ("glm_moe_dsa", dict(indexer_types=["full", "shared", "full"])),
+    "deepseek_v32": ("deepseek_v32", dict()),
 }
 
 
