@@ -81,7 +81,8 @@ class DsaSelection:
         self.topk = cfg.index_topk
         self.key_dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim    # the MLA key; the indexer key follows
         self.index_dim = cfg.index_head_dim
-        self.last: torch.Tensor | None = None   # [R, K] the selection of the last full layer run
+        # The last full layer's selection (`select`'s answer) and the visibility shape it was for.
+        self.last: tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Size] | None = None
 
     def cache_key(self, key: torch.Tensor, index_key: torch.Tensor | None) -> torch.Tensor:
         """An MLA key [T, 1, C + Dr] and its indexer key [T, Di] (None on a shared layer: zeros,
@@ -90,36 +91,44 @@ class DsaSelection:
             index_key = key.new_zeros(key.shape[0], self.index_dim)
         return torch.cat((key, index_key[:, None].to(key.dtype)), dim=-1)
 
-    def select(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """Index scores [R, K] and visibility [R, K] -> the keys each row attends to [R, K]: its
-        `topk` best visible keys (every visible key when it sees no more than `topk`)."""
+    def select(self, scores: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Index scores [R, K] and visibility [R, K] -> the keys each row attends to: their
+        indices [R, topk] and which of them it may see [R, topk] (a row that sees fewer than
+        `topk` keys keeps them all), or None when no row has more than `topk` keys to choose from
+        (every visible key is kept: dense MLA)."""
         if visible.shape[1] <= self.topk:
-            return visible
+            return None
         best = scores.masked_fill(~visible, float("-inf")).topk(self.topk, dim=-1).indices
-        return torch.zeros_like(visible).scatter_(1, best, True) & visible
+        return best, visible.gather(1, best)
 
     def attend(self, ctx: SparseContext, layer_idx: int, q: torch.Tensor, key: torch.Tensor,
                indexer: Indexer | None, q_resid: torch.Tensor, x: torch.Tensor,
                rope: tuple[torch.Tensor, torch.Tensor], scale: float, latent_dim: int) -> torch.Tensor:
         """Absorbed MLA queries q [R, nh, C + Dr] of the query rows (their q LoRA residual, input
         and rotary in `q_resid`, `x`, `rope`), this step's cache cells `key` [T, 1, C + Dr + Di] ->
-        attention output [R, nh, C] over each row's selected keys."""
+        attention output [R, nh, C] over each row's selected keys: the `topk` selected keys are
+        gathered (attention reads topk keys a row, not the context), or with no selection every
+        visible key under the mask."""
         if not hasattr(ctx, "visible_keys"):
             raise TypeError(f"sparse attention needs a paged attention context, not {type(ctx).__name__}")
         keys, seq, visible = ctx.visible_keys(layer_idx, key)                  # [B, K, W], [R], [R, K]
         if indexer is not None:
             scores = indexer.scores(q_resid, x, rope, keys[..., self.key_dim:], seq)
-            self.last = self.select(scores, visible)
-        elif self.last is None or self.last.shape != visible.shape:
+            self.last = (self.select(scores, visible), visible.shape)
+        elif self.last is None or self.last[1] != visible.shape:
             raise RuntimeError(f"layer {layer_idx} shares the selection of a full indexer layer before it; none ran")
-        chosen = self.last
+        chosen = self.last[0]
         mla_keys = keys[..., :self.key_dim].to(q.dtype)
-        if mla_keys.shape[0] == 1:
-            logits = torch.einsum("rhc,kc->rhk", q, mla_keys[0])
-        else:
-            logits = torch.einsum("rhc,rkc->rhk", q, mla_keys[seq])
-        probs = torch.softmax((logits * scale).masked_fill(~chosen[:, None], float("-inf")), dim=-1)
-        values = mla_keys[..., :latent_dim]
-        if values.shape[0] == 1:
-            return torch.einsum("rhk,kc->rhc", probs, values[0])
-        return torch.einsum("rhk,rkc->rhc", probs, values[seq])
+        if chosen is None:     # every visible key
+            sel, ok = (mla_keys[0] if mla_keys.shape[0] == 1 else mla_keys[seq]), visible
+            logits = (torch.einsum("rhc,kc->rhk", q, sel) if sel.dim() == 2
+                      else torch.einsum("rhc,rkc->rhk", q, sel))
+        else:                  # the selected keys of each row [R, topk, C + Dr]
+            idx, ok = chosen
+            sel = mla_keys[0][idx] if mla_keys.shape[0] == 1 else mla_keys[seq[:, None], idx]
+            logits = torch.einsum("rhc,rkc->rhk", q, sel)
+        probs = torch.softmax((logits * scale).masked_fill(~ok[:, None], float("-inf")), dim=-1)
+        values = sel[..., :latent_dim]
+        if values.dim() == 2:
+            return torch.einsum("rhk,kc->rhc", probs, values)
+        return torch.einsum("rhk,rkc->rhc", probs, values)
