@@ -378,6 +378,31 @@ class PagedAttention:
             return out[0].transpose(0, 1)                           # [T, nh, Dv]
         return out.transpose(1, 2)[p.valid]                          # [T, nh, Dv]
 
+    def visible_keys(self, layer_idx: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sparse attention's view of this step (runtime.sparse_attention.SparseContext): write k
+        [T, 1, W] (a latent cache's whole cell), then the layer's context keys per sequence
+        [B, K, W], each query row's sequence [R] and the keys each row may see [R, K], read off the
+        padded plan's mask (a plan without batch-invariant tiles or static-step padding)."""
+        writes = self.plan
+        p = self.queries if self.queries is not None else writes
+        if p.tiles is not None or p.mask_mode == "padded":
+            raise ValueError("sparse attention reads a padded-batch plan, not batch-invariant tiles or a static step")
+        self.cache.write(layer_idx, writes.cell_mapping, k, k)       # a latent cache keeps k alone
+        keys = self.cache.gather(self.cache.k[layer_idx], p.gather)[:, :, 0]          # [B, K, W]
+        k_len = p.gather.shape[1]
+        if p.q_index is None:    # one sequence: a single row, a causal chunk from 0, or an explicit mask
+            rows = int(p.positions.shape[0])
+            seq = torch.zeros(rows, dtype=torch.long, device=keys.device)
+            if p.mask_mode == "none":
+                visible = torch.ones(rows, k_len, dtype=torch.bool, device=keys.device)
+            elif p.mask_mode == "causal":
+                visible = torch.ones(rows, k_len, dtype=torch.bool, device=keys.device).tril()
+            else:
+                visible = p.mask[0, 0]
+            return keys, seq, visible
+        seq, col = p.valid.nonzero(as_tuple=True)                   # sequence-major: the step's row order
+        return keys, seq, p.mask[seq, 0, col]
+
 
 class CausalAttention:
     """`AttentionContext` for training: T = batch * seq_len rows, causal within each sequence, no cache."""

@@ -84,6 +84,14 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # DeepSeek sparse attention (runtime.sparse_attention) when index_topk > 0: each layer whose
+    # `indexer_types` entry is "full" (the MTP layer always) keeps the top `index_topk` keys by its
+    # indexer's scores, a "shared" layer reuses the previous full layer's selection.
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    indexer_types: tuple[str, ...] = ()
+    index_rope_interleave: bool = False  # the indexer's rotary: GLM-5 interleaved, DeepSeek-V3.2 half-split
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 0
@@ -123,6 +131,18 @@ class ModelConfig:
         if self.is_mla and min(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) < 1:
             raise ConfigError(f"config.json: kv_lora_rank={self.kv_lora_rank} needs qk_nope_head_dim, "
                               "qk_rope_head_dim and v_head_dim of at least 1")
+        if self.is_sparse:
+            if not self.is_mla or self.q_lora_rank is None:
+                raise ConfigError(f"config.json: index_topk={self.index_topk} (sparse attention) needs multi-head "
+                                  "latent attention with a q_lora_rank")
+            if self.index_n_heads < 1 or not self.qk_rope_head_dim <= self.index_head_dim:
+                raise ConfigError(f"config.json: index_n_heads={self.index_n_heads} must be at least 1 and "
+                                  f"index_head_dim={self.index_head_dim} at least qk_rope_head_dim="
+                                  f"{self.qk_rope_head_dim}")
+            if (len(self.indexer_types) != self.num_hidden_layers or set(self.indexer_types) - {"full", "shared"}
+                    or self.indexer_types[:1] == ("shared",)):
+                raise ConfigError(f"config.json: indexer_types={list(self.indexer_types)} must give 'full' or "
+                                  f"'shared' for each of the {self.num_hidden_layers} layers, the first 'full'")
         if self.q_lora_rank is not None and self.q_lora_rank < 1:
             raise ConfigError(f"config.json: q_lora_rank={self.q_lora_rank} must be at least 1 or null")
         if self.num_nextn_predict_layers not in (0, 1):
@@ -141,6 +161,15 @@ class ModelConfig:
         """Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash) rather than grouped-query."""
         return self.kv_lora_rank > 0
 
+    @property
+    def is_sparse(self) -> bool:
+        """DeepSeek sparse attention (GLM-5, DeepSeek-V3.2): an indexer beside the MLA."""
+        return self.index_topk > 0
+
+    def has_indexer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` runs its own indexer: a "full" layer, or the MTP layer."""
+        return self.is_sparse and (layer_idx >= self.num_hidden_layers or self.indexer_types[layer_idx] == "full")
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Layers from `first_k_dense_replace` on are MoE (the MTP layer, at index num_hidden_layers,
         too), except those in `mlp_only_layers` and, with `decoder_sparse_step` s, those with
@@ -152,8 +181,8 @@ class ModelConfig:
         """Values a token keeps in the KV cache per cache layer: the latent plus the rotary key for
         multi-head latent attention (`compressed=False`: the per-head keys and values it expands
         to), keys and values of every KV head otherwise."""
-        if self.is_mla and compressed:
-            return self.kv_lora_rank + self.qk_rope_head_dim
+        if self.is_mla and compressed:   # plus the indexer's key under sparse attention
+            return self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim * self.is_sparse
         if self.is_mla:
             return self.num_attention_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
         return 2 * self.num_key_value_heads * self.head_dim
@@ -216,12 +245,13 @@ class ModelConfig:
         known = {f.name for f in fields(cls)}
         kwargs = {k: merged[k] for k in known if k in merged and merged[k] is not None
                   and k not in ("eos_token_ids", "rope_theta", "partial_rotary_factor", "head_dim",
-                                "architecture", "rope_scaling", "mlp_only_layers")}
+                                "architecture", "rope_scaling", "mlp_only_layers", "indexer_types")}
         head_dim = merged.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
         try:
             return cls(**kwargs, architecture=family.architecture, head_dim=int(head_dim),
                        rope_theta=float(rope_theta), partial_rotary_factor=float(partial), rope_scaling=scaling,
-                       mlp_only_layers=tuple(merged.get("mlp_only_layers") or ()), eos_token_ids=eos_ids)
+                       mlp_only_layers=tuple(merged.get("mlp_only_layers") or ()), eos_token_ids=eos_ids,
+                       indexer_types=tuple(merged.get("indexer_types") or ()))
         except TypeError as exc:  # a field of the wrong JSON type
             raise ConfigError(f"{source}: {exc}") from None
 
@@ -229,7 +259,8 @@ class ModelConfig:
 # Fields the GLM-4.5 MoE config.json does not carry (to_hf_dict leaves them out).
 _NOT_GLM = ("architecture", "router_scoring", "decoder_sparse_step", "mlp_only_layers", "o_proj_bias",
             "rope_scaling", "rope_interleave", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
-            "qk_rope_head_dim", "v_head_dim")
+            "qk_rope_head_dim", "v_head_dim", "index_topk", "index_n_heads", "index_head_dim", "indexer_types",
+            "index_rope_interleave")
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

@@ -9,6 +9,8 @@ family only reads the `config.json` fields in which it differs into `ModelConfig
 | Qwen3MoeForCausalLM | GQA, q/k norm | softmax top-k | decoder_sparse_step, mlp_only_layers | none |
 | DeepseekV3ForCausalLM | MLA, YaRN | sigmoid, grouped | first_k_dense_replace | optional |
 | Glm4MoeLiteForCausalLM | MLA | sigmoid, grouped | mlp_layer_types | optional |
+| GlmMoeDsaForCausalLM (GLM-5) | MLA + sparse (indexer_types, interleaved indexer rotary) | sigmoid, grouped | mlp_layer_types | optional |
+| DeepseekV32ForCausalLM | MLA + sparse (half-split indexer rotary) | sigmoid, grouped | mlp_layer_types | optional |
 
 A checkpoint is matched by its `architectures` list first, then by `model_type`. This module
 imports nothing of the project: `runtime.config` turns what it returns into a `ModelConfig`.
@@ -69,11 +71,11 @@ def _deepseek_v3(raw: Raw) -> Raw:
     return {**_mla(raw), "first_k_dense_replace": int(raw.get("first_k_dense_replace", 0))}
 
 
-def _glm4_moe_lite(raw: Raw) -> Raw:
+def _glm4_moe_lite(raw: Raw, dense_default: int = 1) -> Raw:
     out = _mla(raw)
     types = raw.get("mlp_layer_types")
     if types is None:
-        return {**out, "first_k_dense_replace": int(raw.get("first_k_dense_replace", 1))}
+        return {**out, "first_k_dense_replace": int(raw.get("first_k_dense_replace", dense_default))}
     if len(types) != raw["num_hidden_layers"] or set(types) - {"dense", "sparse"}:
         raise ValueError(f"mlp_layer_types={types} must give 'dense' or 'sparse' for each of the "
                          f"{raw['num_hidden_layers']} layers")
@@ -81,11 +83,47 @@ def _glm4_moe_lite(raw: Raw) -> Raw:
             "mlp_only_layers": tuple(i for i, t in enumerate(types) if t == "dense")}
 
 
+def _indexer_types(raw: Raw) -> list[str]:
+    """GLM-5's per-layer indexer kinds: `indexer_types`, else transformers' `index_topk_pattern`
+    ("F"/"S" per layer), else its `index_topk_freq` / `index_skip_topk_offset` schedule."""
+    if raw.get("indexer_types") is not None:
+        return list(raw["indexer_types"])
+    pattern = raw.get("index_topk_pattern")
+    if pattern is not None:
+        table = {"F": "full", "S": "shared"}
+        if isinstance(pattern, str) and set(pattern) - set(table):
+            raise ValueError(f"index_topk_pattern={pattern!r} must be letters F and S")
+        return [table[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq, offset = max(int(raw.get("index_topk_freq", 1)), 1), int(raw.get("index_skip_topk_offset", 2))
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(raw["num_hidden_layers"])]
+
+
+def _sparse(raw: Raw, interleave: bool, types: list[str]) -> Raw:
+    """DeepSeek sparse attention (runtime.sparse_attention) over the MLA fields."""
+    out = {**_glm4_moe_lite(raw, dense_default=3), "rope_interleave": True}
+    for name, default in (("index_topk", 2048), ("index_head_dim", 128), ("index_n_heads", 32)):
+        value = raw.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a whole number of at least 1")
+        out[name] = value
+    return {**out, "indexer_types": tuple(types), "index_rope_interleave": interleave}
+
+
+def _glm_moe_dsa(raw: Raw) -> Raw:
+    return _sparse(raw, True, _indexer_types(raw))
+
+
+def _deepseek_v32(raw: Raw) -> Raw:
+    return _sparse({"index_n_heads": 64, **raw}, False, ["full"] * raw["num_hidden_layers"])
+
+
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
     Family("Glm4MoeForCausalLM", "glm4_moe", _glm4_moe),
     Family("Qwen3MoeForCausalLM", "qwen3_moe", _qwen3_moe),
     Family("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek_v3),
     Family("Glm4MoeLiteForCausalLM", "glm4_moe_lite", _glm4_moe_lite),
+    Family("GlmMoeDsaForCausalLM", "glm_moe_dsa", _glm_moe_dsa),
+    Family("DeepseekV32ForCausalLM", "deepseek_v32", _deepseek_v32),
 )}
 
 

@@ -26,6 +26,7 @@ from runtime import batch_invariant as bi
 from runtime.config import ModelConfig
 from runtime.layers import AttentionContext, KVWriter, Linear, RMSNorm
 from runtime.rotary import apply_rotary, softmax_scale
+from runtime.sparse_attention import DsaSelection, Indexer
 
 
 def per_head_linear(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
@@ -41,9 +42,13 @@ class MLAttention(nn.Module):
 
     batch_invariant = False
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, sparse: DsaSelection | None = None) -> None:
+        """`sparse`: the model's DeepSeek sparse attention (runtime.sparse_attention), shared by its
+        layers; this layer then has an `indexer` unless it reuses the selection before it."""
         super().__init__()
         self.layer_idx = layer_idx
+        self.sparse = sparse
+        self.indexer = Indexer(cfg) if sparse is not None and cfg.has_indexer(layer_idx) else None
         self.num_heads = cfg.num_attention_heads
         self.kv_lora_rank = cfg.kv_lora_rank
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -76,7 +81,8 @@ class MLAttention(nn.Module):
         cos, sin = rope
         xq, q_cos, q_sin = (x, cos, sin) if rows is None else (x[rows], cos[rows], sin[rows])
         t = xq.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(xq))) if self.has_q_lora else self.q_proj(xq)
+        q_resid = self.q_a_layernorm(self.q_a_proj(xq)) if self.has_q_lora else None
+        q = self.q_b_proj(q_resid) if self.has_q_lora else self.q_proj(xq)
         q = q.view(t, -1, self.nope + self.rope)                                   # [T, nh, Dn + Dr]
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
@@ -87,8 +93,13 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
         q_latent = per_head_linear(q_nope, w_uk.transpose(1, 2), self.batch_invariant)  # [T, nh, C]
         key = torch.cat((latent[:, None], k_rope), dim=-1)                          # [T, 1, C + Dr]
-        out = ctx.attend(self.layer_idx, torch.cat((q_latent, q_rope), dim=-1), key,
-                         key[..., :self.kv_lora_rank], self.scale)                  # [T, nh, C]
+        if self.sparse is not None:   # the indexer's key goes to the cache beside the latent
+            cell = self.sparse.cache_key(key, None if self.indexer is None else self.indexer.key(x, rope))
+            out = self.sparse.attend(ctx, self.layer_idx, torch.cat((q_latent, q_rope), dim=-1), cell, self.indexer,
+                                     q_resid, xq, (q_cos, q_sin), self.scale, self.kv_lora_rank)
+        else:
+            out = ctx.attend(self.layer_idx, torch.cat((q_latent, q_rope), dim=-1), key,
+                             key[..., :self.kv_lora_rank], self.scale)              # [T, nh, C]
         out = per_head_linear(out, w_uv, self.batch_invariant)                      # [T, nh, Dv]
         return self.o_proj(out.reshape(t, -1))
 
@@ -97,5 +108,7 @@ class MLAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         key = torch.cat((self.kv_a_layernorm(latent)[:, None], apply_rotary(k_rope[:, None], *rope, self.interleaved)),
                         dim=-1)                                                     # [T, 1, C + Dr]
+        if self.sparse is not None:
+            key = self.sparse.cache_key(key, None if self.indexer is None else self.indexer.key(x, rope))
         ctx.write(self.layer_idx, key, key[..., :self.kv_lora_rank])
 

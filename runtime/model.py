@@ -16,6 +16,7 @@ from runtime.config import ModelConfig
 from runtime.layers import MLP, Attention, AttentionContext, KVWriter, Linear, MoE, RMSNorm
 from runtime.mla import MLAttention
 from runtime.rotary import RotaryEmbedding
+from runtime.sparse_attention import DsaSelection
 
 
 def top_one(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,9 +26,10 @@ def top_one(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, sparse: DsaSelection | None = None) -> None:
         super().__init__()
-        self.self_attn: nn.Module = MLAttention(cfg, layer_idx) if cfg.is_mla else Attention(cfg, layer_idx)
+        self.self_attn: nn.Module = (MLAttention(cfg, layer_idx, sparse) if cfg.is_mla
+                                     else Attention(cfg, layer_idx))
         self.mlp: nn.Module = (MoE(cfg) if cfg.is_moe_layer(layer_idx)
                                else MLP(cfg.hidden_size, cfg.intermediate_size))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -63,14 +65,15 @@ class MTPLayer(nn.Module):
 
     batch_invariant = False   # its modules' kernels (runtime.batch_invariant.set_batch_invariant)
 
-    def __init__(self, cfg: ModelConfig, own_embed: bool = False, own_head: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, own_embed: bool = False, own_head: bool = False,
+                 sparse: DsaSelection | None = None) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if own_embed else None
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
         self.eh_proj = Linear(2 * h, h, bias=False)
-        self.block = DecoderLayer(cfg, cfg.num_hidden_layers)
+        self.block = DecoderLayer(cfg, cfg.num_hidden_layers, sparse)
         self.shared_head = SharedHead(cfg, own_head)
 
 
@@ -86,6 +89,11 @@ class RowTwice:
         out = self.ctx.attend(layer_idx, q[:1], k[:1], v[:1], scale)
         return out.expand(2, *out.shape[1:])
 
+    def visible_keys(self, layer_idx: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sparse attention's view (runtime.sparse_attention): the first row's, for both copies."""
+        keys, seq, visible = self.ctx.visible_keys(layer_idx, k[:1])
+        return keys, seq.expand(2), visible.expand(2, -1)
+
 
 class CausalLM(nn.Module):
     # Switched by runtime.batch_invariant.set_batch_invariant: one-row steps run as two copies of
@@ -96,11 +104,13 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        # Sparse attention (GLM-5, DeepSeek-V3.2), chosen here once and handed to every MLA layer.
+        self.sparse = DsaSelection(cfg) if cfg.is_sparse else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.sparse) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg)
-        self.mtp = (MTPLayer(cfg, mtp_own_embed, mtp_own_head)
+        self.mtp = (MTPLayer(cfg, mtp_own_embed, mtp_own_head, self.sparse)
                     if cfg.num_nextn_predict_layers else None)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -119,7 +129,9 @@ class CausalLM(nn.Module):
         head dim, and for multi-head latent attention the latent width (runtime.mla)."""
         attn = (self.layers[0] if len(self.layers) else self.mtp.block).self_attn
         if isinstance(attn, MLAttention):
-            return {"num_kv_heads": 1, "head_dim": attn.kv_lora_rank + attn.rope, "latent_dim": attn.kv_lora_rank}
+            index = self.sparse.index_dim if self.sparse is not None else 0   # the indexer key beside the latent
+            return {"num_kv_heads": 1, "head_dim": attn.kv_lora_rank + attn.rope + index,
+                    "latent_dim": attn.kv_lora_rank}
         return {"num_kv_heads": attn.num_kv_heads, "head_dim": attn.head_dim, "latent_dim": None}
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:

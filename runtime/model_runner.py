@@ -69,7 +69,11 @@ class ModelRunner:
         # every row count; a one-row step runs as two copies of its row (`forward`), so no graph
         # is specialised to one row. It rounds otherwise than the eager step (both invariant), so
         # every EP rank compiles or none does (the handshake's COMPILED_BIT).
-        self.compiled = compiled and model.dtype != torch.float64
+        # Sparse attention (runtime.sparse_attention) runs eager over the padded plan: no compiled
+        # step, no batch-invariant tiles, no static steps (it reads each row's visible keys itself).
+        sparse = model.sparse is not None
+        self.plan_tiles = self.batch_invariant and not sparse
+        self.compiled = compiled and model.dtype != torch.float64 and not sparse
         # The step's graphs and guards are this model's own (runtime.compiled). No size and stride
         # asserts around every extern kernel: 111 of them per step, 4% of its CPU time.
         options = {"size_asserts": False}
@@ -105,7 +109,7 @@ class ModelRunner:
             from runtime.kernels.paged_attention import paged_attention
             self.cache.attention_kernel = paged_attention
         self.graphs: StepGraphs | None = None
-        if (static_steps or cuda_graphs) and not self.batch_invariant:
+        if (static_steps or cuda_graphs) and not self.batch_invariant and not sparse:
             max_keys = min(cfg.max_position_embeddings, self.cache.capacity_tokens)
             capture = cuda_graphs and model.dtype != torch.float64   # float64 experts sync with the host
             self.graphs = StepGraphs(model.forward, self.cache, max_keys, capture,
@@ -120,7 +124,7 @@ class ModelRunner:
         shape = self.graphs.shape_of(chunks) if self.graphs is not None else None
         if shape is not None:
             return self.graphs.run(tokens, chunks, shape)
-        plan = build_plan(self.cache, chunks, batch_invariant=self.batch_invariant)
+        plan = build_plan(self.cache, chunks, batch_invariant=self.plan_tiles)
         token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.device)
         paged = PagedAttention(self.cache, plan)
         if self._compiled_forward is None:

@@ -95,7 +95,8 @@ class MTPProposer(DraftProposer):
         self.cache = cache
         self.knobs = knobs or DrafterKnobs()
         self.graphs: StepGraphs | None = None
-        if static_steps or cuda_graphs:
+        sparse = model.sparse is not None   # sparse attention runs eager over padded plans (runtime.model_runner)
+        if (static_steps or cuda_graphs) and not sparse:
             max_keys = min(model.config.max_position_embeddings, cache.capacity_tokens)
             self.graphs = StepGraphs(model.mtp_forward, cache, max_keys,
                                      capture=cuda_graphs and model.dtype != torch.float64,
@@ -104,7 +105,7 @@ class MTPProposer(DraftProposer):
         self._compiled_forward = None
         self._compiled_chain = None    # the chained drafts' graphs (`_chain`)
         self._chain_shapes: set[tuple[int, int]] = set()   # (depth, width) chains compiled (`warm_up_chain`)
-        self._compile = compiled and self.graphs is None and model.dtype != torch.float64 and not (
+        self._compile = compiled and not sparse and self.graphs is None and model.dtype != torch.float64 and not (
             model.mtp is not None and getattr(model.mtp, "batch_invariant", False))
         tau = confidence_stop
         # Rounded to float32: the value EP workers receive on the wire, so every rank decides alike.

@@ -158,12 +158,18 @@ FAMILY_CASES = {
     "deepseek_plain": ("deepseek_v3", dict(q_lora_rank=None, n_group=1, topk_group=1, first_k_dense_replace=2,
                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "glm_lite": ("glm4_moe_lite", dict(mlp_layer_types=["dense", "sparse", "sparse"], q_lora_rank=None)),
+    # Sparse attention: top 8 keys, layer 1 sharing layer 0's selection (the MTP layer copies layer 2's indexer).
+    "glm5": ("glm_moe_dsa", dict(indexer_types=["full", "shared", "full"])),
+    "deepseek_v32": ("deepseek_v32", dict()),
 }
 
 
 def make_family_checkpoint(path: Path, case: str, seed: int = 3) -> Path:
+    import transformers
     from tools.random_checkpoint import FAMILIES, family_config, write_checkpoint
     family, overrides = FAMILY_CASES[case]
+    if not hasattr(transformers, FAMILIES[family][0]):   # GLM-5 / DeepSeek-V3.2 need transformers >= 5.2x
+        pytest.skip(f"transformers {transformers.__version__} has no {FAMILIES[family][0]}")
     cfg = {**family_config(family, 64, 3, 8), "vocab_size": VOCAB, "max_position_embeddings": 256, **overrides}
     write_checkpoint(path, family, cfg, seed=seed, mtp=FAMILIES[family][2], weight_std=0.08)
     write_tokenizer(path)

@@ -2,7 +2,7 @@
 speed comparisons), with an MTP layer after the last decoder layer where the family has one.
 
     python tools/random_checkpoint.py OUT_DIR --tokenizer models/tiny-glm-moe/tokenizer.json \
-        [--family glm4_moe|qwen3_moe|deepseek_v3|glm4_moe_lite] [--hidden 256 --layers 6 --experts 8]
+        [--family glm4_moe|qwen3_moe|deepseek_v3|glm4_moe_lite|glm_moe_dsa|deepseek_v32] [--hidden 256 --layers 6 --experts 8]
         [--fp8 [--fp8-block 128,128]]
 
 `--fp8` stores it as the FP8 releases do: every linear weight of the decoder layers (and the MTP
@@ -30,6 +30,8 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", False),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", True),
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", True),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", True),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", True),
 }
 
 
@@ -51,6 +53,10 @@ def family_config(family: str, hidden: int, layers: int, experts: int) -> dict[s
         return {**common, **mla, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                     "original_max_position_embeddings": 512, "mscale": 1.0, "mscale_all_dim": 1.0}}
+    if family in ("glm_moe_dsa", "deepseek_v32"):   # sparse attention: an indexer of 16 heads, top 8 keys
+        return {**common, **mla, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "index_topk": 8,
+                "index_n_heads": 16, "index_head_dim": hidden // 4,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
     return {**common, **mla}
 
 

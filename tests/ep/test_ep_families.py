@@ -13,7 +13,8 @@ PROMPTS = [[5, 17, 200, 3], [9, 9, 9, 100, 250, 31, 7, 64, 12], [300]]
 PARAMS = [SamplingParams(max_tokens=10, ignore_eos=True),
           SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=5)]
 CASES = [("qwen_norm", "alltoall", {}), ("deepseek_yarn", "allreduce", dict(spec="mtp", num_drafts=2)),
-         ("glm_lite", "alltoall", dict(spec="mtp", num_drafts=2))]
+         ("glm_lite", "alltoall", dict(spec="mtp", num_drafts=2)),
+         ("glm5", "alltoall", dict(spec="mtp", num_drafts=2)), ("deepseek_v32", "allreduce", {})]
 
 
 @pytest.mark.parametrize("case, mode, spec", CASES, ids=[c for c, _, _ in CASES])

@@ -1,7 +1,8 @@
 """Every family of the registry against transformers' own implementation, on small random
 checkpoints it wrote (tests/conftest.py FAMILY_CASES: Qwen3-MoE with norm_topk_prob on and off,
 decoder_sparse_step and mlp_only_layers; DeepSeek-V3 with q_lora_rank set and unset, grouped
-routing, YaRN, first_k_dense_replace; GLM-4.7-Flash with mlp_layer_types), plus the registry's
+routing, YaRN, first_k_dense_replace; GLM-4.7-Flash with mlp_layer_types; GLM-5 and DeepSeek-V3.2
+with sparse attention, index_topk below the prompt, GLM-5 with a shared-indexer layer), plus the registry's
 refusals and the compressed cache of multi-head latent attention."""
 from __future__ import annotations
 

@@ -10,6 +10,8 @@ runs transformers unchanged.
 """
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -67,6 +69,13 @@ def float64_islands(monkeypatch):
     for router in (glm.Glm4MoeTopkRouter, ds.DeepseekV3TopkRouter, lite.Glm4MoeLiteTopkRouter):
         monkeypatch.setattr(router, "forward", _router_in_input_dtype)
     monkeypatch.setattr(qwen.Qwen3MoeTopKRouter, "forward", _softmax_router_in_input_dtype)
+    for name, prefix in (("glm_moe_dsa", "GlmMoeDsa"), ("deepseek_v32", "DeepseekV32")):   # transformers >= 5.2x
+        try:
+            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except ImportError:
+            continue
+        monkeypatch.setattr(getattr(module, f"{prefix}RMSNorm"), "forward", _norm_in_input_dtype)
+        monkeypatch.setattr(getattr(module, f"{prefix}TopkRouter"), "forward", _router_in_input_dtype)
 
 
 def reference(path, dtype):

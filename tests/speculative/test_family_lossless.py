@@ -1,6 +1,7 @@
 """Speculation never changes a request's tokens on any family (float64, greedy and seeded, width 4
 and width 1): MTP chains and trees on the multi-head latent attention families (their drafter
-rows and verify rows read the latent cache), n-gram on Qwen3-MoE, which has no MTP layer."""
+rows and verify rows read the latent cache; GLM-5 and DeepSeek-V3.2 with sparse attention, a
+tree among them), n-gram on Qwen3-MoE, which has no MTP layer, and on GLM-5."""
 from __future__ import annotations
 
 import pytest
@@ -15,11 +16,15 @@ PARAMS = {"greedy": SamplingParams(max_tokens=16, ignore_eos=True),
 CASES = [("qwen_norm", dict(spec="ngram", num_drafts=3)),
          ("deepseek_yarn", dict(spec="mtp", num_drafts=3)),
          ("deepseek_plain", dict(spec="mtp", num_drafts=3, tree_shape="1,2,2")),
-         ("glm_lite", dict(spec="mtp", num_drafts=2))]
+         ("glm_lite", dict(spec="mtp", num_drafts=2)),
+         # Sparse attention (index_topk 8 < the contexts): drafter, chain and tree rows select their own keys.
+         ("glm5", dict(spec="mtp", num_drafts=3)),
+         ("glm5", dict(spec="ngram", num_drafts=3)),
+         ("deepseek_v32", dict(spec="mtp", num_drafts=3, tree_shape="1,2,2"))]
 
 
 @pytest.mark.parametrize("name", list(PARAMS))
-@pytest.mark.parametrize("case, spec", CASES, ids=[c for c, _ in CASES])
+@pytest.mark.parametrize("case, spec", CASES, ids=[f"{c}-{s['spec']}" for c, s in CASES])
 def test_same_tokens_with_and_without_speculation(family_ckpt, case, spec, name):
     path, params = family_ckpt(case), PARAMS[name]
     want = [o.token_ids for o in LLM(path, dtype="float64", kv_cache_tokens=2048).generate(PROMPTS, params)]
