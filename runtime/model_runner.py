@@ -13,6 +13,7 @@ from runtime.compiled import compile_step
 from runtime.device import kv_tokens_for_memory
 from runtime.kv_cache import PagedKVCache
 from runtime.layers import Linear
+from runtime.linear_attention import RecurrentStates
 from runtime.model import CausalLM, RowTwice
 from runtime.static_step import StepGraphs
 
@@ -21,7 +22,7 @@ from runtime.static_step import StepGraphs
 def cache_layers(model: CausalLM) -> int:
     """Cache layers the model needs: its target layers, plus one for the MTP layer."""
     cfg = model.config
-    return cfg.num_cache_layers if model.mtp is not None else cfg.num_hidden_layers
+    return cfg.num_cache_layers if model.mtp is not None else cfg.num_attention_layers
 
 
 def kv_bytes_per_token(model: CausalLM) -> int:
@@ -64,7 +65,10 @@ class ModelRunner:
         # every row count; a one-row step runs as two copies of its row (`forward`), so no graph
         # is specialised to one row. It rounds otherwise than the eager step (both invariant), so
         # every EP rank compiles or none does (the handshake's COMPILED_BIT).
-        self.compiled = compiled and model.dtype != torch.float64
+        # Linear-attention layers (runtime.linear_attention) run eager over a recurrent state per
+        # sequence: no compiled, static or captured step for them.
+        hybrid = bool(cfg.linear_layers)
+        self.compiled = compiled and model.dtype != torch.float64 and not hybrid
         # The step's graphs and guards are this model's own (runtime.compiled). No size and stride
         # asserts around every extern kernel: 111 of them per step, 4% of its CPU time.
         options = {"size_asserts": False}
@@ -89,8 +93,11 @@ class ModelRunner:
         num_blocks = max(1, kv_cache_tokens // block_size)
         self.cache = PagedKVCache(num_layers=cache_layers(model), num_blocks=num_blocks, block_size=block_size,
                                   dtype=model.dtype, device=self.device, **model.cache_layout())
+        # The conv and recurrent states of the linear-attention layers, freed with each sequence's blocks.
+        self.states = RecurrentStates(cfg, dtype=model.dtype, device=self.device) if hybrid else None
+        self.cache.states = self.states
         self.graphs: StepGraphs | None = None
-        if (static_steps or cuda_graphs) and not self.batch_invariant:
+        if (static_steps or cuda_graphs) and not self.batch_invariant and not hybrid:
             max_keys = min(cfg.max_position_embeddings, self.cache.capacity_tokens)
             capture = cuda_graphs and model.dtype != torch.float64   # float64 experts sync with the host
             self.graphs = StepGraphs(model.forward, self.cache, max_keys, capture)
@@ -107,6 +114,8 @@ class ModelRunner:
         plan = build_plan(self.cache, chunks, batch_invariant=self.batch_invariant)
         token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.device)
         paged = PagedAttention(self.cache, plan)
+        if self.states is not None:
+            paged.states = self.states.step(chunks)
         if self._compiled_forward is None:
             return self.model(token_tensor, plan.positions, paged), plan
         if self.batch_invariant and len(tokens) == 1:

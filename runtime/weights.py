@@ -8,6 +8,7 @@ only when this process owns it (`expert_range` limits the routed experts it read
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -27,6 +28,12 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
 _MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
 # Kept in float32 whatever the model dtype, as transformers does for the router.
 _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+# Tensors a Qwen3.5 / Qwen3.6-MoE checkpoint carries beside the text model, skipped unread: the
+# vision tower (multimodal layout) and the `mtp.*` layer (not served for this family yet).
+_SKIPPED = {"model.visual.": "the vision tower (text only is served)",
+            "mtp.": "the MTP layer (not served for this family)"}
+log = logging.getLogger("metrale.weights")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -84,6 +91,8 @@ def map_name(hf_name: str, cfg: ModelConfig) -> Target | None:
     if not hf_name.startswith("model.") and hf_name != "lm_head.weight":
         return None
     name = hf_name.removeprefix("model.")
+    if cfg.layer_types:   # Qwen3.5: the multimodal layout's text model, the shared expert's name
+        name = name.removeprefix("language_model.").replace(".mlp.shared_expert.", ".mlp.shared_experts.")
     m = _EXPERT.match(name)
     if m and int(m.group(1)) < cfg.num_hidden_layers:
         return _expert_target(f"layers.{m.group(1)}.mlp.experts", int(m.group(2)), m.group(3))
@@ -134,6 +143,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
                                  source=str(model_dir / "config.json"))
     scales = {name.removesuffix(SCALE_SUFFIX): path for name, path in files.items() if name.endswith(SCALE_SUFFIX)}
     files = {name: path for name, path in files.items() if not name.endswith(SCALE_SUFFIX)}
+    if cfg.layer_types:
+        for prefix, what in _SKIPPED.items():
+            skipped = [name for name in files if name.startswith(prefix)]
+            if skipped:
+                log.info("skipping %d tensors of %s: %s*", len(skipped), what, prefix)
+                files = {n: p for n, p in files.items() if not n.startswith(prefix)}
+                scales = {n: p for n, p in scales.items() if not n.startswith(prefix)}
     for name in scales:
         if name not in files:
             raise CheckpointError(f"unexpected tensor {name + SCALE_SUFFIX!r}: no weight {name!r} beside it")

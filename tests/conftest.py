@@ -133,11 +133,17 @@ FAMILY_CASES = {
                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "glm_lite": ("glm4_moe_lite", dict(mlp_layer_types=["dense", "sparse", "sparse"], q_lora_rank=None)),
 }
+# Qwen3.5 / Qwen3.6-MoE in its two layouts, 3 Gated DeltaNet layers and 1 full-attention layer
+# (tests/runtime/test_qwen3_5.py; apart from FAMILY_CASES, whose tests assume a KV cache in every layer).
+QWEN35_CASES = {
+    "qwen35_text": ("qwen3_5_moe_text", dict(num_hidden_layers=4)),
+    "qwen35_vl": ("qwen3_5_moe", dict(num_hidden_layers=4)),
+}
 
 
 def make_family_checkpoint(path: Path, case: str, seed: int = 3) -> Path:
     from tools.random_checkpoint import FAMILIES, family_config, write_checkpoint
-    family, overrides = FAMILY_CASES[case]
+    family, overrides = {**FAMILY_CASES, **QWEN35_CASES}[case]
     cfg = {**family_config(family, 64, 3, 8), "vocab_size": VOCAB, "max_position_embeddings": 256, **overrides}
     write_checkpoint(path, family, cfg, seed=seed, mtp=FAMILIES[family][2], weight_std=0.08)
     write_tokenizer(path)

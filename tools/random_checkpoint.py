@@ -30,6 +30,9 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", False),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", True),
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", True),
+    # Qwen3.5 / Qwen3.6-MoE: the text-only layout and the multimodal one (a small vision tower beside).
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", False),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", False),
 }
 
 
@@ -44,6 +47,18 @@ def family_config(family: str, hidden: int, layers: int, experts: int) -> dict[s
     if family == "qwen3_moe":
         return {**common, "num_key_value_heads": 2, "head_dim": hidden // 4, "num_experts": experts,
                 "norm_topk_prob": True}
+    if family.startswith("qwen3_5_moe"):   # every 4th layer full attention, the rest Gated DeltaNet
+        text = {**common, "num_key_value_heads": 2, "head_dim": hidden // 4, "num_experts": experts,
+                "shared_expert_intermediate_size": hidden // 2, "linear_conv_kernel_dim": 4,
+                "linear_key_head_dim": hidden // 4, "linear_value_head_dim": hidden // 4,
+                "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                    "mrope_section": [1, 1, 0]}}
+        del text["intermediate_size"]
+        if family == "qwen3_5_moe_text":
+            return text
+        return {"text_config": text, "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64,
+                                                       "num_heads": 2, "out_hidden_size": hidden}}
     mla = dict(num_key_value_heads=4, n_routed_experts=experts, n_shared_experts=1, kv_lora_rank=hidden // 2,
                q_lora_rank=3 * hidden // 4, qk_nope_head_dim=hidden // 4, qk_rope_head_dim=hidden // 8,
                v_head_dim=hidden // 4)
@@ -90,6 +105,10 @@ def write_checkpoint(out: Path, family: str, config: dict[str, Any], *, seed: in
     config_cls, model_cls, has_mtp = FAMILIES[family]
     if mtp and not has_mtp:
         raise ValueError(f"family {family!r} has no MTP layer")
+    if "text_config" in config:   # a multimodal config: the text model's keys given beside it go inside
+        config = {"text_config": {**config["text_config"], **{k: v for k, v in config.items()
+                                                              if k not in ("text_config", "vision_config")}},
+                  "vision_config": config.get("vision_config")}
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
     if weight_std is not None:

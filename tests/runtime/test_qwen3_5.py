@@ -1,0 +1,212 @@
+"""Qwen3.5 / Qwen3.6-MoE (Gated DeltaNet linear attention beside gated full attention) against
+transformers' own implementation, on small random checkpoints it wrote in both layouts (text only,
+and multimodal with a vision tower): 3 linear-attention layers and 1 full-attention layer."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from runtime.attention import PagedAttention, SeqChunk, build_plan
+from runtime.config import load_config
+from runtime.kv_cache import PagedKVCache
+from runtime.linear_attention import RecurrentStates, chunked_delta_rule, recurrent_delta_rule
+from runtime.sampler import SamplingParams
+from runtime.weights import load_model
+from serving.llm import LLM
+from tests.runtime.test_oracle import TOLERANCE, reference, reference_logits_stepwise
+
+pytest.importorskip("transformers.models.qwen3_5_moe", reason="transformers without Qwen3.5-MoE (before 5.2x)")
+
+LAYOUTS = ["qwen35_text", "qwen35_vl"]
+IDS = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+
+
+def _in_input_dtype(module):
+    """transformers' function `name` of the Qwen3.5 module, run with float32 meaning the input's
+    dtype (its float32 islands: the delta rules), so a float64 reference stays float64."""
+    import types
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q
+
+    class Torch64:
+        float32 = torch.float64
+        float = torch.float64
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    scope = {**q.__dict__, "torch": Torch64()}
+
+    def inner(fn, name, depth=0):
+        """The function called `name` inside the closures of a kernel-hub wrapper `fn`."""
+        if isinstance(fn, types.FunctionType) and fn.__name__ == name and fn.__code__.co_filename == q.__file__:
+            return fn
+        if isinstance(fn, torch.nn.Module):
+            fn = type(fn).forward
+        for cell in getattr(fn, "__closure__", None) or () if depth < 4 else ():
+            found = inner(cell.cell_contents, name, depth + 1)
+            if found is not None:
+                return found
+        return None
+
+    def copy(fn):
+        fn = inner(fn, module)
+        return types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    return copy(getattr(q, module))
+
+
+@pytest.fixture
+def qwen35_float64(monkeypatch):
+    """The reference's float32 islands (norms, gated norm, router, delta rules) in float64."""
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q
+
+    def norm(self, x):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return h * (1.0 + self.weight)
+
+    def gated_norm(self, x, gate):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h * torch.nn.functional.silu(gate)
+
+    def router(self, x):
+        x = x.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(x, self.weight.to(x.dtype))
+        weights, idx = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+        return logits, weights / weights.sum(dim=-1, keepdim=True), idx
+
+    monkeypatch.setattr(q.Qwen3_5MoeRMSNorm, "forward", norm)
+    monkeypatch.setattr(q.Qwen3_5MoeRMSNormGated, "forward", gated_norm)
+    monkeypatch.setattr(q.Qwen3_5MoeTopKRouter, "forward", router)
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        monkeypatch.setattr(q, name, _in_input_dtype(name))
+
+
+def ours_stepwise(model, steps: list[list[tuple[int, list[int]]]]) -> list[torch.Tensor]:
+    """Run `steps` (each a list of (seq_id, tokens) chunks continuing those sequences) -> each
+    step's logits [rows, V]; a fresh cache and state pool."""
+    cfg = model.config
+    cache = PagedKVCache(num_layers=cfg.num_attention_layers, num_blocks=64, block_size=4, dtype=model.dtype,
+                         device=model.device, **model.cache_layout())
+    cache.states = RecurrentStates(cfg, dtype=model.dtype, device=model.device)
+    out = []
+    with torch.no_grad():
+        for step in steps:
+            chunks = []
+            for seq_id, toks in step:
+                start = cache.length(seq_id)
+                cache.reserve(seq_id, start + len(toks))
+                chunks.append(SeqChunk(seq_id, start, len(toks)))
+            plan = build_plan(cache, chunks, batch_invariant=model.dtype == torch.float64)
+            paged = PagedAttention(cache, plan)
+            paged.states = cache.states.step(chunks)
+            tokens = torch.tensor([t for _, toks in step for t in toks])
+            out.append(model.compute_logits(model(tokens, plan.positions, paged)))
+    return out
+
+
+def test_config_reads_both_layouts(family_ckpt):
+    text, vl = load_config(family_ckpt("qwen35_text")), load_config(family_ckpt("qwen35_vl"))
+    assert text.architecture == "Qwen3_5MoeForCausalLM"
+    assert vl.architecture == "Qwen3_5MoeForConditionalGeneration"
+    for cfg in (text, vl):
+        assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+        assert cfg.num_attention_layers == 1 and cfg.linear_layers == (0, 1, 2)
+        assert cfg.rotary_dim == 4 and cfg.shared_expert_gate and cfg.norm_unit_offset
+
+
+def test_vision_tower_skipped_with_one_line(family_ckpt, caplog):
+    with caplog.at_level("INFO", logger="metrale.weights"):
+        model = load_model(family_ckpt("qwen35_vl"), "float32", device="cpu")
+    lines = [r.getMessage() for r in caplog.records if "vision tower" in r.getMessage()]
+    assert len(lines) == 1 and "model.visual." in lines[0]
+    assert not any("visual" in n for n, _ in model.named_parameters())
+
+
+def test_delta_rule_chunked_equals_recurrent():
+    g = torch.Generator().manual_seed(0)
+    n, nv, dk, dv = 70, 2, 8, 6   # more than one block of CHUNK rows
+    q, k = (torch.nn.functional.normalize(torch.randn(n, nv, dk, generator=g, dtype=torch.float64), dim=-1)
+            for _ in range(2))
+    v = torch.randn(n, nv, dv, generator=g, dtype=torch.float64)
+    decay = -torch.rand(n, nv, generator=g, dtype=torch.float64)
+    beta = torch.rand(n, nv, generator=g, dtype=torch.float64)
+    s0 = torch.randn(nv, dk, dv, generator=g, dtype=torch.float64)
+    a, sa = chunked_delta_rule(q, k, v, decay, beta, s0)
+    b, sb = recurrent_delta_rule(q, k, v, decay, beta, s0)
+    assert (a - b).abs().max() < 1e-12 and (sa - sb).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logits_match_transformers_prefill_and_decode(request, family_ckpt, layout, dtype):
+    if dtype == torch.float64:
+        request.getfixturevalue("qwen35_float64")
+    path = family_ckpt(layout)
+    ref, ours = reference(path, dtype), load_model(path, dtype, device="cpu")
+    for prefill in (20, 7):
+        expected = reference_logits_stepwise(ref, IDS, prefill)
+        assert expected.abs().max() > 0.1
+        steps = [[(0, IDS[:prefill])]] + [[(0, [t])] for t in IDS[prefill:]]
+        got = torch.cat(ours_stepwise(ours, steps))
+        assert got.dtype == dtype
+        assert (got - expected).abs().max().item() < TOLERANCE[dtype], f"prefill={prefill}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_greedy_continuations_identical_in_float64(family_ckpt, layout, qwen35_float64):
+    path = family_ckpt(layout)
+    ref = reference(path, torch.float64)
+    prompts = [[5, 17, 200, 3], [9, 9, 9, 100, 250, 31, 7, 64]]
+    outs = LLM(path, dtype="float64", kv_cache_tokens=512).generate(prompts, SamplingParams(max_tokens=12,
+                                                                                           ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ids = list(prompt)
+        with torch.no_grad():   # transformers' full forward over everything so far, token by token
+            for _ in range(12):
+                ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert out.token_ids == ids[len(prompt):]
+
+
+def test_batch_equals_each_sequence_alone(family_ckpt):
+    """Sequences prefilled and decoded together give the logits each gives alone, exactly (float64)."""
+    model = load_model(family_ckpt("qwen35_text"), torch.float64, device="cpu")
+    a, b = IDS[:9], IDS[9:15]
+    together = ours_stepwise(model, [[(0, a), (1, b)], [(0, [7]), (1, [11])], [(0, [3]), (1, [4])]])
+    alone_a = ours_stepwise(model, [[(0, a)], [(0, [7])], [(0, [3])]])
+    alone_b = ours_stepwise(model, [[(1, b)], [(1, [11])], [(1, [4])]])
+    assert torch.equal(together[0], torch.cat((alone_a[0], alone_b[0])))
+    for step in (1, 2):
+        assert torch.equal(together[step], torch.cat((alone_a[step], alone_b[step])))
+
+
+def test_preemption_equals_roomy(family_ckpt):
+    """A cache too small for every sequence at once preempts (frees the state with the blocks and
+    recomputes it from the tokens) and gives the same greedy tokens as a roomy one."""
+    path = family_ckpt("qwen35_text")
+    prompts = [[5, 17, 200, 3, 8, 8, 1], [9, 9, 9, 100, 250, 31, 7, 64], [300, 2, 5], [1, 2, 3, 4, 5, 6]]
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    roomy = LLM(path, dtype="float64", kv_cache_tokens=512).generate(prompts, params)
+    tight_llm = LLM(path, dtype="float64", kv_cache_tokens=48, block_size=4)
+    tight = tight_llm.generate(prompts, params)
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
+    assert tight_llm.engine.num_preemptions > 0
+
+
+def test_state_freed_with_the_sequence(family_ckpt):
+    llm = LLM(family_ckpt("qwen35_text"), dtype="float32", kv_cache_tokens=256)
+    llm.generate([[5, 17, 200, 3], [9, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
+    states = llm.engine.runner.states
+    assert states is not None and states.bytes_per_sequence > 0
+    assert not states.conv and not states.rec and not states.lengths
+
+
+def test_layers_are_what_transformers_builds(family_ckpt):
+    path = family_ckpt("qwen35_vl")
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    ref, ours = reference(path, torch.float32), load_model(path, "float32", device="cpu")
+    for theirs, mine in zip(ref.model.layers, ours.layers, strict=True):
+        assert hasattr(theirs, "linear_attn") == hasattr(mine, "linear_attn")
+        assert hasattr(theirs, "self_attn") == hasattr(mine, "self_attn")
+    assert ours.mtp is None
