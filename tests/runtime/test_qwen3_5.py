@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from runtime.batch_invariant import set_batch_invariant
 from runtime.attention import PagedAttention, SeqChunk, build_plan
 from runtime.config import load_config
 from runtime.kv_cache import PagedKVCache
@@ -171,6 +172,7 @@ def test_greedy_continuations_identical_in_float64(family_ckpt, layout, qwen35_f
 def test_batch_equals_each_sequence_alone(family_ckpt):
     """Sequences prefilled and decoded together give the logits each gives alone, exactly (float64)."""
     model = load_model(family_ckpt("qwen35_text"), torch.float64, device="cpu")
+    set_batch_invariant(model, True)   # as the runner sets it for float64
     a, b = IDS[:9], IDS[9:15]
     together = ours_stepwise(model, [[(0, a), (1, b)], [(0, [7]), (1, [11])], [(0, [3]), (1, [4])]])
     alone_a = ours_stepwise(model, [[(0, a)], [(0, [7])], [(0, [3])]])
@@ -187,10 +189,29 @@ def test_preemption_equals_roomy(family_ckpt):
     prompts = [[5, 17, 200, 3, 8, 8, 1], [9, 9, 9, 100, 250, 31, 7, 64], [300, 2, 5], [1, 2, 3, 4, 5, 6]]
     params = SamplingParams(max_tokens=14, ignore_eos=True)
     roomy = LLM(path, dtype="float64", kv_cache_tokens=512).generate(prompts, params)
-    tight_llm = LLM(path, dtype="float64", kv_cache_tokens=48, block_size=4)
+    tight_llm = LLM(path, dtype="float64", kv_cache_tokens=48)
     tight = tight_llm.generate(prompts, params)
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
-    assert tight_llm.engine.num_preemptions > 0
+    assert tight_llm.engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_refused_in_one_line(family_ckpt, caplog):
+    with caplog.at_level("INFO", logger="metrale.engine"):
+        llm = LLM(family_ckpt("qwen35_text"), dtype="float32", kv_cache_tokens=256)
+    lines = [r.getMessage() for r in caplog.records if "prefix caching is off" in r.getMessage()]
+    assert len(lines) == 1 and "bytes per sequence" in lines[0]
+    assert llm.engine.scheduler.prefix is None
+    prompt = [5, 17, 200, 3, 8, 8, 1, 2, 9, 9, 9, 100, 250, 31, 7, 64, 1, 2]   # past a block: nothing attached
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    first, again = llm.generate([prompt], params), llm.generate([prompt], params)
+    assert first[0].token_ids == again[0].token_ids and again[0].cached_tokens == 0
+
+
+@pytest.mark.parametrize("kwargs, word", [(dict(spec="ngram"), "--spec ngram"), (dict(ep=2), "--ep 2")])
+def test_speculation_and_ep_refused_in_one_line(family_ckpt, kwargs, word):
+    with pytest.raises(ValueError) as err:
+        LLM(family_ckpt("qwen35_text"), dtype="float32", kv_cache_tokens=256, **kwargs)
+    assert word in str(err.value) and "\n" not in str(err.value)
 
 
 def test_state_freed_with_the_sequence(family_ckpt):
