@@ -4,8 +4,10 @@ A linear-attention layer keeps no KV cache: each sequence carries, per such laye
 `K - 1` inputs of its causal depthwise conv1d ([C, K-1], C = 2 * key dim + value dim) and a
 recurrent matrix per value head ([nv, dk, dv]). `RecurrentStates` holds them beside the paged KV
 cache of the full-attention layers, allocated when a sequence's first chunk runs and dropped with
-it (`PagedKVCache.free` calls `free` here): a rewind may only keep every token or none, since a
-state cannot be taken back (speculation and prefix caching are refused for these families).
+it (`PagedKVCache.free` and `rewind` call `free` and `rewind` here). A state cannot be taken
+back, so a short chunk that continues a sequence (a verify step's rows) keeps the state after
+each row, and a rewind to an accepted length takes that row's state without recomputing the rows;
+other rewinds keep every token or none (prefix caching is off for these families).
 
 A step's chunks reach the layers through `StepStates` (the runner sets it on the step's
 `PagedAttention` as `.states`): each chunk continues its sequence's state (start == the tokens it
@@ -25,6 +27,10 @@ from runtime.config import ModelConfig
 from runtime.layers import Linear, stats_dtype
 
 CHUNK = 64   # rows of one block of the chunked delta rule (as transformers and FLA use)
+# A chunk continuing a sequence with at most this many rows (a verify step's drafts, a short
+# prefill piece) runs the recurrent rule row by row and keeps the state after each row, so a
+# rewind to any of its lengths takes that row's state instead of recomputing the rows.
+SNAPSHOT_ROWS = 16
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -32,9 +38,11 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                         state: torch.Tensor, every: list[torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """One row at a time. q, k [n, nv, dk] (l2-normed, q scaled), v [n, nv, dv], g, beta [n, nv],
-    state [nv, dk, dv] -> (out [n, nv, dv], the state after the last row)."""
+    state [nv, dk, dv] -> (out [n, nv, dv], the state after the last row); `every` gets the state
+    after each row appended."""
     out = torch.empty_like(v)
     for i in range(q.shape[0]):
         state = state * g[i].exp()[:, None, None]
@@ -42,6 +50,8 @@ def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         delta = (v[i] - mem) * beta[i][:, None]
         state = state + k[i][:, :, None] * delta[:, None, :]
         out[i] = (state * q[i][:, :, None]).sum(dim=-2)
+        if every is not None:
+            every.append(state)
     return out, state
 
 
@@ -102,6 +112,9 @@ class RecurrentStates:
         self.conv: dict[int, torch.Tensor] = {}
         self.rec: dict[int, torch.Tensor] = {}
         self.lengths: dict[int, int] = {}
+        # The last step's snapshots of a sequence whose chunk kept them: (its start, per state row
+        # the conv window [C, K-1+n] and the recurrent state before and after each row).
+        self.snapshots: dict[int, tuple[int, dict[int, tuple[torch.Tensor, list[torch.Tensor]]]]] = {}
 
     @property
     def bytes_per_sequence(self) -> int:
@@ -120,16 +133,29 @@ class RecurrentStates:
         self.lengths[seq_id] = 0
 
     def free(self, seq_id: int) -> None:
-        for table in (self.conv, self.rec, self.lengths):
+        for table in (self.conv, self.rec, self.lengths, self.snapshots):
             table.pop(seq_id, None)
 
     def rewind(self, seq_id: int, new_length: int) -> None:
-        """Keep every token (a no-op) or none; anything between would need the state at that token."""
+        """Go back to the state after `new_length` tokens: every token (a no-op), none, or a length
+        inside the last step's chunk when it kept snapshots (a verify step's accepted drafts: that
+        row's state, nothing recomputed)."""
         if new_length == 0:
             self.free(seq_id)
-        elif new_length != self.length(seq_id) and seq_id in self.lengths:
+            return
+        if new_length == self.length(seq_id) or seq_id not in self.lengths:
+            return
+        start, rows = self.snapshots.get(seq_id, (None, {}))
+        if start is None or not start <= new_length < self.length(seq_id):
             raise ValueError(f"cannot rewind the recurrent state of sequence {seq_id} from "
-                             f"{self.length(seq_id)} to {new_length} tokens: it keeps no earlier state")
+                             f"{self.length(seq_id)} to {new_length} tokens: it keeps no state there")
+        at = new_length - start   # rows of the chunk kept
+        width = self.conv_shape[2]
+        for slot, (window, every) in rows.items():
+            self.conv[seq_id][slot] = window[:, at:at + width]
+            self.rec[seq_id][slot] = every[at]
+        self.lengths[seq_id] = new_length
+        del self.snapshots[seq_id]
 
     def step(self, chunks) -> StepStates:
         """The states of one step's chunks (runtime.attention.SeqChunk, sequence-major rows)."""
@@ -142,8 +168,10 @@ class StepStates:
     def __init__(self, states: RecurrentStates, chunks) -> None:
         self.states = states
         self.spans: list[tuple[int, int, int]] = []   # (seq_id, first row, rows)
+        self.keeps: set[int] = set()   # sequences whose chunk keeps a state per row
         row = 0
         for c in chunks:
+            states.snapshots.pop(c.seq_id, None)
             if c.parents is not None:
                 raise ValueError("tree rows over a recurrent state are not supported")
             if c.start == 0:
@@ -151,6 +179,9 @@ class StepStates:
             elif c.start != states.length(c.seq_id) or c.seq_id not in states.lengths:
                 raise ValueError(f"sequence {c.seq_id}: a chunk from position {c.start} does not continue its "
                                  f"recurrent state of {states.length(c.seq_id)} tokens")
+            if c.start > 0 and c.num_tokens <= SNAPSHOT_ROWS:
+                self.keeps.add(c.seq_id)
+                states.snapshots[c.seq_id] = (c.start, {})
             states.lengths[c.seq_id] = c.end
             self.spans.append((c.seq_id, row, c.num_tokens))
             row += c.num_tokens
@@ -211,9 +242,14 @@ class GatedDeltaNet(nn.Module):
                 q = q.repeat_interleave(self.nv // self.nk, dim=1)
                 k = k.repeat_interleave(self.nv // self.nk, dim=1)
             q, k = _l2norm(q) * self.dk ** -0.5, _l2norm(k)
-            rule = recurrent_delta_rule if n == 1 else chunked_delta_rule
-            o, state = rule(q, k, v.reshape(n, self.nv, self.dv), g[first:first + n].to(dt),
-                            beta[first:first + n].to(dt), step.states.rec[seq_id][slot])
+            args = (q, k, v.reshape(n, self.nv, self.dv), g[first:first + n].to(dt), beta[first:first + n].to(dt),
+                    step.states.rec[seq_id][slot])
+            if seq_id in step.keeps:   # the state before and after each row, for a rewind
+                every = [args[-1]]
+                o, state = recurrent_delta_rule(*args, every=every)
+                step.states.snapshots[seq_id][1][slot] = (window, every)
+            else:
+                o, state = (recurrent_delta_rule if n == 1 else chunked_delta_rule)(*args)
             step.states.rec[seq_id][slot] = state
             out[first:first + n] = o
         out = self.norm(out.to(x.dtype), z.view(t, self.nv, self.dv))

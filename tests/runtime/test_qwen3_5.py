@@ -16,6 +16,8 @@ from runtime.linear_attention import RecurrentStates, chunked_delta_rule, recurr
 from runtime.sampler import SamplingParams
 from runtime.weights import load_model
 from serving.llm import LLM
+from speculative import Drafts
+from tests.speculative.test_proposers import ScriptedProposer
 from tests.runtime.test_oracle import TOLERANCE, reference, reference_logits_stepwise
 
 pytest.importorskip("transformers.models.qwen3_5_moe", reason="transformers without Qwen3.5-MoE (before 5.2x)")
@@ -207,7 +209,7 @@ def test_prefix_cache_refused_in_one_line(family_ckpt, caplog):
     assert first[0].token_ids == again[0].token_ids and again[0].cached_tokens == 0
 
 
-@pytest.mark.parametrize("kwargs, word", [(dict(spec="ngram"), "--spec ngram"), (dict(ep=2), "--ep 2")])
+@pytest.mark.parametrize("kwargs, word", [(dict(spec="mtp"), "--spec mtp"), (dict(ep=2), "--ep 2")])
 def test_speculation_and_ep_refused_in_one_line(family_ckpt, kwargs, word):
     with pytest.raises(ValueError) as err:
         LLM(family_ckpt("qwen35_text"), dtype="float32", kv_cache_tokens=256, **kwargs)
@@ -231,3 +233,50 @@ def test_layers_are_what_transformers_builds(family_ckpt):
         assert hasattr(theirs, "linear_attn") == hasattr(mine, "linear_attn")
         assert hasattr(theirs, "self_attn") == hasattr(mine, "self_attn")
     assert ours.mtp is None
+
+
+SPEC_PROMPTS = [[5, 17, 200, 3, 5, 17, 200, 3, 5], [9, 9, 9, 100, 250, 31, 7, 64, 12, 13, 14], [300],
+                [41, 42, 41, 42, 41, 42]]
+SPEC_PARAMS = {"greedy": SamplingParams(max_tokens=16, ignore_eos=True),
+               "seeded": SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=7)}
+
+
+class PartlyRightProposer(ScriptedProposer):
+    """The true continuation with one draft changed (at a place that moves along the output), so
+    verifies accept 0..K-1 drafts and the state goes back to rows inside the verified chunk."""
+
+    def propose(self, req):
+        drafts = super().propose(req)
+        toks = list(drafts.tokens)
+        if toks:
+            at = len(req.token_ids) % len(toks)
+            toks[at] = (toks[at] + 1) % 320
+        return Drafts(toks, list(drafts.probs))
+
+
+@pytest.mark.parametrize("name", list(SPEC_PARAMS))
+def test_ngram_speculation_lossless(family_ckpt, name):
+    """n-gram chains over the recurrent state: the same tokens as without speculation (float64,
+    greedy and seeded, width 4 and width 1)."""
+    path, params = family_ckpt("qwen35_text"), SPEC_PARAMS[name]
+    want = [o.token_ids for o in LLM(path, dtype="float64", kv_cache_tokens=1024).generate(SPEC_PROMPTS, params)]
+    llm = LLM(path, dtype="float64", kv_cache_tokens=1024, spec="ngram", num_drafts=3)
+    assert [o.token_ids for o in llm.generate(SPEC_PROMPTS, params)] == want               # width 4
+    assert [llm.generate([p], params)[0].token_ids for p in SPEC_PROMPTS] == want          # width 1
+    assert llm.engine.metrics.verifies > 0 and llm.engine.metrics.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_verify_keeps_the_state_at_the_accepted_row(family_ckpt, width):
+    """Drafts right up to a wrong one: each verify accepts some rows and rejects the rest, the
+    state is the snapshot after the last accepted row, and the tokens are plain decoding's."""
+    path = family_ckpt("qwen35_text")
+    params = SamplingParams(max_tokens=13, ignore_eos=True)
+    prompts = SPEC_PROMPTS[:width]
+    plain = LLM(path, dtype="float64", kv_cache_tokens=1024).generate(prompts, params)
+    script = PartlyRightProposer({tuple(p): o.token_ids for p, o in zip(prompts, plain)}, {})
+    llm = LLM(path, dtype="float64", kv_cache_tokens=1024, spec="ngram", num_drafts=4, draft_policy="fixed")
+    llm.engine.proposer = script
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    m = llm.engine.metrics
+    assert 0 < m.accepted_tokens < m.drafted_tokens
