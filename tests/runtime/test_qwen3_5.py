@@ -280,3 +280,16 @@ def test_verify_keeps_the_state_at_the_accepted_row(family_ckpt, width):
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
     m = llm.engine.metrics
     assert 0 < m.accepted_tokens < m.drafted_tokens
+
+
+def test_fp8_checkpoint_gives_the_dequantized_models_logits(family_ckpt, tmp_path):
+    """The multimodal layout stored as the FP8 releases are (vision tower included, skipped)."""
+    from tests.runtime.test_fp8 import _fp8_pair
+    fp8, deq = _fp8_pair(family_ckpt("qwen35_vl"), tmp_path)
+    a, b = load_model(fp8, "float32", device="cpu"), load_model(deq, "float32", device="cpu")
+    assert a.weight_format.startswith("fp8 blocks")
+    for (na, ta), (nb, tb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert na == nb and torch.equal(ta, tb), na
+    steps = [[(0, IDS[:8])]] + [[(0, [t])] for t in IDS[8:12]]
+    got, want = torch.cat(ours_stepwise(a, steps)), torch.cat(ours_stepwise(b, steps))
+    assert want.abs().max() > 0.1 and (got - want).abs().max().item() < 1e-5
