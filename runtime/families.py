@@ -9,7 +9,7 @@ family only reads the `config.json` fields in which it differs into `ModelConfig
 | Qwen3MoeForCausalLM | GQA, q/k norm | softmax top-k | decoder_sparse_step, mlp_only_layers | none |
 | DeepseekV3ForCausalLM | MLA, YaRN | sigmoid, grouped | first_k_dense_replace | optional |
 | Glm4MoeLiteForCausalLM | MLA | sigmoid, grouped | mlp_layer_types | optional |
-| Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeForCausalLM | Gated DeltaNet + gated GQA (layer_types) | softmax top-k, gated shared expert | all MoE | refused |
+| Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeForCausalLM | Gated DeltaNet + gated GQA (layer_types) | softmax top-k, gated shared expert | all MoE | `mtp.*` |
 
 Qwen3.5 / Qwen3.6-MoE's multimodal layout keeps the text model's fields under `text_config`
 (`text_config=True`: read from there) and its tensors under `model.language_model.*`.
@@ -72,8 +72,8 @@ def _qwen3_5_moe(raw: Raw) -> Raw:
             "routed_scaling_factor": 1.0, "first_k_dense_replace": 0, "norm_topk_prob": True, "use_qk_norm": True,
             "o_proj_bias": bool(raw.get("attention_bias", False)), "attn_output_gate": True,
             "norm_unit_offset": True, "layer_types": tuple(types),
-            # The `mtp.*` layer is not served for this family yet: its tensors are skipped on load.
-            "num_nextn_predict_layers": 0,
+            # The `mtp.*` layer (fc, pre_fc_norm_embedding / _hidden, layers.0, norm): runtime.weights maps it.
+            "num_nextn_predict_layers": int(raw.get("mtp_num_hidden_layers") or 0),
             "partial_rotary_factor": float(raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25)))}
 
 

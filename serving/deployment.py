@@ -134,8 +134,8 @@ def local_rank_info(rank: int) -> dict:
 
 
 def _refuse_for_linear_attention(config: DeploymentConfig, spec: SpecSettings) -> None:
-    """A family with linear-attention layers (Qwen3.5) runs on one process, and speculates by
-    n-gram chains only (its `mtp.*` layer is not served, so no MTP drafts or trees)."""
+    """A family with linear-attention layers (Qwen3.5) runs on one process and speculates by
+    chains only (MTP or n-gram): a tree row's state would follow its own ancestors."""
     from runtime.config import load_config
     cfg = load_config(config.model_dir)
     if not cfg.linear_layers:
@@ -143,9 +143,9 @@ def _refuse_for_linear_attention(config: DeploymentConfig, spec: SpecSettings) -
     if config.ep > 1:
         raise ValueError(f"--ep {config.ep}: {cfg.architecture} has linear-attention layers; expert parallelism "
                          "is not supported for this family (use --ep 1)")
-    if spec.method == "mtp":
-        raise ValueError(f"--spec mtp: the MTP layer of {cfg.architecture} (mtp.*) is not served yet "
-                         "(use --spec ngram or none)")
+    if spec.tree_shape is not None:
+        raise ValueError(f"--tree-shape {spec.tree_shape.text}: {cfg.architecture} has linear-attention layers; "
+                         "draft trees over their recurrent state are not supported (use chains)")
 
 
 class Deployment:

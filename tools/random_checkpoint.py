@@ -31,8 +31,8 @@ FAMILIES = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", True),
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", True),
     # Qwen3.5 / Qwen3.6-MoE: the text-only layout and the multimodal one (a small vision tower beside).
-    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", False),
-    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", False),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", True),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", True),
 }
 
 
@@ -69,11 +69,38 @@ def family_config(family: str, hidden: int, layers: int, experts: int) -> dict[s
     return {**common, **mla}
 
 
+def add_qwen35_mtp_layer(path: Path, seed: int = 5) -> Path:
+    """Qwen3.5's `mtp.*` layer: `mtp.layers.0` a copy of the last full-attention layer, `mtp.fc`
+    passing the target hidden through (plus noise), unit (zero, as 1 + w) norms; config.json's
+    `mtp_num_hidden_layers` 1."""
+    from safetensors.torch import load_file, save_file
+    raw = json.loads((path / "config.json").read_text())
+    cfg = raw.get("text_config", raw)
+    h, full = cfg["hidden_size"], max(i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention")
+    tensors = load_file(str(path / "model.safetensors"))
+    src = next(p for p in ("model.language_model.", "model.") if f"{p}layers.0.input_layernorm.weight" in tensors)
+    src += f"layers.{full}."
+    for k in [k for k in tensors if k.startswith(src)]:
+        tensors["mtp.layers.0." + k[len(src):]] = tensors[k].clone()
+    g = torch.Generator().manual_seed(seed)
+    fc = torch.zeros(h, 2 * h)
+    fc[:, h:] = torch.eye(h)
+    tensors["mtp.fc.weight"] = fc + 0.02 * torch.randn(h, 2 * h, generator=g)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{name}.weight"] = torch.zeros(h)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    return path
+
+
 def add_mtp_layer(path: Path, seed: int = 5, noise: float = 0.0) -> Path:
     """Append an MTP layer at index num_hidden_layers to the checkpoint in `path`: the last decoder
     layer's tensors (plus `noise`), eh_proj passing the target hidden through, unit norms."""
     from safetensors.torch import load_file, save_file
     cfg = json.loads((path / "config.json").read_text())
+    if "layer_types" in cfg.get("text_config", cfg):
+        return add_qwen35_mtp_layer(path, seed)
     layers, h = cfg["num_hidden_layers"], cfg["hidden_size"]
     tensors = load_file(str(path / "model.safetensors"))
     g = torch.Generator().manual_seed(seed)

@@ -209,7 +209,8 @@ def test_prefix_cache_refused_in_one_line(family_ckpt, caplog):
     assert first[0].token_ids == again[0].token_ids and again[0].cached_tokens == 0
 
 
-@pytest.mark.parametrize("kwargs, word", [(dict(spec="mtp"), "--spec mtp"), (dict(ep=2), "--ep 2")])
+@pytest.mark.parametrize("kwargs, word", [(dict(spec="mtp", tree_shape="1,2"), "--tree-shape 1,2"),
+                                          (dict(ep=2), "--ep 2")])
 def test_speculation_and_ep_refused_in_one_line(family_ckpt, kwargs, word):
     with pytest.raises(ValueError) as err:
         LLM(family_ckpt("qwen35_text"), dtype="float32", kv_cache_tokens=256, **kwargs)
@@ -232,7 +233,7 @@ def test_layers_are_what_transformers_builds(family_ckpt):
     for theirs, mine in zip(ref.model.layers, ours.layers, strict=True):
         assert hasattr(theirs, "linear_attn") == hasattr(mine, "linear_attn")
         assert hasattr(theirs, "self_attn") == hasattr(mine, "self_attn")
-    assert ours.mtp is None
+    assert ours.mtp is not None and hasattr(ours.mtp.block, "self_attn")   # mtp.layers.0: full attention
 
 
 SPEC_PROMPTS = [[5, 17, 200, 3, 5, 17, 200, 3, 5], [41, 42, 41, 42, 41, 42], [9, 9, 9, 100, 250, 31, 7, 64],
@@ -255,15 +256,17 @@ class PartlyRightProposer(ScriptedProposer):
 
 
 @pytest.mark.parametrize("name", list(SPEC_PARAMS))
-def test_ngram_speculation_lossless(family_ckpt, name):
-    """n-gram chains over the recurrent state: the same tokens as without speculation (float64,
-    greedy and seeded, width 4 and width 1)."""
-    path, params = family_ckpt("qwen35_text"), SPEC_PARAMS[name]
+@pytest.mark.parametrize("spec, layout", [("ngram", "qwen35_text"), ("mtp", "qwen35_vl")])
+def test_speculation_lossless(family_ckpt, spec, layout, name):
+    """n-gram and MTP (`mtp.*`) chains over the recurrent state: the same tokens as without
+    speculation (float64, greedy and seeded, width 4 and width 1)."""
+    path, params = family_ckpt(layout), SPEC_PARAMS[name]
     want = [o.token_ids for o in LLM(path, dtype="float64", kv_cache_tokens=1024).generate(SPEC_PROMPTS, params)]
-    llm = LLM(path, dtype="float64", kv_cache_tokens=1024, spec="ngram", num_drafts=3)
+    llm = LLM(path, dtype="float64", kv_cache_tokens=1024, spec=spec, num_drafts=3)
     assert [o.token_ids for o in llm.generate(SPEC_PROMPTS, params)] == want               # width 4
     assert [llm.generate([p], params)[0].token_ids for p in SPEC_PROMPTS] == want          # width 1
-    assert llm.engine.metrics.verifies > 0 and llm.engine.metrics.drafted_tokens > 0
+    m = llm.engine.metrics
+    assert m.verifies > 0 and m.drafted_tokens > 0 and m.accepted_tokens < m.drafted_tokens
 
 
 @pytest.mark.parametrize("width", [1, 4])
