@@ -343,6 +343,8 @@ class PagedAttention:
         self.cache = cache
         self.plan = plan
         self.queries = queries
+        # A hybrid model's step: its chunks' recurrent states (runtime.linear_attention.StepStates).
+        self.states = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:

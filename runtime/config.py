@@ -97,6 +97,18 @@ class ModelConfig:
     num_nextn_predict_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Qwen3.5 / Qwen3.6-MoE: layer_types names each layer "linear_attention" (Gated DeltaNet,
+    # runtime.linear_attention) or "full_attention"; () is full attention everywhere.
+    layer_types: tuple[str, ...] = ()
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    attn_output_gate: bool = False       # attention output times sigmoid(a gate the q projection also gives)
+    shared_expert_gate: bool = False     # shared expert output times sigmoid(a 1-wide linear of the input)
+    shared_expert_intermediate_size: int = 0   # 0: moe_intermediate_size * n_shared_experts
+    norm_unit_offset: bool = False       # RMSNorm scales by (1 + weight) (Gemma-style)
 
     def __post_init__(self) -> None:
         if self.architecture not in FAMILIES:
@@ -148,6 +160,18 @@ class ModelConfig:
         if self.num_nextn_predict_layers not in (0, 1):
             raise ConfigError(f"config.json: num_nextn_predict_layers={self.num_nextn_predict_layers}; "
                               "this runtime supports 0 or 1")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers or \
+                    set(self.layer_types) - {"linear_attention", "full_attention"}:
+                raise ConfigError(f"config.json: layer_types must give 'linear_attention' or 'full_attention' "
+                                  f"for each of the {self.num_hidden_layers} layers")
+            if "full_attention" not in self.layer_types:
+                raise ConfigError("config.json: layer_types has no full_attention layer")
+        if self.linear_layers and (min(self.linear_conv_kernel_dim, self.linear_key_head_dim, self.linear_value_head_dim,
+                                       self.linear_num_key_heads, self.linear_num_value_heads) < 1
+                                   or self.linear_num_value_heads % self.linear_num_key_heads):
+            raise ConfigError("config.json: linear attention needs positive linear_* sizes and "
+                              "linear_num_value_heads a multiple of linear_num_key_heads")
         for t in self.eos_token_ids:
             if not 0 <= t < self.vocab_size:
                 raise ConfigError(f"config.json: eos_token_id={t} is outside the vocabulary of {self.vocab_size}")
@@ -155,6 +179,17 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The linear-attention layers (a recurrent state per sequence, no KV cache)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a linear-attention layer's conv1d: queries, keys and values."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
 
     @property
     def is_mla(self) -> bool:
@@ -188,9 +223,19 @@ class ModelConfig:
         return 2 * self.num_key_value_heads * self.head_dim
 
     @property
+    def num_attention_layers(self) -> int:
+        """Target layers with a KV cache plane: all but the linear-attention ones."""
+        return self.num_hidden_layers - len(self.linear_layers)
+
+    @property
     def num_cache_layers(self) -> int:
-        """Target layers plus the MTP layer: the KV cache holds one plane per layer."""
-        return self.num_hidden_layers + self.num_nextn_predict_layers
+        """Attention layers plus the MTP layer: the KV cache holds one plane per layer."""
+        return self.num_attention_layers + self.num_nextn_predict_layers
+
+    def cache_index(self, layer_idx: int) -> int:
+        """The KV cache plane of attention layer `layer_idx` (the MTP layer's: num_hidden_layers):
+        the linear-attention layers before it have none."""
+        return layer_idx - sum(1 for i in self.linear_layers if i < layer_idx)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The config.json that transformers reads back as the same model (GLM-4.5 MoE only)."""
@@ -211,6 +256,9 @@ class ModelConfig:
     def from_hf_dict(cls, raw: dict[str, Any], *, source: str = "config.json") -> "ModelConfig":
         try:
             family = family_of(raw)
+            if family.text_config and isinstance(raw.get("text_config"), dict):
+                # A multimodal checkpoint: the text model's fields, under the outer architecture.
+                raw = {**{k: v for k, v in raw.items() if k != "text_config"}, **raw["text_config"]}
             own = family.read(raw)
         except ValueError as exc:
             raise ConfigError(f"{source}: {exc}") from None
@@ -245,13 +293,16 @@ class ModelConfig:
         known = {f.name for f in fields(cls)}
         kwargs = {k: merged[k] for k in known if k in merged and merged[k] is not None
                   and k not in ("eos_token_ids", "rope_theta", "partial_rotary_factor", "head_dim",
-                                "architecture", "rope_scaling", "mlp_only_layers", "indexer_types")}
+                                "architecture", "rope_scaling", "mlp_only_layers", "indexer_types", "layer_types")}
         head_dim = merged.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
         try:
             return cls(**kwargs, architecture=family.architecture, head_dim=int(head_dim),
                        rope_theta=float(rope_theta), partial_rotary_factor=float(partial), rope_scaling=scaling,
                        mlp_only_layers=tuple(merged.get("mlp_only_layers") or ()), eos_token_ids=eos_ids,
-                       indexer_types=tuple(merged.get("indexer_types") or ()))
+                       indexer_types=tuple(merged.get("indexer_types") or ()),
+                       # Only a family that reads them has linear-attention layer types (GLM-5's
+                       # config.json names its own "indexed_attention" layers, which mean nothing here).
+                       layer_types=tuple(own.get("layer_types") or ()))
         except TypeError as exc:  # a field of the wrong JSON type
             raise ConfigError(f"{source}: {exc}") from None
 
@@ -260,7 +311,10 @@ class ModelConfig:
 _NOT_GLM = ("architecture", "router_scoring", "decoder_sparse_step", "mlp_only_layers", "o_proj_bias",
             "rope_scaling", "rope_interleave", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
             "qk_rope_head_dim", "v_head_dim", "index_topk", "index_n_heads", "index_head_dim", "indexer_types",
-            "index_rope_interleave")
+            "index_rope_interleave",
+            "layer_types", "linear_conv_kernel_dim", "linear_key_head_dim",
+            "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "attn_output_gate",
+            "shared_expert_gate", "shared_expert_intermediate_size", "norm_unit_offset")
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

@@ -11,6 +11,10 @@ family only reads the `config.json` fields in which it differs into `ModelConfig
 | Glm4MoeLiteForCausalLM | MLA | sigmoid, grouped | mlp_layer_types | optional |
 | GlmMoeDsaForCausalLM (GLM-5) | MLA + sparse (indexer_types, interleaved indexer rotary) | sigmoid, grouped | mlp_layer_types | optional |
 | DeepseekV32ForCausalLM | MLA + sparse (half-split indexer rotary) | sigmoid, grouped | mlp_layer_types | optional |
+| Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeForCausalLM | Gated DeltaNet + gated GQA (layer_types) | softmax top-k, gated shared expert | all MoE | `mtp.*` |
+
+Qwen3.5 / Qwen3.6-MoE's multimodal layout keeps the text model's fields under `text_config`
+(`text_config=True`: read from there) and its tensors under `model.language_model.*`.
 
 A checkpoint is matched by its `architectures` list first, then by `model_type`. This module
 imports nothing of the project: `runtime.config` turns what it returns into a `ModelConfig`.
@@ -33,6 +37,7 @@ class Family:
     architecture: str
     model_type: str
     read: Callable[[Raw], Raw]   # config.json -> the ModelConfig keywords this family sets itself
+    text_config: bool = False    # the fields live under config.json's `text_config` (a multimodal layout)
 
 
 def _glm4_moe(raw: Raw) -> Raw:
@@ -51,6 +56,27 @@ def _qwen3_moe(raw: Raw) -> Raw:
             "o_proj_bias": bool(raw.get("attention_bias", False)), "num_nextn_predict_layers": 0,
             "decoder_sparse_step": int(raw.get("decoder_sparse_step", 1)),
             "mlp_only_layers": tuple(raw.get("mlp_only_layers") or ()), "partial_rotary_factor": 1.0}
+
+
+def _qwen3_5_moe(raw: Raw) -> Raw:
+    """Qwen3.5 / Qwen3.6-MoE: Gated DeltaNet linear attention in most layers, gated attention with
+    q/k norm in the rest, every layer MoE with a sigmoid-gated shared expert, (1 + w) norms."""
+    for name in ("num_experts", "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_conv_kernel_dim", "shared_expert_intermediate_size"):
+        if raw.get(name) is None:
+            raise ValueError(f"missing field {name!r}")
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    types = raw.get("layer_types") or ["linear_attention" if (i + 1) % int(raw.get("full_attention_interval", 4))
+                                       else "full_attention" for i in range(raw["num_hidden_layers"])]
+    return {"router_scoring": "softmax", "n_routed_experts": raw["num_experts"], "n_shared_experts": 1,
+            "shared_expert_intermediate_size": raw["shared_expert_intermediate_size"], "shared_expert_gate": True,
+            "intermediate_size": raw["shared_expert_intermediate_size"], "n_group": 1, "topk_group": 1,
+            "routed_scaling_factor": 1.0, "first_k_dense_replace": 0, "norm_topk_prob": True, "use_qk_norm": True,
+            "o_proj_bias": bool(raw.get("attention_bias", False)), "attn_output_gate": True,
+            "norm_unit_offset": True, "layer_types": tuple(types),
+            # The `mtp.*` layer (fc, pre_fc_norm_embedding / _hidden, layers.0, norm): runtime.weights maps it.
+            "num_nextn_predict_layers": int(raw.get("mtp_num_hidden_layers") or 0),
+            "partial_rotary_factor": float(raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25)))}
 
 
 def _mla(raw: Raw) -> Raw:
@@ -124,6 +150,8 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
     Family("Glm4MoeLiteForCausalLM", "glm4_moe_lite", _glm4_moe_lite),
     Family("GlmMoeDsaForCausalLM", "glm_moe_dsa", _glm_moe_dsa),
     Family("DeepseekV32ForCausalLM", "deepseek_v32", _deepseek_v32),
+    Family("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", _qwen3_5_moe, text_config=True),
+    Family("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", _qwen3_5_moe),
 )}
 
 

@@ -86,6 +86,9 @@ class PagedKVCache:
         # The paged-attention kernel (runtime/kernels/paged_attention.py) the steps planned on this
         # cache run, or None for the context copy + SDPA; set once at start (`ModelRunner`).
         self.attention_kernel = None
+        # A hybrid model's per-sequence recurrent states (runtime.linear_attention.RecurrentStates):
+        # rewound and freed with the sequence's blocks.
+        self.states = None
 
     def shared_plane(self, *, num_layers: int, num_kv_heads: int, head_dim: int,
                      dtype: torch.dtype) -> "PagedKVCache":
@@ -183,6 +186,9 @@ class PagedKVCache:
         """Append the full block `block` (holding this sequence's next `block_size` positions,
         computed by another) to the table of `seq_id`, which must hold only whole blocks."""
         book = self.book
+        if self.states is not None:
+            raise ValueError("cannot attach cached blocks to a sequence with recurrent state: its state at the "
+                             "block's end is not kept")
         table = book.tables.setdefault(seq_id, [])
         if book.lengths.get(seq_id, 0) != len(table) * self.block_size or not 0 <= block < self.num_blocks:
             raise ValueError(f"cannot attach block {block} to sequence {seq_id} of length "
@@ -216,6 +222,8 @@ class PagedKVCache:
         if new_length < self.num_attached_tokens(seq_id):
             raise ValueError(f"cannot rewind sequence {seq_id} to {new_length} tokens: its first "
                              f"{self.num_attached_tokens(seq_id)} are in shared blocks")
+        if self.states is not None:
+            self.states.rewind(seq_id, new_length)
         table = book.tables[seq_id]
         keep = -(-new_length // self.block_size)
         if len(table) > keep:
@@ -246,6 +254,8 @@ class PagedKVCache:
         if self.journal is not None:
             self.journal.append(("free", seq_id, keep))
         book.cell_cache.pop(seq_id, None)
+        if self.states is not None:
+            self.states.free(seq_id)
         table = book.tables.pop(seq_id, [])
         for i in range(len(table) - 1, -1, -1):
             self._release(table[i], keep=i < keep)

@@ -179,6 +179,25 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """RMSNorm scaling by (1 + weight), in the statistics' dtype (Gemma-style; Qwen3.5)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = stats_dtype(x.dtype)
+        xf = x.to(dt)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.to(dt))).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+    """The RMSNorm of this family: (1 + weight) where `norm_unit_offset`, weight otherwise."""
+    return (OffsetRMSNorm if cfg.norm_unit_offset else RMSNorm)(dim, cfg.rms_norm_eps)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -189,13 +208,15 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.interleaved = cfg.rope_interleave
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = Linear(h, self.num_heads * d, bias=cfg.attention_bias)
+        # With an output gate (Qwen3.5) the q projection gives each head's query then its gate.
+        self.output_gate = cfg.attn_output_gate
+        self.q_proj = Linear(h, self.num_heads * d * (2 if self.output_gate else 1), bias=cfg.attention_bias)
         self.k_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
         self.o_proj = Linear(self.num_heads * d, h, bias=cfg.o_proj_bias)
         self.o_proj.in_parts = bi.halves(self.num_heads)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.use_qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.use_qk_norm else None
+        self.q_norm = make_norm(cfg, d) if cfg.use_qk_norm else None
+        self.k_norm = make_norm(cfg, d) if cfg.use_qk_norm else None
         self.qkv: FusedProjection | None = None   # set by `pack_for_inference`
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -207,19 +228,26 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(t, -1, self.head_dim)  # [T, nh, D]
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(t, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(t, -1)
+        q = q.reshape(t, -1, self.head_dim)  # [T, nh, D]
         k = k.view(t, -1, self.head_dim)  # [T, nkv, D]
         v = v.view(t, -1, self.head_dim)
         cos, sin = rope
         if rows is not None:
             q, q_cos, q_sin = q[rows], cos[rows], sin[rows]
+            gate = None if gate is None else gate[rows]
         else:
             q_cos, q_sin = cos, sin
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, q_cos, q_sin, self.interleaved), apply_rotary(k, cos, sin, self.interleaved)
-        out = ctx.attend(self.layer_idx, q, k, v, self.scale)  # [T or B, nh, D]
-        return self.o_proj(out.reshape(q.shape[0], -1))
+        out = ctx.attend(self.layer_idx, q, k, v, self.scale).reshape(q.shape[0], -1)  # [T or B, nh * D]
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
     def write_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: KVWriter) -> None:
         """x [T, H]: every row's keys and values into `ctx`, and nothing else. The projection is
@@ -316,12 +344,17 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = Router(cfg)
         self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size
+                                   or cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts > 0 else None)
+        # Qwen3.5: the shared expert's output times sigmoid(a 1-wide linear of the input).
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _, weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
+        if self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_experts(x)
+        elif self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -13,7 +13,8 @@ from torch import nn
 
 from runtime import batch_invariant as bi
 from runtime.config import ModelConfig
-from runtime.layers import MLP, Attention, AttentionContext, KVWriter, Linear, MoE, RMSNorm
+from runtime.layers import MLP, Attention, AttentionContext, KVWriter, Linear, MoE, make_norm
+from runtime.linear_attention import GatedDeltaNet
 from runtime.mla import MLAttention
 from runtime.rotary import RotaryEmbedding
 from runtime.sparse_attention import DsaSelection
@@ -28,18 +29,27 @@ def top_one(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, sparse: DsaSelection | None = None) -> None:
         super().__init__()
-        self.self_attn: nn.Module = (MLAttention(cfg, layer_idx, sparse) if cfg.is_mla
-                                     else Attention(cfg, layer_idx))
+        # The token mixer, chosen here once: Gated DeltaNet (`linear_attn`, a recurrent state per
+        # sequence) for the linear-attention layers of `layer_types`, else attention (`self_attn`).
+        if layer_idx in cfg.linear_layers:
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        else:
+            plane = cfg.cache_index(layer_idx)
+            self.self_attn: nn.Module = MLAttention(cfg, plane, sparse) if cfg.is_mla else Attention(cfg, plane)
         self.mlp: nn.Module = (MoE(cfg) if cfg.is_moe_layer(layer_idx)
                                else MLP(cfg.hidden_size, cfg.intermediate_size))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self._modules.get("self_attn") or self._modules["linear_attn"]
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 ctx: AttentionContext, rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]; with `rows` [B], every row's keys and values are written but only
         those rows go on past attention ([B, H]: a fed row that drafts nothing needs no more)."""
-        attn = self.self_attn(self.input_layernorm(x), rope, ctx, rows)
+        attn = self.mixer(self.input_layernorm(x), rope, ctx, rows)
         x = (x if rows is None else x[rows]) + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -51,7 +61,7 @@ class DecoderLayer(nn.Module):
 class SharedHead(nn.Module):
     def __init__(self, cfg: ModelConfig, own_head: bool) -> None:
         super().__init__()
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = make_norm(cfg, cfg.hidden_size)
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_head else None
 
 
@@ -70,8 +80,8 @@ class MTPLayer(nn.Module):
         super().__init__()
         h = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if own_embed else None
-        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.enorm = make_norm(cfg, h)
+        self.hnorm = make_norm(cfg, h)
         self.eh_proj = Linear(2 * h, h, bias=False)
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers, sparse)
         self.shared_head = SharedHead(cfg, own_head)
@@ -107,7 +117,7 @@ class CausalLM(nn.Module):
         # Sparse attention (GLM-5, DeepSeek-V3.2), chosen here once and handed to every MLA layer.
         self.sparse = DsaSelection(cfg) if cfg.is_sparse else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.sparse) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = make_norm(cfg, cfg.hidden_size)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg)
         self.mtp = (MTPLayer(cfg, mtp_own_embed, mtp_own_head, self.sparse)
@@ -127,7 +137,8 @@ class CausalLM(nn.Module):
     def cache_layout(self) -> dict[str, int | None]:
         """`PagedKVCache` keywords for this model's (this rank's) attention: key/value heads and
         head dim, and for multi-head latent attention the latent width (runtime.mla)."""
-        attn = (self.layers[0] if len(self.layers) else self.mtp.block).self_attn
+        full = [layer for layer in self.layers if "self_attn" in layer._modules]
+        attn = (full[0] if full else self.mtp.block).self_attn
         if isinstance(attn, MLAttention):
             index = self.sparse.index_dim if self.sparse is not None else 0   # the indexer key beside the latent
             return {"num_kv_heads": 1, "head_dim": attn.kv_lora_rank + attn.rope + index,
@@ -150,8 +161,8 @@ class CausalLM(nn.Module):
         `bi.gemm_plan`), `bi.linear` would pad every call (~60 a step, a pad and a slice each);
         two copies make every call, the routed experts' included, two rows long without them. The
         copy's keys and values are never written (`RowTwice`)."""
-        if not self.batch_invariant or tokens.shape[0] != 1:
-            return False
+        if not self.batch_invariant or tokens.shape[0] != 1 or self.config.linear_layers:
+            return False   # (a recurrent state would take the copy in too)
         w = self.lm_head.weight
         return bi.gemm_plan(w, w.dtype, False)[0] > 1
 

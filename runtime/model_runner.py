@@ -15,6 +15,7 @@ from runtime.device import kv_tokens_for_memory, use_device
 from runtime.kv_cache import PagedKVCache
 from runtime.experts import uses_fused_experts
 from runtime.layers import Linear
+from runtime.linear_attention import RecurrentStates
 from runtime.model import CausalLM, RowTwice
 from runtime.static_step import StepGraphs
 
@@ -23,7 +24,7 @@ from runtime.static_step import StepGraphs
 def cache_layers(model: CausalLM) -> int:
     """Cache layers the model needs: its target layers, plus one for the MTP layer."""
     cfg = model.config
-    return cfg.num_cache_layers if model.mtp is not None else cfg.num_hidden_layers
+    return cfg.num_cache_layers if model.mtp is not None else cfg.num_attention_layers
 
 
 def kv_bytes_per_token(model: CausalLM) -> int:
@@ -71,9 +72,12 @@ class ModelRunner:
         # every EP rank compiles or none does (the handshake's COMPILED_BIT).
         # Sparse attention (runtime.sparse_attention) runs eager over the padded plan: no compiled
         # step, no batch-invariant tiles, no static steps (it reads each row's visible keys itself).
+        # Linear-attention layers (runtime.linear_attention) run eager over a recurrent state per
+        # sequence: no compiled, static or captured step for them.
         sparse = model.sparse is not None
+        hybrid = bool(cfg.linear_layers)
         self.plan_tiles = self.batch_invariant and not sparse
-        self.compiled = compiled and model.dtype != torch.float64 and not sparse
+        self.compiled = compiled and model.dtype != torch.float64 and not sparse and not hybrid
         # The step's graphs and guards are this model's own (runtime.compiled). No size and stride
         # asserts around every extern kernel: 111 of them per step, 4% of its CPU time.
         options = {"size_asserts": False}
@@ -108,8 +112,11 @@ class ModelRunner:
                                  "or TRITON_INTERPRET not 1 for CPU tensors)")
             from runtime.kernels.paged_attention import paged_attention
             self.cache.attention_kernel = paged_attention
+        # The conv and recurrent states of the linear-attention layers, freed with each sequence's blocks.
+        self.states = RecurrentStates(cfg, dtype=model.dtype, device=self.device) if hybrid else None
+        self.cache.states = self.states
         self.graphs: StepGraphs | None = None
-        if (static_steps or cuda_graphs) and not self.batch_invariant and not sparse:
+        if (static_steps or cuda_graphs) and not self.batch_invariant and not sparse and not hybrid:
             max_keys = min(cfg.max_position_embeddings, self.cache.capacity_tokens)
             capture = cuda_graphs and model.dtype != torch.float64   # float64 experts sync with the host
             self.graphs = StepGraphs(model.forward, self.cache, max_keys, capture,
@@ -127,6 +134,8 @@ class ModelRunner:
         plan = build_plan(self.cache, chunks, batch_invariant=self.plan_tiles)
         token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.device)
         paged = PagedAttention(self.cache, plan)
+        if self.states is not None:
+            paged.states = self.states.step(chunks)
         if self._compiled_forward is None:
             return self.model(token_tensor, plan.positions, paged), plan
         if self.batch_invariant and len(tokens) == 1:

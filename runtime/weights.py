@@ -8,6 +8,7 @@ only when this process owns it (`expert_range` limits the routed experts it read
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -28,6 +29,15 @@ _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
 _MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
 # Kept in float32 whatever the model dtype, as transformers does for the router.
 _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+# Tensors a Qwen3.5 / Qwen3.6-MoE checkpoint carries beside the text model, skipped unread: the
+# vision tower (multimodal layout) and the `mtp.*` layer (not served for this family yet).
+_SKIPPED = {"model.visual.": "the vision tower (text only is served)",
+            "mtp.": "the MTP layer (config.json announces none: mtp_num_hidden_layers)"}
+# Qwen3.5's `mtp.*` names -> the MTP layer's own (runtime.model.MTPLayer).
+_QWEN35_MTP = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm.",
+               "norm.": "shared_head.norm.", "layers.0.": "block."}
+log = logging.getLogger("metrale.weights")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -82,9 +92,21 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 
 def map_name(hf_name: str, cfg: ModelConfig) -> Target | None:
     """HF tensor name -> runtime parameter (None when the name has no place in this model)."""
+    if cfg.layer_types and hf_name.startswith("mtp.") and cfg.num_nextn_predict_layers:
+        rest = hf_name.removeprefix("mtp.").replace(".mlp.shared_expert.", ".mlp.shared_experts.")
+        for theirs, ours in _QWEN35_MTP.items():
+            if rest.startswith(theirs):
+                rest = ours + rest.removeprefix(theirs)
+                me = re.match(r"^block\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", rest)
+                if me:
+                    return _expert_target("mtp.block.mlp.experts", int(me.group(1)), me.group(2))
+                return Target("mtp." + rest)
+        return None
     if not hf_name.startswith("model.") and hf_name != "lm_head.weight":
         return None
     name = hf_name.removeprefix("model.")
+    if cfg.layer_types:   # Qwen3.5: the multimodal layout's text model, the shared expert's name
+        name = name.removeprefix("language_model.").replace(".mlp.shared_expert.", ".mlp.shared_experts.")
     m = _EXPERT.match(name)
     if m and int(m.group(1)) < cfg.num_hidden_layers:
         return _expert_target(f"layers.{m.group(1)}.mlp.experts", int(m.group(2)), m.group(3))
@@ -135,13 +157,22 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
                                  source=str(model_dir / "config.json"))
     scales = {name.removesuffix(SCALE_SUFFIX): path for name, path in files.items() if name.endswith(SCALE_SUFFIX)}
     files = {name: path for name, path in files.items() if not name.endswith(SCALE_SUFFIX)}
+    if cfg.layer_types:
+        for prefix, what in _SKIPPED.items():
+            if prefix == "mtp." and cfg.num_nextn_predict_layers:
+                continue
+            skipped = [name for name in files if name.startswith(prefix)]
+            if skipped:
+                log.info("skipping %d tensors of %s: %s*", len(skipped), what, prefix)
+                files = {n: p for n, p in files.items() if not n.startswith(prefix)}
+                scales = {n: p for n, p in scales.items() if not n.startswith(prefix)}
     for name in scales:
         if name not in files:
             raise CheckpointError(f"unexpected tensor {name + SCALE_SUFFIX!r}: no weight {name!r} beside it")
     if scales and scheme is None:
         raise CheckpointError(f"checkpoint {model_dir} holds FP8 scales ({next(iter(scales)) + SCALE_SUFFIX!r}) "
                               "but config.json has no quantization_config")
-    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+    mtp_prefix = "mtp." if cfg.layer_types else f"model.layers.{cfg.num_hidden_layers}."
     has_mtp = any(n.startswith(mtp_prefix) for n in files)
     if cfg.num_nextn_predict_layers and not has_mtp:
         from dataclasses import replace

@@ -162,12 +162,18 @@ FAMILY_CASES = {
     "glm5": ("glm_moe_dsa", dict(indexer_types=["full", "shared", "full"])),
     "deepseek_v32": ("deepseek_v32", dict()),
 }
+# Qwen3.5 / Qwen3.6-MoE in its two layouts, 3 Gated DeltaNet layers and 1 full-attention layer
+# (tests/runtime/test_qwen3_5.py; apart from FAMILY_CASES, whose tests assume a KV cache in every layer).
+QWEN35_CASES = {
+    "qwen35_text": ("qwen3_5_moe_text", dict(num_hidden_layers=4)),
+    "qwen35_vl": ("qwen3_5_moe", dict(num_hidden_layers=4)),
+}
 
 
 def make_family_checkpoint(path: Path, case: str, seed: int = 3) -> Path:
     import transformers
     from tools.random_checkpoint import FAMILIES, family_config, write_checkpoint
-    family, overrides = FAMILY_CASES[case]
+    family, overrides = {**FAMILY_CASES, **QWEN35_CASES}[case]
     if not hasattr(transformers, FAMILIES[family][0]):   # GLM-5 / DeepSeek-V3.2 need transformers >= 5.2x
         pytest.skip(f"transformers {transformers.__version__} has no {FAMILIES[family][0]}")
     cfg = {**family_config(family, 64, 3, 8), "vocab_size": VOCAB, "max_position_embeddings": 256, **overrides}

@@ -32,6 +32,9 @@ FAMILIES = {
     "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", True),
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", True),
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", True),
+    # Qwen3.5 / Qwen3.6-MoE: the text-only layout and the multimodal one (a small vision tower beside).
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", True),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", True),
 }
 
 
@@ -46,6 +49,18 @@ def family_config(family: str, hidden: int, layers: int, experts: int) -> dict[s
     if family == "qwen3_moe":
         return {**common, "num_key_value_heads": 2, "head_dim": hidden // 4, "num_experts": experts,
                 "norm_topk_prob": True}
+    if family.startswith("qwen3_5_moe"):   # every 4th layer full attention, the rest Gated DeltaNet
+        text = {**common, "num_key_value_heads": 2, "head_dim": hidden // 4, "num_experts": experts,
+                "shared_expert_intermediate_size": hidden // 2, "linear_conv_kernel_dim": 4,
+                "linear_key_head_dim": hidden // 4, "linear_value_head_dim": hidden // 4,
+                "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                    "mrope_section": [1, 1, 0]}}
+        del text["intermediate_size"]
+        if family == "qwen3_5_moe_text":
+            return text
+        return {"text_config": text, "vision_config": {"depth": 1, "hidden_size": 32, "intermediate_size": 64,
+                                                       "num_heads": 2, "out_hidden_size": hidden}}
     mla = dict(num_key_value_heads=4, n_routed_experts=experts, n_shared_experts=1, kv_lora_rank=hidden // 2,
                q_lora_rank=3 * hidden // 4, qk_nope_head_dim=hidden // 4, qk_rope_head_dim=hidden // 8,
                v_head_dim=hidden // 4)
@@ -60,11 +75,38 @@ def family_config(family: str, hidden: int, layers: int, experts: int) -> dict[s
     return {**common, **mla}
 
 
+def add_qwen35_mtp_layer(path: Path, seed: int = 5) -> Path:
+    """Qwen3.5's `mtp.*` layer: `mtp.layers.0` a copy of the last full-attention layer, `mtp.fc`
+    passing the target hidden through (plus noise), unit (zero, as 1 + w) norms; config.json's
+    `mtp_num_hidden_layers` 1."""
+    from safetensors.torch import load_file, save_file
+    raw = json.loads((path / "config.json").read_text())
+    cfg = raw.get("text_config", raw)
+    h, full = cfg["hidden_size"], max(i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention")
+    tensors = load_file(str(path / "model.safetensors"))
+    src = next(p for p in ("model.language_model.", "model.") if f"{p}layers.0.input_layernorm.weight" in tensors)
+    src += f"layers.{full}."
+    for k in [k for k in tensors if k.startswith(src)]:
+        tensors["mtp.layers.0." + k[len(src):]] = tensors[k].clone()
+    g = torch.Generator().manual_seed(seed)
+    fc = torch.zeros(h, 2 * h)
+    fc[:, h:] = torch.eye(h)
+    tensors["mtp.fc.weight"] = fc + 0.02 * torch.randn(h, 2 * h, generator=g)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{name}.weight"] = torch.zeros(h)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    return path
+
+
 def add_mtp_layer(path: Path, seed: int = 5, noise: float = 0.0) -> Path:
     """Append an MTP layer at index num_hidden_layers to the checkpoint in `path`: the last decoder
     layer's tensors (plus `noise`), eh_proj passing the target hidden through, unit norms."""
     from safetensors.torch import load_file, save_file
     cfg = json.loads((path / "config.json").read_text())
+    if "linear_attention" in cfg.get("text_config", cfg).get("layer_types", ()):   # Qwen3.5's hybrid layers
+        return add_qwen35_mtp_layer(path, seed)
     layers, h = cfg["num_hidden_layers"], cfg["hidden_size"]
     tensors = load_file(str(path / "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
@@ -96,6 +138,10 @@ def write_checkpoint(out: Path, family: str, config: dict[str, Any], *, seed: in
     config_cls, model_cls, has_mtp = FAMILIES[family]
     if mtp and not has_mtp:
         raise ValueError(f"family {family!r} has no MTP layer")
+    if "text_config" in config:   # a multimodal config: the text model's keys given beside it go inside
+        config = {"text_config": {**config["text_config"], **{k: v for k, v in config.items()
+                                                              if k not in ("text_config", "vision_config")}},
+                  "vision_config": config.get("vision_config")}
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
     if weight_std is not None:
