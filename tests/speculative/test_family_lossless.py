@@ -13,6 +13,9 @@ PROMPTS = [[5, 17, 200, 3, 5, 17, 200, 3, 5], [9, 9, 9, 100, 250, 31, 7, 64, 12,
            [41, 42, 41, 42, 41, 42]]
 PARAMS = {"greedy": SamplingParams(max_tokens=16, ignore_eos=True),
           "seeded": SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=7)}
+# n-gram drafts only where the output repeats itself: GLM-5's seed-7 output (the device sampler's
+# (seed, position) stream) has no repeat to draft from, seed 9's has four.
+SEEDED_NGRAM = {"glm5": SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=9)}
 CASES = [("qwen_norm", dict(spec="ngram", num_drafts=3)),
          ("deepseek_yarn", dict(spec="mtp", num_drafts=3)),
          ("deepseek_plain", dict(spec="mtp", num_drafts=3, tree_shape="1,2,2")),
@@ -27,6 +30,8 @@ CASES = [("qwen_norm", dict(spec="ngram", num_drafts=3)),
 @pytest.mark.parametrize("case, spec", CASES, ids=[f"{c}-{s['spec']}" for c, s in CASES])
 def test_same_tokens_with_and_without_speculation(family_ckpt, case, spec, name):
     path, params = family_ckpt(case), PARAMS[name]
+    if name == "seeded" and spec["spec"] == "ngram":
+        params = SEEDED_NGRAM.get(case, params)
     want = [o.token_ids for o in LLM(path, dtype="float64", kv_cache_tokens=2048).generate(PROMPTS, params)]
     llm = LLM(path, dtype="float64", kv_cache_tokens=2048, **spec)
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want                # width 4
