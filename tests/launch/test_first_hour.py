@@ -151,7 +151,9 @@ def test_generate_times_the_compile_apart_and_separates_outputs(ckpt_plain, tmp_
     assert m, res.stderr
     gen_s, tok_s, compile_s = map(float, m.groups())
     assert "compiled the step in" in res.stderr
-    assert gen_s + compile_s <= wall and tok_s == pytest.approx(12 / gen_s, rel=0.05)
+    # The seconds are printed to 0.01 s (a fast run takes less than that): tok/s is 12 tokens over a
+    # time within that rounding of the printed one.
+    assert gen_s + compile_s <= wall and abs(12 / tok_s - gen_s) <= 0.005 + 1e-3
     headers = [line for line in res.stdout.splitlines() if line.startswith("----- output")]
     assert headers == ["----- output 1 of 2 (length, 6 tokens) -----", "----- output 2 of 2 (length, 6 tokens) -----"]
 
