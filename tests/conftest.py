@@ -68,7 +68,7 @@ def write_tokenizer(path: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    text = (ROOT / "runtime" / "model.py").read_text() + (ROOT / "runtime" / "layers.py").read_text()
+    text = (ROOT / "runtime" / "model" / "causal_lm.py").read_text() + (ROOT / "runtime" / "model" / "layers.py").read_text()
     tok.train_from_iterator([text] * 4, trainer=trainer)
     tok.save(str(path / "tokenizer.json"))
 
