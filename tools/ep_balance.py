@@ -192,7 +192,7 @@ def record(model: str, out: Path, num_prompts: int, max_tokens: int) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from runtime import SamplingParams
+    from runtime.sample.sampler import SamplingParams
     from serving.llm import LLM
 
     lines = (Path(model) / "heldout_prompts.jsonl").read_text().splitlines()

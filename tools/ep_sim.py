@@ -269,11 +269,23 @@ def _lm_head(model: ModelShape, hw: Hardware, layout: Layout, rows: float) -> li
 
 
 def _pass(model: ModelShape, hw: Hardware, layout: Layout, rows: float, seqs: float, load: float,
-          layers: tuple[tuple[str, bool], ...]) -> list[Cost]:
-    out: list[Cost] = []
-    for kind, moe in layers:
-        out += _layer(model, hw, layout, rows, seqs, kind, moe, load)
-    return out + _lm_head(model, hw, layout, rows)
+          layers: tuple[tuple[str, bool], ...]) -> list[list[Cost]]:
+    """One forward: the terms of each decoder layer, then the LM head's as one more group."""
+    out = [_layer(model, hw, layout, rows, seqs, kind, moe, load) for kind, moe in layers]
+    return out + [_lm_head(model, hw, layout, rows)]
+
+
+def _is_comm(c: Cost) -> bool:
+    return c.bound in ("comm", "latency")
+
+
+def _group_seconds(group: list[Cost], overlap: bool) -> float:
+    """A layer's time: its compute and its communication, less what two-batch overlap hides
+    (min of the two: one micro-batch's exchange runs under the other's compute, inside the layer,
+    since the next layer needs this one's output)."""
+    compute = sum(c.seconds for c in group if not _is_comm(c))
+    comm = sum(c.seconds for c in group if _is_comm(c))
+    return compute + comm - (min(compute, comm) if overlap else 0.0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -296,16 +308,18 @@ def simulate(model: ModelShape, hw: Hardware, layout: Layout, trace: Path = ep_b
     seqs = layout.batch if layout.dp_attention else layout.batch * layout.ep
     rows = seqs * (1 + layout.mtp)
     parts = 2 if layout.overlap else 1
-    target = _pass(model, hw, layout, rows / parts, seqs / parts, load, model.layers)
-    drafter = []
+    groups = _pass(model, hw, layout, rows / parts, seqs / parts, load, model.layers)
     for _ in range(layout.mtp):   # one MTP decoder layer (with eh_proj) and the LM head, one row a sequence
         eh = 2 * model.hidden * model.hidden
-        drafter += _pass(model, hw, layout, seqs / parts, seqs / parts, load, (model.layers[-1],))
-        drafter.append(_roof("mtp eh_proj", hw, layout, weight_bytes=eh * model.weight_bytes, flops=2 * seqs / parts * eh))
-    terms = [Cost(c.name, c.seconds * parts, c.bound) for c in target + drafter]
-    compute = sum(c.seconds for c in terms if c.bound not in ("comm", "latency"))
-    comm = sum(c.seconds for c in terms if c.bound in ("comm", "latency"))
-    step = compute + comm - (min(compute, comm) if layout.overlap else 0.0)
+        drafter = _pass(model, hw, layout, seqs / parts, seqs / parts, load, (model.layers[-1],))
+        drafter[0].append(_roof("mtp eh_proj", hw, layout, weight_bytes=eh * model.weight_bytes,
+                                flops=2 * seqs / parts * eh))
+        groups += drafter
+    groups = [[Cost(c.name, c.seconds * parts, c.bound) for c in g] for g in groups]   # both micro-batches
+    terms = [c for g in groups for c in g]
+    compute = sum(c.seconds for c in terms if not _is_comm(c))
+    comm = sum(c.seconds for c in terms if _is_comm(c))
+    step = sum(_group_seconds(g, layout.overlap) for g in groups)
     by_bound: dict[str, float] = {}
     for c in terms:
         by_bound[c.bound] = by_bound.get(c.bound, 0.0) + c.seconds
@@ -331,10 +345,12 @@ SGLANG_96_H100 = dict(
 
 
 def reproduce_sglang(trace: Path = ep_balance.DEFAULT_TRACE) -> dict:
-    """SGLang's layout and today's tensor-parallel attention on one 8-GPU node, same model and GPU."""
-    model, hw = MODELS["deepseek-v3"], HARDWARE["h100"]
-    theirs = simulate(model, hw, SGLANG_96_H100["layout"], trace)
-    today = [simulate(model, hw, Layout(ep=8, batch=b, context=2000), trace) for b in (4, 8, 16, 32)]
+    """SGLang's layout, and today's tensor-parallel attention on one 8-GPU node of H100 (where
+    DeepSeek-V3's FP8 weights alone exceed 80 GB a GPU: `fits` is false) and of H200."""
+    model = MODELS["deepseek-v3"]
+    theirs = run(model, HARDWARE["h100"], SGLANG_96_H100["layout"], trace)
+    today = [run(model, HARDWARE[hw], Layout(ep=8, batch=b, context=2000), trace)
+             for hw in ("h100", "h200") for b in (4, 8, 16, 32, 64)]
     return {"sglang_layout": theirs, "published_tok_s_per_node": SGLANG_96_H100["tok_s_per_node"],
             "ratio": theirs["tok_s_per_node"] / SGLANG_96_H100["tok_s_per_node"], "today_tp_attention_ep8": today}
 
@@ -380,7 +396,7 @@ def run(model: ModelShape, hw: Hardware, layout: Layout, trace: Path = ep_balanc
     return out
 
 
-COLUMNS = ("model", "hw", "ep", "batch", "context", "dp_attention", "eplb", "overlap", "mtp", "load_max_over_mean",
+COLUMNS = ("layout", "model", "hw", "ep", "batch", "context", "dp_attention", "eplb", "overlap", "mtp", "load_max_over_mean",
            "step_ms", "compute_ms", "comm_ms", "tok_s_per_node", "dominant", "weights_gb", "cache_gb", "fits")
 
 
@@ -417,6 +433,57 @@ def plot(series: dict[str, list[dict]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+# The embedded model's measured MTP acceptance (bench/records/depth_by_width_f32_ae5390e.json: one draft,
+# p1 0.8201) and DeepSeek's published second-token acceptance, 85-90% (DeepSeek-V3 technical report,
+# arXiv 2412.19437, section 5.4.3).
+ACCEPT_EMBEDDED, ACCEPT_DEEPSEEK = 0.8201, (0.85, 0.90)
+
+
+def grid_layouts(ep: int) -> dict[str, Layout]:
+    """The layouts measured at each EP size: today's, DP attention alone, with EPLB (32 redundant
+    experts), with two-batch overlap, and with one MTP draft at three acceptances."""
+    dp = Layout(ep=ep, batch=128, context=2000, dp_attention=True)
+    eplb = replace(dp, eplb=32)
+    tbo = replace(eplb, overlap=True)
+    out = {"today tp-attn b32": Layout(ep=ep, batch=32, context=2000), "dp": dp, "dp+eplb": eplb,
+           "dp+eplb+tbo": tbo, "dp+eplb+tbo+mtp1 a0.82": replace(tbo, mtp=1, accept=(ACCEPT_EMBEDDED,))}
+    for a in ACCEPT_DEEPSEEK:
+        out[f"dp+eplb+tbo+mtp1 a{a:.2f}"] = replace(tbo, mtp=1, accept=(a,))
+    return out
+
+
+def measure_grid(trace: Path = ep_balance.DEFAULT_TRACE) -> list[dict]:
+    """DeepSeek-V3 and GLM-5 on H100 and H200 at EP 8, 32, 72, 96 in every `grid_layouts` layout;
+    a layout the model cannot take is a row with its refusal."""
+    rows = []
+    for name in ("deepseek-v3", "glm-5"):
+        for hw in ("h100", "h200"):
+            for ep in (8, 32, 72, 96):
+                for label, layout in grid_layouts(ep).items():
+                    try:
+                        row = run(MODELS[name], HARDWARE[hw], layout, trace)
+                    except ValueError as exc:
+                        row = {"model": name, "hw": hw, "ep": ep, "refused": str(exc)}
+                    rows.append({"layout": label, **row})
+    return rows
+
+
+def batch_series(trace: Path = ep_balance.DEFAULT_TRACE) -> dict[str, list[dict]]:
+    """Tokens/s per node against batch per GPU for the plot: DeepSeek-V3 at SGLang's scale and
+    today's layout on one node."""
+    batches = (8, 16, 32, 64, 128, 256, 512)
+    base = Layout(ep=72, batch=1, context=2000, dp_attention=True, eplb=32)
+    series = {"h100 ep72 dp+eplb": base, "h100 ep72 dp+eplb+tbo": replace(base, overlap=True),
+              "h100 ep72 dp+eplb+tbo+mtp1 a0.85": replace(base, overlap=True, mtp=1, accept=(0.85,)),
+              "h200 ep72 dp+eplb+tbo": replace(base, overlap=True)}
+    out = {label: [run(MODELS["deepseek-v3"], HARDWARE[label.split()[0]], replace(layout, batch=b), trace)
+                   for b in batches] for label, layout in series.items()}
+    for hw in ("h100", "h200"):
+        out[f"{hw} ep8 today tp-attn"] = [run(MODELS["deepseek-v3"], HARDWARE[hw], Layout(ep=8, batch=b, context=2000),
+                                              trace) for b in batches]
+    return out
+
+
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
@@ -441,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, default=None, help="PNG of tokens/s per node against batch (with --sweep)")
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--reproduce-sglang", action="store_true", help="SGLang's 96-H100 decode figure, and EP 8 today")
+    ap.add_argument("--grid", action="store_true", help="DeepSeek-V3 and GLM-5, H100 and H200, EP 8/32/72/96, "
+                    "every layout; with --json-out and --plot")
     args = ap.parse_args(argv)
     try:
         if args.reproduce_sglang:
@@ -452,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.json_out.parent.mkdir(parents=True, exist_ok=True)
                 args.json_out.write_text(json.dumps(rep, indent=1) + "\n")
             return 0
+        if args.grid:
+            return _write_grid(args)
         if args.model not in MODELS:
             raise ValueError(f"unknown model {args.model!r} (expected one of {', '.join(MODELS)})")
         if args.hw not in HARDWARE:
@@ -473,6 +544,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+def _write_grid(args: argparse.Namespace) -> int:
+    sys.path.insert(0, str(ROOT))
+    from bench.report import provenance
+    start = provenance()
+    rows, series, rep = measure_grid(args.trace), batch_series(args.trace), reproduce_sglang(args.trace)
+    print_table([r for r in rows if "refused" not in r])
+    for r in rows:
+        if "refused" in r:
+            print(f"{r['model']} {r['hw']} EP{r['ep']} {r['layout']}: refused: {r['refused']}")
+    print(f"SGLang layout predicted {rep['sglang_layout']['tok_s_per_node']:.0f} tok/s per node, published "
+          f"{rep['published_tok_s_per_node']:.0f}: ratio {rep['ratio']:.3f}")
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps({**start, "trace": str(Path(args.trace).name), "efficiency": EFFICIENCY,
+                                             "collective_floor_us": COLLECTIVE_FLOOR_S * 1e6, "grid": rows,
+                                             "batch_series": series, "sglang": rep}, indent=1) + "\n")
+    if args.plot:
+        plot(series, args.plot, "DeepSeek-V3 decode, 2,000-token context: predicted tokens/s per node")
     return 0
 
 
