@@ -300,11 +300,14 @@ def expert_load(model: ModelShape, layout: Layout, trace_path: str) -> float:
                                        num_groups=model.num_groups, rows_per_step=rows, top_k=model.top_k)
 
 
-def simulate(model: ModelShape, hw: Hardware, layout: Layout, trace: Path = ep_balance.DEFAULT_TRACE) -> dict:
+def simulate(model: ModelShape, hw: Hardware, layout: Layout, trace: Path = ep_balance.DEFAULT_TRACE,
+             load: float | None = None) -> dict:
     """The step on the busiest rank: its terms, time, tokens/s per GPU and per node, and the
     dominant term (the bound whose terms add up to the most time before any overlap)."""
     check(model, layout)
-    load = expert_load(model, layout, str(trace))
+    if load is not None and load < 1:
+        raise ValueError(f"--load {load}: a max/mean rank load is at least 1")
+    load = expert_load(model, layout, str(trace)) if load is None else load
     seqs = layout.batch if layout.dp_attention else layout.batch * layout.ep
     rows = seqs * (1 + layout.mtp)
     parts = 2 if layout.overlap else 1
@@ -387,9 +390,10 @@ def memory_per_rank(model: ModelShape, layout: Layout) -> dict[str, float]:
     return {"weights_gb": weights / 1e9, "cache_gb": seqs * cache_per_seq / 1e9}
 
 
-def run(model: ModelShape, hw: Hardware, layout: Layout, trace: Path = ep_balance.DEFAULT_TRACE) -> dict:
+def run(model: ModelShape, hw: Hardware, layout: Layout, trace: Path = ep_balance.DEFAULT_TRACE,
+        load: float | None = None) -> dict:
     """`simulate` plus what the rank must hold and whether it fits the GPU's memory."""
-    out = simulate(model, hw, layout, trace)
+    out = simulate(model, hw, layout, trace, load)
     mem = memory_per_rank(model, layout)
     out.update({k: round(v, 2) for k, v in mem.items()})
     out["fits"] = mem["weights_gb"] + mem["cache_gb"] <= hw.hbm_bytes / 1e9
@@ -410,8 +414,10 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
-def plot(series: dict[str, list[dict]], path: Path, title: str) -> None:
-    """Tokens/s per node against batch per rank, one line per layout."""
+def plot(series: dict[str, list[dict]], path: Path, title: str,
+         published: tuple[str, float, float] | None = None) -> None:
+    """Tokens/s per node against batch per rank, one line per layout, and a published measurement
+    (label, batch, tokens/s per node) as a star."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -420,9 +426,13 @@ def plot(series: dict[str, list[dict]], path: Path, title: str) -> None:
         ax.plot([r["batch"] for r in rows], [r["tok_s_per_node"] for r in rows], marker="o", label=label)
         over = [r for r in rows if not r["fits"]]
         if over:
-            ax.scatter([r["batch"] for r in over], [r["tok_s_per_node"] for r in over], marker="x", color="red", zorder=3)
+            ax.scatter([r["batch"] for r in over], [r["tok_s_per_node"] for r in over], marker="x", color="black",
+                       s=60, zorder=3)
+    if published:
+        ax.scatter([published[1]], [published[2]], marker="*", s=220, color="gold", edgecolor="black", zorder=4,
+                   label=published[0])
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequences per GPU (red x: weights + cache exceed the GPU's memory)")
+    ax.set_xlabel("sequences per GPU (black x: weights + cache exceed the GPU's memory)")
     ax.set_ylabel("output tokens/s per node (predicted)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -503,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=2000, help="tokens of context a sequence")
     ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
     ap.add_argument("--peak", action="store_true", help="bare roofline: no published efficiency fractions")
+    ap.add_argument("--load", type=float, default=None, help="max/mean rank load of the routed experts "
+                    "(instead of the one measured on --trace): a what-if for a measured production imbalance")
     ap.add_argument("--trace", type=Path, default=ep_balance.DEFAULT_TRACE, help="routing trace (tools/ep_balance.py)")
     ap.add_argument("--sweep", default="", help="comma list of batches per GPU: a table and a plot over them")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of tokens/s per node against batch (with --sweep)")
@@ -535,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                       kv_bytes=1 if args.kv_dtype == "fp8" else 2, peak=args.peak)
         model, hw = MODELS[args.model], HARDWARE[args.hw]
         batches = [int(b) for b in args.sweep.split(",") if b.strip()] or [args.batch]
-        rows = [run(model, hw, replace(base, batch=b), args.trace) for b in batches]
+        rows = [run(model, hw, replace(base, batch=b), args.trace, args.load) for b in batches]
     except ValueError as exc:
         ap.error(str(exc))
     print_table(rows)
@@ -564,7 +576,9 @@ def _write_grid(args: argparse.Namespace) -> int:
                                              "collective_floor_us": COLLECTIVE_FLOOR_S * 1e6, "grid": rows,
                                              "batch_series": series, "sglang": rep}, indent=1) + "\n")
     if args.plot:
-        plot(series, args.plot, "DeepSeek-V3 decode, 2,000-token context: predicted tokens/s per node")
+        layout = SGLANG_96_H100["layout"]
+        plot(series, args.plot, "DeepSeek-V3 decode, 2,000-token context: predicted tokens/s per node",
+             ("SGLang, 72 H100 decode (published)", layout.batch, SGLANG_96_H100["tok_s_per_node"]))
     return 0
 
 
