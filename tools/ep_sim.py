@@ -30,6 +30,7 @@ import argparse
 import functools
 import json
 import math
+import statistics
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,10 +44,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Achieved fractions of peak, published by the kernel libraries on H800 SXM5 (HBM3 3.35 TB/s, BF16
 # 989 / FP8 1979 dense TFLOP/s: the H100 SXM's figures) and applied to every GPU here.
+# DeepGEMM README (github.com/deepseek-ai/DeepGEMM), normal FP8 GEMMs at DeepSeek-V3's own shapes: the
+# memory bandwidth of its 12 decode-sized rows (M 64 and 128) and the TFLOPS of its 6 M=4096 rows; the
+# median of each is the typical achieved figure (the best rows would be 2668 GB/s and 1358 TFLOPS).
+DEEPGEMM_SMALL_M_GB_S = (1688, 2455, 2143, 2668, 2320, 2470, 1509, 2448, 2103, 2604, 2221, 2277)
+DEEPGEMM_LARGE_M_TFLOPS = (1058, 990, 590, 1358, 1304, 1025)
 EFFICIENCY = dict(
-    # DeepGEMM README (github.com/deepseek-ai/DeepGEMM), normal FP8 GEMM: M=128 N=7168 K=16384 reads
-    # 2604 GB/s (its best small-M row); M=4096 N=7168 K=16384 runs 1358 TFLOPS.
-    gemm_hbm=2604 / 3350, gemm_flops=1358 / 1979,
+    gemm_hbm=statistics.median(DEEPGEMM_SMALL_M_GB_S) / 3350,
+    gemm_flops=statistics.median(DEEPGEMM_LARGE_M_TFLOPS) / 1979,
     # FlashMLA README (github.com/deepseek-ai/FlashMLA), dense MLA decode: 3000 GB/s memory-bound,
     # 660 TFLOPS compute-bound (BF16).
     attn_hbm=3000 / 3350, attn_flops=660 / 989,
@@ -151,6 +156,9 @@ def _roof(name: str, hw: Hardware, layout: Layout, *, weight_bytes: float = 0.0,
 
 
 def _collective(name: str, hw: Hardware, layout: Layout, *, nvlink_bytes: float, rdma_bytes: float) -> list[Cost]:
+    """Bytes over NVLink and RDMA (whichever takes longer) plus the per-collective floor; none at EP 1."""
+    if layout.ep == 1:
+        return []
     nvl = hw.nvlink_bytes_s * (1.0 if layout.peak else EFFICIENCY["nvlink"])
     return [Cost(name, max(nvlink_bytes / nvl, rdma_bytes / hw.rdma_bytes_s), "comm"),
             Cost(name + " floor", COLLECTIVE_FLOOR_S, "latency")]
