@@ -355,6 +355,16 @@ SGLANG_96_H100 = dict(
 )
 
 
+DEEPSEEK_PROFILE = dict(
+    # The same blog's decode table, "DeepSeek Profile" column, from github.com/deepseek-ai/profile-data
+    # (decode: EP128, batch 128 requests a GPU, 4K prompts, two micro-batches; "we simulate an
+    # absolutely balanced MoE routing strategy for profiling"): 18,598 tokens/s per node. Whether
+    # that counts MTP's extra tokens is not stated, so both are predicted.
+    layout=Layout(ep=128, batch=128, context=4096, dp_attention=True, eplb=0, overlap=True),
+    load=1.0, tok_s_per_node=18598.0,
+)
+
+
 def reproduce_sglang(trace: Path = ep_balance.DEFAULT_TRACE) -> dict:
     """SGLang's layout, and today's tensor-parallel attention on one 8-GPU node of H100 (where
     DeepSeek-V3's FP8 weights alone exceed 80 GB a GPU: `fits` is false) and of H200."""
@@ -362,8 +372,12 @@ def reproduce_sglang(trace: Path = ep_balance.DEFAULT_TRACE) -> dict:
     theirs = run(model, HARDWARE["h100"], SGLANG_96_H100["layout"], trace)
     today = [run(model, HARDWARE[hw], Layout(ep=8, batch=b, context=2000), trace)
              for hw in ("h100", "h200") for b in (4, 8, 16, 32, 64)]
+    profile = [run(model, HARDWARE["h100"], replace(DEEPSEEK_PROFILE["layout"], mtp=k, accept=(0.85,) * k), trace,
+                   DEEPSEEK_PROFILE["load"]) for k in (0, 1)]
     return {"sglang_layout": theirs, "published_tok_s_per_node": SGLANG_96_H100["tok_s_per_node"],
-            "ratio": theirs["tok_s_per_node"] / SGLANG_96_H100["tok_s_per_node"], "today_tp_attention_ep8": today}
+            "ratio": theirs["tok_s_per_node"] / SGLANG_96_H100["tok_s_per_node"], "today_tp_attention_ep8": today,
+            "deepseek_profile": profile, "deepseek_profile_tok_s_per_node": DEEPSEEK_PROFILE["tok_s_per_node"],
+            "deepseek_profile_ratios": [r["tok_s_per_node"] / DEEPSEEK_PROFILE["tok_s_per_node"] for r in profile]}
 
 
 def memory_per_rank(model: ModelShape, layout: Layout) -> dict[str, float]:
@@ -534,7 +548,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.reproduce_sglang:
             rep = reproduce_sglang(args.trace)
-            print_table([rep["sglang_layout"], *rep["today_tp_attention_ep8"]])
+            print_table([rep["sglang_layout"], *rep["today_tp_attention_ep8"], *rep["deepseek_profile"]])
+            print("DeepSeek's balanced-routing decode profile: predicted / published "
+                  + ", ".join(f"{r:.3f}" for r in rep["deepseek_profile_ratios"]) + " (no MTP, one draft at 0.85)")
             print(f"SGLang layout predicted {rep['sglang_layout']['tok_s_per_node']:.0f} tok/s per node, published "
                   f"{rep['published_tok_s_per_node']:.0f}: ratio {rep['ratio']:.3f}")
             if args.json_out:
