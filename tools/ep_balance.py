@@ -1,8 +1,8 @@
 """Expert-load imbalance for `tools/ep_sim.py`: routing traces, DeepSeek's hierarchical EPLB
 placement, and the max/mean rank load a placement gives.
 
-    python tools/ep_balance.py record [--model models/tiny-glm-moe] [--out bench/records/routing_trace_tiny_glm_moe.json]
-    python tools/ep_balance.py imbalance --trace bench/records/routing_trace_tiny_glm_moe.json --experts 256 --ep 72 --redundant 32
+    python tools/ep_balance.py record [--model models/tiny-glm-moe] [--out F.json]
+    python tools/ep_balance.py imbalance [--trace F.json] --experts 256 --ep 72 --eplb 32 [--groups 8] [--rows 256]
 
 A trace is per MoE layer and per decode step the number of rows routed to each expert (recorded
 from the embedded model through the project's loader and engine, or written by any other
@@ -17,7 +17,8 @@ replicate the hottest experts inside each node until the node's slots are full (
 equal share of its expert's rows), then pack the physical experts to the node's GPUs; otherwise
 the same replicate-and-pack over all GPUs at once (the "global" policy). Packing is greedy
 longest-first into the least-loaded pack with a free slot. A placement is made from the trace's
-mean loads (in-distribution, as SGLang's 96-GPU run did) and judged on each recorded step's loads.
+mean loads (in-distribution, as SGLang's 96-GPU run did) and judged on steps drawn from them at the
+target's rows a step (multinomial), so batch size sets the per-step noise on top of the skew.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ class Trace:
 
     def __post_init__(self) -> None:
         if self.steps.ndim != 3 or self.steps.shape[2] != self.num_experts or self.steps.shape[1] < 1:
-            raise ValueError(f"trace steps have shape {self.steps.shape}, expected [layers, steps>=1, {self.num_experts}]")
+            raise ValueError(f"trace steps have shape {self.steps.shape}, "
+                             f"expected [layers, steps>=1, {self.num_experts}]")
 
 
 def load_trace(path: Path) -> Trace:
