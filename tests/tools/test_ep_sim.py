@@ -166,3 +166,18 @@ def test_cli_prints_a_row_writes_json_and_a_plot(tmp_path):
     assert all(r["tokens_per_seq_step"] == 1.85 and r["mtp"] == 1 for r in record["rows"])
     assert png.stat().st_size > 10_000
     assert run_cli("--help").stdout.count("--dp-attention") >= 1
+
+
+def test_record_writes_the_embedded_models_decode_routing(tmp_path):
+    import json
+    out = tmp_path / "trace.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "ep_balance.py"), "record", "--prompts", "2",
+                           "--max-tokens", "4", "--out", str(out)],
+                          cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert (data["num_experts"], data["top_k"], data["layers"]) == (8, 2, 5)
+    trace = balance.load_trace(out)
+    assert trace.steps.shape[0] == 5 and trace.steps.shape[1] >= 3
+    # a decode step routes each running sequence's one row to top_k experts
+    assert set(trace.steps.sum(axis=2).ravel().tolist()) <= {2.0, 4.0}
