@@ -25,7 +25,7 @@ import struct
 import torch
 
 from runtime.model.experts import uses_fused_experts
-from runtime.executor.attention import KVWrites, PagedAttention, SeqChunk, build_plan, chain_plans, last_row_plan
+from runtime.executor.attention import KVWrites, PagedAttention, SeqChunk, chain_plans, drafter_attention, last_row_plan
 from runtime.executor.compiled import compile_step
 from runtime.sample.grammar import GrammarMatcher
 from runtime.executor.kv_cache import PagedKVCache
@@ -93,6 +93,7 @@ class MTPProposer(DraftProposer):
                              "MTP speculation needs one")
         self.model = model
         self.cache = cache
+        self.attention = drafter_attention(cache)   # chosen with the runner's, once
         self.knobs = knobs or DrafterKnobs()
         self.graphs: StepGraphs | None = None
         sparse = model.sparse is not None   # sparse attention runs eager over padded plans (runtime.executor.runner)
@@ -267,7 +268,8 @@ class MTPProposer(DraftProposer):
         paged, rows, token_tensor = self._step_inputs(tokens, chunks, query)
         if not chains_natively(paged):
             return None
-        later = chain_plans(self.cache, [chunks[j].seq_id for j in query], [chunks[j].end - 1 for j in query], steps)
+        later = chain_plans(self.cache, [chunks[j].seq_id for j in query], [chunks[j].end - 1 for j in query], steps,
+                            self.attention)
         if self._compiled_chain is None:
             self._compiled_chain = compile_step(self.model.mtp_draft_chain)
         with forward_context(paged, self.model, chain=later) as ctx:
@@ -286,10 +288,10 @@ class MTPProposer(DraftProposer):
         """A drafter step's attention over `chunks` (every row writes its keys and values; the
         last rows of the chunks `query` attend), those rows' indices [B] and the tokens [T]."""
         ends = list(itertools.accumulate(c.num_tokens for c in chunks))
-        plan = build_plan(self.cache, chunks)
+        plan = self.attention.plan(self.cache, chunks)
         # One row per chunk, every chunk asked: the step's own plan already attends for those rows.
         own = len(query) == len(chunks) and ends[-1] == len(chunks)
-        queries = None if own else last_row_plan(self.cache, [chunks[j] for j in query])
+        queries = None if own else last_row_plan(self.cache, [chunks[j] for j in query], self.attention)
         rows = plan.last_rows if own else torch.tensor([ends[j] - 1 for j in query], dtype=torch.long,
                                                         device=self.cache.device)
         token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)

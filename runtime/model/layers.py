@@ -93,8 +93,7 @@ class FusedProjection(nn.Module):
     """Linears that read the same input (an attention's q/k/v, an MLP's gate/up) as one GEMM: the
     weights concatenated along the outputs, each linear's weight left as a view of its rows (so
     loading and saving, which keep the separate linears, share the memory). One GEMM instead of
-    several saves the per-call cost that dominates small steps: about 4 us per fused call in
-    float32, 30-50 in bfloat16 (one CPU thread, design §3.2)."""
+    several saves the per-call cost that dominates small steps (design §3.4)."""
 
     batch_invariant = False
     packed_weights = {"packed": "weight"}   # buffer: weight it packs (`pack_for_inference`)
@@ -130,8 +129,7 @@ class FusedProjection(nn.Module):
 def pack_for_inference(model: nn.Module) -> None:
     """Once a model's weights are loaded: fuse the projections that share an input, and on the CPU
     store every linear and expert weight column-major (its transpose contiguous), which MKL's
-    GEMM runs up to 1.7x faster for the few rows of a decode or verify step (float32: 8.0 -> 4.9 us
-    for one row of 256 x 512, 34.8 -> 20.2 us for 16; design §3.2). Values are unchanged;
+    GEMM runs faster for the few rows of a decode or verify step (design §3.4). Values are unchanged;
     shapes and names too. Modules that name `packed_weights` (buffer: weight) also get a packed
     copy of each bfloat16 and float32 CPU weight, which the few-row kernel reads instead
     (`cpu_ops.pack`, the same bits; a non-persistent buffer, not in the state dict): the weights

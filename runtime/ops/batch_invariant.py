@@ -158,8 +158,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     become a guard, unless `rows`, the weight's plan looked up before compiling (`plan_rows`),
     admits the step's row count, or is below it (one decode row where a one-row GEMM would take
     another kernel): then the graph calls the GEMM itself, on exactly the call a plan-sized
-    `_linear` makes (padded with zero rows up to the least count), without the op's Python (~8 us
-    a call). The graph then holds one guard on the row count (a graph up to the plan's rows, one
+    `_linear` makes (padded with zero rows up to the least count), without the op's Python. The graph then holds one guard on the row count (a graph up to the plan's rows, one
     above; a row count below the least, a graph of its own, as Dynamo keeps for one row anyway).
     Where the native few-row kernel takes every row count of x's dtype (float64; bfloat16 on a CPU
     without native bfloat16: `cpu_ops.takes_all_rows`), it runs instead: each output is summed in

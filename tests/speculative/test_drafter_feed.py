@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import engine.engine as engine_module
-from runtime.executor.attention import KVWrites, PagedAttention, SeqChunk, build_plan, last_row_plan
+from runtime.executor.attention import KVWrites, PagedAttention, SeqChunk, build_plan, drafter_attention, last_row_plan
 from runtime.ops.batch_invariant import set_batch_invariant
 from runtime.sample.sampler import SamplingParams
 from serving.llm import LLM
@@ -30,7 +30,8 @@ def test_last_rows_alone_equal_the_full_drafter_step(ckpt_mtp, family_ckpt, case
     tokens = torch.randint(0, model.config.vocab_size, (rows,), generator=gen)
     prev = torch.randn(rows, model.config.hidden_size, generator=gen, dtype=torch.float64)
     context = torch.randn(cache.k[layer].shape, generator=gen, dtype=torch.float64)
-    plan = build_plan(cache, chunks)
+    drafter = drafter_attention(cache)   # the drafter's plans: the padded batch, even beside a float64 target
+    plan = build_plan(cache, chunks, backend=drafter)
     cells = torch.cat([cache.cells(c.seq_id, 0, c.end) for c in chunks])
 
     def written() -> torch.Tensor:
@@ -48,7 +49,7 @@ def test_last_rows_alone_equal_the_full_drafter_step(ckpt_mtp, family_ckpt, case
             return model.mtp_forward(tokens, prev, plan.positions, PagedAttention(cache, plan)), written()
         picked = [chunks[j] for j in query]
         at = torch.tensor([sum(c.num_tokens for c in chunks[:j + 1]) - 1 for j in query])
-        out = model.mtp_forward(tokens, prev, plan.positions, PagedAttention(cache, plan, last_row_plan(cache, picked)), at)
+        out = model.mtp_forward(tokens, prev, plan.positions, PagedAttention(cache, plan, last_row_plan(cache, picked, drafter)), at)
         return out, written()
 
     full, keys = run(None)
