@@ -310,7 +310,7 @@ def chain_plans(cache: PagedKVCache, seq_ids: list[int], positions: list[int], s
 
 
 class KVWrites:
-    """The context of a forward that only writes keys and values (`CausalLM.mtp_write`): the rows
+    """The context of a forward that only writes keys and values (`MTPLayer.write`): the rows
     of `chunks` (causal, every position reserved) go to their cache cells, and nothing attends.
     Its plan is their positions and cells alone, without the padded batch `build_plan` builds."""
 

@@ -16,7 +16,8 @@ from runtime.executor.kv_cache import PagedKVCache
 from runtime.model.experts import choose_experts_backends, uses_fused_experts
 from runtime.model.layers import Linear
 from runtime.model.linear_attention import RecurrentStates
-from runtime.model.causal_lm import CausalLM, RowTwice
+from runtime.model.causal_lm import CausalLM
+from runtime.model.decoder import RowTwice
 from runtime.executor.static_step import StepGraphs
 
 
@@ -145,7 +146,7 @@ class ModelRunner:
             return self.model(token_tensor, plan.positions, paged), plan
         if self.batch_invariant and len(tokens) == 1:
             # Dynamo specialises a graph to one row (its kernels might round otherwise): the row
-            # runs twice, the copy reusing its attention (runtime.model.causal_lm.RowTwice).
+            # runs twice, the copy reusing its attention (runtime.model.decoder.RowTwice).
             with forward_context(RowTwice(paged), self.model) as ctx:
                 hidden = self._compiled_forward(token_tensor.repeat(2), plan.positions.repeat(2), ctx)
             return hidden[:1], plan

@@ -189,7 +189,7 @@ class StepGraphs:
                  capture: bool, hidden: tuple[int, torch.dtype] | None = None,
                  attention_kernel: bool | None = None, sync_free_experts: bool = False) -> None:
         """`hidden` (size, dtype): the forward also takes a hidden state per row, as the MTP
-        drafter's `mtp_forward(tokens, prev_hidden, positions, attention)` does.
+        drafter's `MTPLayer.forward(tokens, prev_hidden, positions, attention)` does.
         `attention_kernel`: the steps' attention through the Triton paged-attention kernel
         (reading keys and values in place) instead of the context copy and padded SDPA; None:
         on CUDA where triton is installed. Chosen here, once. `sync_free_experts`: the model's

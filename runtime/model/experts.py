@@ -213,7 +213,7 @@ class _Experts:
 # per touched expert, by dtype: a bfloat16 GEMM call has a fixed cost whatever its rows, so from
 # three experts one batched call beats a pair per expert; float32 gained nothing measurable in the
 # served step, so it stays per expert (the measurements: design §3.4). Counted in experts, not
-# choices: a row's two copies (runtime.model.causal_lm.RowTwice) make 4 choices over 2 experts,
+# choices: a row's two copies (runtime.model.decoder.RowTwice) make 4 choices over 2 experts,
 # where the padded path was the slower.
 PADDED_MIN_EXPERTS = {torch.bfloat16: 3, torch.float16: 3}
 # ... and only while padding adds at most this many rows per touched expert (about what a GEMM

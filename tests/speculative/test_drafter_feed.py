@@ -15,7 +15,7 @@ from serving.llm import LLM
 
 @pytest.mark.parametrize("case", ["grouped", "deepseek_plain"])
 def test_last_rows_alone_equal_the_full_drafter_step(ckpt_mtp, family_ckpt, case):
-    """`mtp_forward` with `rows` gives those rows of the full step and writes the same keys and
+    """`MTPLayer.forward` with `rows` gives those rows of the full step and writes the same keys and
     values (grouped-query and latent attention), for every chunk's last row or a subset."""
     path = ckpt_mtp if case == "grouped" else family_ckpt(case)
     llm = LLM(path, dtype="float64", kv_cache_tokens=256, spec="mtp")
@@ -42,14 +42,14 @@ def test_last_rows_alone_equal_the_full_drafter_step(ckpt_mtp, family_ckpt, case
         cache.k[layer].copy_(context)
         if cache.latent_dim is None:
             cache.v[layer].copy_(context)
-        if query == "write":   # rows that draft nothing: keys and values alone (`mtp_write`)
-            assert model.mtp_write(tokens, prev, KVWrites(cache, chunks)) is None
+        if query == "write":   # rows that draft nothing: keys and values alone (`MTPLayer.write`)
+            assert model.mtp.write(tokens, prev, KVWrites(cache, chunks)) is None
             return None, written()
         if query is None:
-            return model.mtp_forward(tokens, prev, plan.positions, PagedAttention(cache, plan)), written()
+            return model.mtp.forward(tokens, prev, plan.positions, PagedAttention(cache, plan)), written()
         picked = [chunks[j] for j in query]
         at = torch.tensor([sum(c.num_tokens for c in chunks[:j + 1]) - 1 for j in query])
-        out = model.mtp_forward(tokens, prev, plan.positions, PagedAttention(cache, plan, last_row_plan(cache, picked, drafter)), at)
+        out = model.mtp.forward(tokens, prev, plan.positions, PagedAttention(cache, plan, last_row_plan(cache, picked, drafter)), at)
         return out, written()
 
     full, keys = run(None)
@@ -65,7 +65,7 @@ def test_last_rows_alone_equal_the_full_drafter_step(ckpt_mtp, family_ckpt, case
 
 def test_a_write_only_feed_of_one_batch_invariant_row_writes_what_the_step_writes():
     """A batch-invariant float32 drafter (the runner keeps its drafter on the default kernels;
-    switched on here) runs a one-row step as two copies of the row (`_twice`); `mtp_write` runs
+    switched on here) runs a one-row step as two copies of the row (`_twice`); `MTPLayer.write` runs
     the one row, and `bi.linear` gives it the same keys and values bit for bit."""
     from pathlib import Path
     model_dir = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
@@ -82,11 +82,11 @@ def test_a_write_only_feed_of_one_batch_invariant_row_writes_what_the_step_write
     cell = cache.cells(1, 6, 7)
     plan = build_plan(cache, [chunk])
     with torch.inference_mode():
-        model.mtp_forward(tokens, prev, plan.positions, PagedAttention(cache, plan))
+        model.mtp.forward(tokens, prev, plan.positions, PagedAttention(cache, plan))
         want = cache.k[layer][cell].clone(), cache.v[layer][cell].clone()
         cache.k[layer].zero_()
         cache.v[layer].zero_()
-        model.mtp_write(tokens, prev, KVWrites(cache, [chunk]))
+        model.mtp.write(tokens, prev, KVWrites(cache, [chunk]))
     assert torch.equal(cache.k[layer][cell], want[0]) and torch.equal(cache.v[layer][cell], want[1])
     assert want[0].abs().sum() > 0
 
