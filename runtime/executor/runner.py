@@ -4,6 +4,8 @@ Shapes: T step tokens, B sequences, H hidden, V vocab.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from runtime.ops import kernels
@@ -33,6 +35,25 @@ def kv_bytes_per_token(model: CausalLM) -> int:
     layout = model.cache_layout()
     planes = 1 if layout["latent_dim"] is not None else 2
     return cache_layers(model) * layout["num_kv_heads"] * layout["head_dim"] * planes * model.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorChoice:
+    """What a runner chose at start, once: how its steps execute and which backends they run.
+    Its text is the start-up line (`serving.deployment` logs it)."""
+    device: str
+    dtype: str
+    execution: str                  # "compiled" or "eager"
+    static_steps: str               # "off", "padded" (the CPU runs the buckets) or "captured" (CUDA graphs)
+    batch_invariant: bool
+    attention: str                  # the cache's attention backend (runtime.executor.attention)
+    experts: tuple[tuple[str, int], ...]   # routed-experts backends and how many layers run each
+
+    def __str__(self) -> str:
+        experts = ", ".join(f"{name} x{n}" for name, n in self.experts) or "none"
+        return (f"{self.device} {self.dtype}: {self.execution} steps, static steps {self.static_steps}, "
+                f"batch-invariant {'on' if self.batch_invariant else 'off'}, attention {self.attention}, "
+                f"routed experts {experts}")
 
 
 class ModelRunner:
@@ -127,6 +148,13 @@ class ModelRunner:
             capture = cuda_graphs and model.dtype != torch.float64   # float64 experts sync with the host
             self.graphs = StepGraphs(model.forward, self.cache, max_keys, capture,
                                      attention_kernel=bool(attention_kernel), sync_free_experts=uses_fused_experts(model))
+
+        self.choice = ExecutorChoice(
+            device=str(self.device), dtype=str(model.dtype).removeprefix("torch."),
+            execution="compiled" if self.compiled else "eager",
+            static_steps="off" if self.graphs is None else ("captured" if self.graphs.capture else "padded"),
+            batch_invariant=self.batch_invariant, attention=self.attention.name,
+            experts=tuple(sorted(self.experts_backends.items())))
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], chunks: list[SeqChunk]) -> tuple[torch.Tensor, StepPlan]:

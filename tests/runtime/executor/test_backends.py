@@ -84,6 +84,9 @@ def test_the_runner_chooses_once_from_the_device_dtype_and_modes(model):
     count = sum(isinstance(m, RoutedExperts) for m in model.modules())
     assert count > 1 and runner.experts_backends == {"native" if cpu_ops.load() else "python": count}
     assert drafter_attention(runner.cache) is padded
+    line = str(runner.choice)
+    assert line.startswith("cpu float32: eager steps, static steps off, batch-invariant off") and \
+        f"attention {padded.name}" in line and f"routed experts {padded.name if padded is NATIVE else 'python'} x{count}" in line
     invariant = ModelRunner(model, kv_cache_tokens=256, batch_invariant=True, attention_kernel=False)
     assert invariant.attention is INVARIANT
     # The target's layers are batch-invariant; the drafter keeps the default kernels and plans on
