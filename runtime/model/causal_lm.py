@@ -21,10 +21,10 @@ from runtime.model.rotary import RotaryEmbedding
 from runtime.model.sparse_attention import DsaSelection
 
 
-class CausalLM(nn.Module):
-    # Switched by runtime.ops.batch_invariant.set_batch_invariant: one-row steps run as two copies of
-    # the row where one-row GEMMs round otherwise than the rest (`_twice`).
-    batch_invariant = False
+class CausalLM(bi.InvariantSwitch, nn.Module):
+    # Set with batch invariance (runtime.ops.batch_invariant.set_batch_invariant): one-row steps run
+    # as two copies of the row where one-row GEMMs round otherwise than the rest (`_switched`).
+    one_row_twice = False
 
     def __init__(self, cfg: ModelConfig, *, mtp_own_embed: bool = False, mtp_own_head: bool = False) -> None:
         super().__init__()
@@ -63,7 +63,7 @@ class CausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """tokens, positions [T] -> hidden states before the final norm [T, H]."""
-        if self._twice(tokens):
+        if self.one_row_twice and tokens.shape[0] == 1:
             return self.forward(tokens.expand(2), positions.expand(2), RowTwice(ctx))[:1]
         x = self.embed_tokens(tokens)
         rope = self.rotary(positions, x.dtype)
@@ -71,16 +71,15 @@ class CausalLM(nn.Module):
             x = layer(x, rope, ctx)
         return x
 
-    def _twice(self, tokens: torch.Tensor) -> bool:
-        """Whether this batch-invariant step of one row runs as two copies of it: where a GEMM
+    def _switched(self, on: bool) -> None:
+        """Whether a batch-invariant step of one row runs as two copies of it: where a GEMM
         gives one row alone another result than rows in company (float32 on this CPU, by
         `bi.gemm_plan`), `bi.linear` would pad every call (~60 a step, a pad and a slice each);
         two copies make every call, the routed experts' included, two rows long without them. The
-        copy's keys and values are never written (`RowTwice`)."""
-        if not self.batch_invariant or tokens.shape[0] != 1 or self.config.linear_layers:
-            return False   # (a recurrent state would take the copy in too)
+        copy's keys and values are never written (`RowTwice`). Not with a recurrent state (it
+        would take the copy in too)."""
         w = self.lm_head.weight
-        return bi.gemm_plan(w, w.dtype, False)[0] > 1
+        self.one_row_twice = on and not self.config.linear_layers and bi.gemm_plan(w, w.dtype, False)[0] > 1
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [N, H] -> logits [N, V]."""

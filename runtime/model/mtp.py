@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.ops import batch_invariant as bi
 from runtime.model.config import ModelConfig
 from runtime.model.decoder import DecoderLayer, RowTwice
 from runtime.model.layers import AttentionContext, KVWriter, Linear, make_norm
@@ -28,7 +29,7 @@ class SharedHead(nn.Module):
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_head else None
 
 
-class MTPLayer(nn.Module):
+class MTPLayer(bi.InvariantSwitch, nn.Module):
     """One multi-token-prediction layer (checkpoint index `num_hidden_layers`).
 
     Draft step: x = eh_proj(concat(enorm(embed(token)), hnorm(hidden))), then a decoder layer with
@@ -36,7 +37,7 @@ class MTPLayer(nn.Module):
     Embedding and head fall back to the target model's when the checkpoint does not carry them.
     """
 
-    batch_invariant = False   # its modules' kernels (runtime.ops.batch_invariant.set_batch_invariant)
+    one_row_twice = False   # as its target's, where its own kernels are batch-invariant too (`_switched`)
 
     def __init__(self, cfg: ModelConfig, target: nn.Module, own_embed: bool = False, own_head: bool = False,
                  sparse: DsaSelection | None = None) -> None:
@@ -52,13 +53,16 @@ class MTPLayer(nn.Module):
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers, sparse)
         self.shared_head = SharedHead(cfg, own_head)
 
+    def _switched(self, on: bool) -> None:
+        self.one_row_twice = on and self.target.one_row_twice
+
     def forward(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
                     ctx: AttentionContext, rows: torch.Tensor | None = None) -> torch.Tensor:
         """One MTP step: tokens [T] at `positions`, the previous position's hidden [T, H] ->
         the MTP layer's pre-norm output [T, H] (the input hidden of the next draft step). With
         `rows` [B] (and `ctx` attending for those rows alone), the output of those rows [B, H]:
         every row's keys and values are still written, and nothing else is computed for the rest."""
-        if self.batch_invariant and self.target._twice(tokens):   # one row: `rows` can only be [0]
+        if self.one_row_twice and tokens.shape[0] == 1:   # one row: `rows` can only be [0]
             return self.forward(tokens.expand(2), prev_hidden.expand(2, -1), positions.expand(2), RowTwice(ctx))[:1]
         x = self._input(tokens, prev_hidden)
         return self.block(x, self.target.rotary(positions, x.dtype), ctx, rows)

@@ -251,6 +251,32 @@ def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
     return fn(F.pad(x, (0, pad)))[..., :x.shape[-1]] if pad else fn(x)
 
 
+class InvariantSwitch:
+    """A module with a default and a batch-invariant way to compute. `switched` maps each
+    attribute its forward calls (the class's own method: the default) to the name of its
+    batch-invariant method; setting `batch_invariant` (`set_batch_invariant`, once) binds them,
+    so no call reads the flag. `_switched(on)`, where a module has it, derives what else follows."""
+
+    switched: dict[str, str] = {}
+    _batch_invariant = False
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        object.__setattr__(self, "_batch_invariant", bool(on))
+        for name, invariant in self.switched.items():
+            if on:
+                object.__setattr__(self, name, getattr(self, invariant))
+            else:
+                self.__dict__.pop(name, None)
+        hook = getattr(self, "_switched", None)
+        if hook is not None:
+            hook(bool(on))
+
+
 def set_batch_invariant(model: torch.nn.Module, on: bool) -> None:
     """Switch every module of `model` that has a batch-invariant path (`batch_invariant`); a
     linear's GEMM plan is looked up now (`bi_rows`: see `linear`). Weights in their final dtype

@@ -65,7 +65,7 @@ def test_last_rows_alone_equal_the_full_drafter_step(ckpt_mtp, family_ckpt, case
 
 def test_a_write_only_feed_of_one_batch_invariant_row_writes_what_the_step_writes():
     """A batch-invariant float32 drafter (the runner keeps its drafter on the default kernels;
-    switched on here) runs a one-row step as two copies of the row (`_twice`); `MTPLayer.write` runs
+    switched on here) runs a one-row step as two copies of the row (`one_row_twice`); `MTPLayer.write` runs
     the one row, and `bi.linear` gives it the same keys and values bit for bit."""
     from pathlib import Path
     model_dir = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
@@ -73,7 +73,7 @@ def test_a_write_only_feed_of_one_batch_invariant_row_writes_what_the_step_write
     model, cache = llm.engine.runner.model, llm.engine.runner.cache
     layer = model.config.num_hidden_layers
     set_batch_invariant(model.mtp, True)
-    assert model._twice(torch.zeros(1, dtype=torch.long))   # this CPU's one-row GEMMs round otherwise
+    assert model.one_row_twice and model.mtp.one_row_twice   # this CPU's one-row GEMMs round otherwise
     chunk = SeqChunk(1, 6, 1)
     cache.reserve(1, chunk.end)
     gen = torch.Generator().manual_seed(1)
