@@ -38,7 +38,7 @@ log = logging.getLogger("metrale.engine")
 NO_DRAFT = Drafts([], [])
 # Unfed rows of sequences that do not draft (with a complete block among them) that make a
 # feed-only call worth its fixed cost (`Engine.feed_only`): on the embedded model one call of
-# 256 rows costs ~3.2 ms, of 20 rows ~1.2 ms (keys and values alone, `mtp_write`); 512 saved
+# 256 rows costs ~3.2 ms, of 20 rows ~1.2 ms (keys and values alone, `MTPLayer.write`); 512 saved
 # ~0.04 ms a step at 32 sequences, within the noise.
 FEED_BATCH_ROWS = 256
 
@@ -265,7 +265,7 @@ class Engine:
         whose unfed rows complete a KV block, so the prefix cache can index it: a drafter with
         cache rows finalises a block only once it is fed (`num_final`), and above the width cap
         nobody drafts. A drafter call has a fixed cost (a feed-only call writes keys and values
-        alone, `mtp_write`, but its host work and GEMM calls are paid per call), so generated rows
+        alone, `MTPLayer.write`, but its host work and GEMM calls are paid per call), so generated rows
         wait until the sequences with a complete unfed block hold FEED_BATCH_ROWS unfed rows
         between them, or the drafter runs anyway this step; a block wholly in a prompt, which
         later requests are likeliest to share, is fed at once after its prefill, and a finishing

@@ -89,21 +89,23 @@ class RowParallelLinear(Linear):
         self.in_parts = in_parts
         self.handle = -1   # its index in the model's ep_collectives (`parallelize`)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.batch_invariant:
-            partial = F.linear(x, self.weight)
-        elif self.in_parts > 1:
-            partial = bi.split_linear(x, self.weight, self.in_parts, self.bi_rows)
-        else:
-            partial = bi.linear(x, self.weight, rows=self.bi_rows)
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return self._reduce(F.linear(x, self.weight))
+
+    def _invariant(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_parts > 1:
+            return self._reduce(bi.split_linear(x, self.weight, self.in_parts, self.bi_rows))
+        return self._reduce(bi.linear(x, self.weight, rows=self.bi_rows))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         out = all_reduce(self, partial)
         return out if self.bias is None else out + self.bias
 
 
-class VocabParallelHead(nn.Module):
+class VocabParallelHead(bi.InvariantSwitch, nn.Module):
     """This rank's rows of the output projection; `forward` gathers full logits on every rank."""
 
-    batch_invariant = False
+    switched = {"_local": "_local_invariant"}
     column_major_weights = True   # runtime.model.layers.pack_for_inference
     packed_weights = {"packed": "weight"}   # and packs it for the few-row kernel
 
@@ -113,11 +115,14 @@ class VocabParallelHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(len(topo.vocab_range()), hidden))
         self.register_buffer("packed", None, persistent=False)
 
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, None, self.packed)
+
+    def _local_invariant(self, x: torch.Tensor) -> torch.Tensor:
+        return bi.linear(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant:
-            local = bi.linear(x, self.weight)                          # [T, Vr]
-        else:
-            local = linear(x, self.weight, None, self.packed)
+        local = self._local(x)                                            # [T, Vr]
         pad = self.topo.max_vocab_shard - local.shape[1]
         if pad:
             local = F.pad(local, (0, pad))

@@ -237,8 +237,10 @@ class Deployment:
                                  batch_invariant=cfg.batch_invariant,
                                  gpu_memory_utilization=cfg.gpu_memory_utilization, static_steps=static,
                                  cuda_graphs=static and capturable and not cfg.enforce_eager)
+            log.info("step: %s", runner.choice)
         else:
             runner = self._join_group(self.comm)
+            log.info("step (rank 0 of EP %d): %s", cfg.ep, runner.local.choice)
         try:
             proposer = self._make_proposer(runner)
         except BaseException:

@@ -25,11 +25,12 @@ import struct
 import torch
 
 from runtime.model.experts import uses_fused_experts
-from runtime.executor.attention import KVWrites, PagedAttention, SeqChunk, build_plan, chain_plans, last_row_plan
+from runtime.executor.attention import KVWrites, PagedAttention, SeqChunk, chain_plans, drafter_attention, last_row_plan
 from runtime.executor.compiled import compile_step
 from runtime.sample.grammar import GrammarMatcher
 from runtime.executor.kv_cache import PagedKVCache
-from runtime.model.causal_lm import CausalLM, top_one
+from runtime.model.causal_lm import CausalLM
+from runtime.model.mtp import top_one
 from runtime.executor.static_step import StepGraphs
 from runtime.executor.step_context import CHAIN_ATTENTION, MAX_CHAIN, chains_natively, forward_context
 from speculative.draft_stop import chain_depth
@@ -93,12 +94,13 @@ class MTPProposer(DraftProposer):
                              "MTP speculation needs one")
         self.model = model
         self.cache = cache
+        self.attention = drafter_attention(cache)   # chosen with the runner's, once
         self.knobs = knobs or DrafterKnobs()
         self.graphs: StepGraphs | None = None
         sparse = model.sparse is not None   # sparse attention runs eager over padded plans (runtime.executor.runner)
         if (static_steps or cuda_graphs) and not sparse:
             max_keys = min(model.config.max_position_embeddings, cache.capacity_tokens)
-            self.graphs = StepGraphs(model.mtp_forward, cache, max_keys,
+            self.graphs = StepGraphs(model.mtp.forward, cache, max_keys,
                                      capture=cuda_graphs and model.dtype != torch.float64,
                                      hidden=(model.config.hidden_size, model.dtype),
                                      sync_free_experts=uses_fused_experts(model))
@@ -179,7 +181,7 @@ class MTPProposer(DraftProposer):
         prev = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
         if not keep:   # only fed: the rows' keys and values, and nothing past them (eager, no graph)
             token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
-            self.model.mtp_write(token_tensor, prev, KVWrites(self.cache, chunks))
+            self.model.mtp.write(token_tensor, prev, KVWrites(self.cache, chunks))
             return out
         # Only drafting sequences' last rows go past the drafter's attention (the others only
         # write keys and values).
@@ -257,7 +259,7 @@ class MTPProposer(DraftProposer):
     @torch.inference_mode()
     def _chain(self, tokens: list[int], prev_hidden: torch.Tensor, chunks: list[SeqChunk], query: list[int],
                steps: int, width: int = 1) -> tuple[list[list[int]], list[list[float]], list | None] | None:
-        """`steps` drafts of each chunk in `query` as one compiled graph (`CausalLM.mtp_draft_chain`):
+        """`steps` drafts of each chunk in `query` as one compiled graph (`MTPLayer.draft_chain`):
         the first step feeds every chunk's rows, as `_forward` does, and each later one drafts from
         the last, with its attention planned here beforehand (`chain_plans`). The same drafts as
         `steps` separate steps, without the host work between them (a graph call, a plan, a read
@@ -267,9 +269,10 @@ class MTPProposer(DraftProposer):
         paged, rows, token_tensor = self._step_inputs(tokens, chunks, query)
         if not chains_natively(paged):
             return None
-        later = chain_plans(self.cache, [chunks[j].seq_id for j in query], [chunks[j].end - 1 for j in query], steps)
+        later = chain_plans(self.cache, [chunks[j].seq_id for j in query], [chunks[j].end - 1 for j in query], steps,
+                            self.attention)
         if self._compiled_chain is None:
-            self._compiled_chain = compile_step(self.model.mtp_draft_chain)
+            self._compiled_chain = compile_step(self.model.mtp.draft_chain)
         with forward_context(paged, self.model, chain=later) as ctx:
             got = self._compiled_chain(token_tensor, prev_hidden, paged.plan.positions, ctx, rows, steps,
                                        CHAIN_ATTENTION, width)
@@ -277,8 +280,8 @@ class MTPProposer(DraftProposer):
 
     def _distribution(self, hidden: torch.Tensor):
         """Draft logits of the rows `hidden` [B, H] -> (logits in float32 [B, V], arg-max [B], its
-        probability [B]), as `CausalLM.mtp_draft` computes them."""
-        logits = self.model.mtp_logits(hidden).float()
+        probability [B]), as `MTPLayer.draft` computes them."""
+        logits = self.model.mtp.logits(hidden).float()
         return logits, *top_one(logits)
 
     def _step_inputs(self, tokens: list[int], chunks: list[SeqChunk],
@@ -286,10 +289,10 @@ class MTPProposer(DraftProposer):
         """A drafter step's attention over `chunks` (every row writes its keys and values; the
         last rows of the chunks `query` attend), those rows' indices [B] and the tokens [T]."""
         ends = list(itertools.accumulate(c.num_tokens for c in chunks))
-        plan = build_plan(self.cache, chunks)
+        plan = self.attention.plan(self.cache, chunks)
         # One row per chunk, every chunk asked: the step's own plan already attends for those rows.
         own = len(query) == len(chunks) and ends[-1] == len(chunks)
-        queries = None if own else last_row_plan(self.cache, [chunks[j] for j in query])
+        queries = None if own else last_row_plan(self.cache, [chunks[j] for j in query], self.attention)
         rows = plan.last_rows if own else torch.tensor([ends[j] - 1 for j in query], dtype=torch.long,
                                                         device=self.cache.device)
         token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
@@ -310,12 +313,12 @@ class MTPProposer(DraftProposer):
         paged, rows, token_tensor = self._step_inputs(tokens, chunks, query)
         plan = paged.plan
         if self._compile and self._compiled_forward is None:
-            self._compiled_forward = compile_step(self.model.mtp_draft)
+            self._compiled_forward = compile_step(self.model.mtp.draft)
         if self._compiled_forward is not None:   # the step and its distribution in one graph
             with forward_context(paged, self.model) as ctx:
                 h, *dist = self._compiled_forward(token_tensor, prev_hidden, plan.positions, ctx, rows)
             return h, tuple(dist)
-        return self.model.mtp_forward(token_tensor, prev_hidden, plan.positions, paged, rows), None
+        return self.model.mtp.forward(token_tensor, prev_hidden, plan.positions, paged, rows), None
 
     @property
     def compiles(self) -> bool:

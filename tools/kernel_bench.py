@@ -57,6 +57,7 @@ def attention_cells(device: torch.device, dtype: torch.dtype, sizes: dict, reps:
     from runtime.executor.attention import PagedAttention, SeqChunk
     from runtime.ops.kernels.paged_attention import paged_attention
     from runtime.executor.kv_cache import PagedKVCache
+    from runtime.executor.attention import KernelAttention, padded_backend
     from runtime.executor.static_step import StaticBuffers, static_shape
     nh, nkv, d = sizes["heads"]
     for keys in sizes["keys"]:
@@ -71,8 +72,9 @@ def attention_cells(device: torch.device, dtype: torch.dtype, sizes: dict, reps:
                 chunks.append(SeqChunk(s, keys - 1, 1))
             shape = static_shape(chunks, keys)
             plans = {}
-            for arm, kernel in (("kernel", paged_attention), ("sdpa", None)):
-                buffers = StaticBuffers(shape, cache, kernel=kernel)
+            padded = padded_backend(cache.device)
+            for arm, backend in (("kernel", KernelAttention(paged_attention, padded)), ("sdpa", padded)):
+                buffers = StaticBuffers(shape, cache, backend=backend)
                 buffers.fill([1] * b, chunks, cache)
                 plans[arm] = buffers.plan
             t = shape.num_tokens

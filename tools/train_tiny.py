@@ -94,8 +94,8 @@ def losses(model: CausalLM, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     # MTP row i pairs the target's hidden at i with token i+1 and predicts token i+2.
     prev = hidden.view(b, s + 1, -1)[:, :s].reshape(b * s, -1)
     mtp_pos = torch.arange(s).repeat(b)
-    mtp_hidden = model.mtp_forward(batch[:, 1:s + 1].reshape(-1), prev, mtp_pos, CausalAttention(b, s))
-    mtp_logits = model.mtp_logits(mtp_hidden)
+    mtp_hidden = model.mtp.forward(batch[:, 1:s + 1].reshape(-1), prev, mtp_pos, CausalAttention(b, s))
+    mtp_logits = model.mtp.logits(mtp_hidden)
     mtp = F.cross_entropy(mtp_logits, batch[:, 2:s + 2].reshape(-1))
     return main, mtp
 

@@ -115,6 +115,8 @@ class StepPlan:
     # The paged-attention kernel's rows (runtime/ops/kernels/paged_attention.py), where the step runs
     # it: a static step's plan on CUDA (`runtime.executor.static_step`, chosen when its graphs are built).
     rows: KernelRows | None = None
+    # The attention backend that planned this step and runs its attention (`AttentionBackend`).
+    backend: AttentionBackend | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -126,19 +128,14 @@ class StepPlan:
 KERNEL_MAX_ROWS = 8
 
 
-def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: bool = False) -> StepPlan:
-    """Plan one step; every chunk's positions must already be reserved in `cache`.
-
-    `batch_invariant`: attention runs in fixed tiles whose per-row result does not depend on the
-    other rows of the step (`runtime.ops.invariant_attention.attention`). Where the cache carries the
-    paged-attention kernel (`PagedKVCache.attention_kernel`, chosen at start) and every chunk has
-    at most `KERNEL_MAX_ROWS` rows, the plan also carries the kernel's rows (`KernelRows`), which
-    its attention then runs."""
-    plan = _build_plan(cache, chunks, batch_invariant=batch_invariant)
-    kernel = cache.attention_kernel
-    if kernel is None or batch_invariant or max(c.num_tokens for c in chunks) > KERNEL_MAX_ROWS:
-        return plan
-    return replace(plan, rows=kernel_rows(cache, chunks, kernel))
+def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: bool = False,
+               backend: AttentionBackend | None = None) -> StepPlan:
+    """Plan one step through `backend`, by default the cache's (`attention_backend`, chosen once
+    for the cache); every chunk's positions must already be reserved in `cache`.
+    `batch_invariant`: through the batch-invariant backend (`INVARIANT`) instead."""
+    if batch_invariant:
+        backend = INVARIANT
+    return (backend or attention_backend(cache)).plan(cache, chunks)
 
 
 def kernel_rows(cache: PagedKVCache, chunks: list[SeqChunk], kernel) -> KernelRows:
@@ -164,7 +161,8 @@ def kernel_rows(cache: PagedKVCache, chunks: list[SeqChunk], kernel) -> KernelRo
                       row_end=meta_t[2], row_anc=meta_t[3], max_keys=max(c.end for c in chunks), kernel=kernel)
 
 
-def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: bool = False) -> StepPlan:
+def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], backend: AttentionBackend, *,
+                batch_invariant: bool = False) -> StepPlan:
     if not chunks:
         raise ValueError("a step needs at least one sequence")
     b = len(chunks)
@@ -176,7 +174,7 @@ def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant:
     if b > 1 and not batch_invariant and all(c.parents is None for c in chunks):
         # Several causal chunks: the padded batch's fields from host lists, a few tensor ops in all.
         gather = cache.context_cells([c.seq_id for c in chunks], [c.end for c in chunks])
-        return _causal_batch_plan(chunks, gather, q_max, k_max, device)
+        return _causal_batch_plan(chunks, gather, q_max, k_max, device, backend)
     ctxs = [cache.cells(c.seq_id, 0, c.end) for c in chunks]
     if b == 1:
         positions = chunks[0].positions(device)
@@ -193,9 +191,9 @@ def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant:
         tiles = ia.attention_tiles(ctxs, [c.start for c in chunks], [c.num_tokens for c in chunks],
                                    [c.parents for c in chunks], firsts)
         return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=None, q_index=None, valid=None,
-                        mask=None, last_rows=last_rows, tiles=tiles)
+                        mask=None, last_rows=last_rows, tiles=tiles, backend=backend)
     if b == 1 and chunks[0].parents is None:
-        return _single_plan(chunks[0], positions, cell_mapping, ctxs[0], last_rows)
+        return _single_plan(chunks[0], positions, cell_mapping, ctxs[0], last_rows, backend)
     counts = torch.tensor([c.num_tokens for c in chunks], device=device)
     ends = torch.tensor([c.end for c in chunks], device=device)
     if b == 1:   # one tree
@@ -216,15 +214,15 @@ def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant:
         if c.parents is not None:  # the committed context stays visible; the rows see their ancestors only
             mask[i, 0, :c.num_tokens, c.start:c.end] = ancestor_mask(c.parents, device)
     return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=gather, q_index=q_index, valid=valid,
-                    mask=mask, last_rows=last_rows)
+                    mask=mask, last_rows=last_rows, backend=backend)
 
 
 def _causal_batch_plan(chunks: list[SeqChunk], gather: torch.Tensor, q_max: int, k_max: int,
-                       device: torch.device) -> StepPlan:
+                       device: torch.device, backend: AttentionBackend) -> StepPlan:
     """`build_plan`'s padded batch for several causal chunks (no tree), its fields as the general
     path builds them: positions, first rows and last rows come from host lists, and each row's
     cell is read off the padded context (`gather[b, position]`), ~10 tensor ops whatever the
-    number of sequences (a decode step of 16 sequences made ~60 before, ~210 us)."""
+    number of sequences (the general path makes several per sequence)."""
     b = len(chunks)
     counts = [c.num_tokens for c in chunks]
     firsts = [0, *itertools.accumulate(counts)][:-1]
@@ -251,37 +249,39 @@ def _causal_batch_plan(chunks: list[SeqChunk], gather: torch.Tensor, q_max: int,
         last_rows = torch.tensor([f + n - 1 for f, n in zip(firsts, counts)], device=device)
     mask = (torch.arange(k_max, device=device)[None, None, :] <= row_pos[:, :, None])[:, None]  # [B, 1, Q, K]
     return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=gather, q_index=q_index, valid=valid,
-                    mask=mask, last_rows=last_rows)
+                    mask=mask, last_rows=last_rows, backend=backend)
 
 
 def _single_plan(chunk: SeqChunk, positions: torch.Tensor, cell_mapping: torch.Tensor, ctx: torch.Tensor,
-                 last_rows: torch.Tensor) -> StepPlan:
+                 last_rows: torch.Tensor, backend: AttentionBackend) -> StepPlan:
     """The plan of one causal chunk (a decode row, a chain verify, a prefill): no padded batch, so
     no query index or validity, and a mask only for rows that start past position 0 (a chunk from
     0 runs SDPA with is_causal, a single row unmasked). A decode step or a draft step builds this
-    plan every time: each tensor op skipped is 5-30 us of host time on the CPU."""
+    plan every time: each tensor op skipped is host time saved on the CPU."""
     mode = "none" if chunk.num_tokens == 1 else ("causal" if chunk.start == 0 else "explicit")
     mask = None
     if mode == "explicit":   # row r (position start + r) sees keys 0 .. start + r
         mask = (torch.arange(chunk.end, device=positions.device)[None, :] <= positions[:, None])[None, None]
     return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=ctx[None], q_index=None, valid=None,
-                    mask=mask, last_rows=last_rows, mask_mode=mode)
+                    mask=mask, last_rows=last_rows, mask_mode=mode, backend=backend)
 
 
-def last_row_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
+def last_row_plan(cache: PagedKVCache, chunks: list[SeqChunk], backend: AttentionBackend | None = None) -> StepPlan:
     """The query plan of each chunk's last row alone (one row at position end - 1, seeing its
     whole context), for a step whose other rows only write their keys and values
     (`PagedAttention(queries=...)`)."""
-    return build_plan(cache, [SeqChunk(c.seq_id, c.end - 1, 1) for c in chunks])
+    return build_plan(cache, [SeqChunk(c.seq_id, c.end - 1, 1) for c in chunks], backend=backend)
 
 
-def chain_plans(cache: PagedKVCache, seq_ids: list[int], positions: list[int], steps: int) -> list[StepPlan]:
+def chain_plans(cache: PagedKVCache, seq_ids: list[int], positions: list[int], steps: int,
+                backend: AttentionBackend | None = None) -> list[StepPlan]:
     """The plans of steps 1 .. steps-1 of a chain of one-row steps (a drafter's drafts): at step s
     sequence `seq_ids[b]` has one row at position `positions[b] + s` (every such position reserved),
     seeing its whole context, as `build_plan` plans `[SeqChunk(seq_ids[b], positions[b] + s, 1)]`
     (the same cells, context and mask, so the same attention) from one context read and a few tensor
     ops a step."""
     device = cache.device
+    backend = backend or attention_backend(cache)
     b = len(seq_ids)
     last = [p + steps - 1 for p in positions]
     ctxs = [cache.cells(sid, 0, end + 1) for sid, end in zip(seq_ids, last)]
@@ -291,7 +291,8 @@ def chain_plans(cache: PagedKVCache, seq_ids: list[int], positions: list[int], s
         for s in range(1, steps):
             p = positions[0] + s
             plans.append(StepPlan(positions=ctx.new_full((1,), p), cell_mapping=ctx[p:p + 1], gather=ctx[None, :p + 1],
-                                  q_index=None, valid=None, mask=None, last_rows=ctx.new_zeros(1), mask_mode="none"))
+                                  q_index=None, valid=None, mask=None, last_rows=ctx.new_zeros(1), mask_mode="none",
+                                  backend=backend))
         return plans
     gather = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)              # [B, K at the last step]
     base = torch.tensor(positions, device=device)
@@ -304,12 +305,12 @@ def chain_plans(cache: PagedKVCache, seq_ids: list[int], positions: list[int], s
         k_max = max(positions) + s + 1
         mask = (keys[None, None, :k_max] <= pos[:, None, None])[:, None]             # [B, 1, 1, K]
         plans.append(StepPlan(positions=pos, cell_mapping=gather[seqs, pos], gather=gather[:, :k_max], q_index=q_index,
-                              valid=valid, mask=mask, last_rows=seqs))
+                              valid=valid, mask=mask, last_rows=seqs, backend=backend))
     return plans
 
 
 class KVWrites:
-    """The context of a forward that only writes keys and values (`CausalLM.mtp_write`): the rows
+    """The context of a forward that only writes keys and values (`MTPLayer.write`): the rows
     of `chunks` (causal, every position reserved) go to their cache cells, and nothing attends.
     Its plan is their positions and cells alone, without the padded batch `build_plan` builds."""
 
@@ -348,37 +349,10 @@ class PagedAttention:
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
-        writes = self.plan
-        p = self.queries if self.queries is not None else writes
-        if p.rows is not None:   # the kernel reads each row's keys in place through the block table
-            self.cache.write(layer_idx, writes.cell_mapping, k, v)
-            r = p.rows
-            return r.kernel(q, self.cache.k[layer_idx], self.cache.v[layer_idx], r.block_table, r.block_size,
-                            r.row_seq, r.row_start, r.row_end, r.row_anc, scale, r.max_keys)
-        if p.tiles is None and q.device.type == "cpu" and cpu_ops.load():   # the same calls, natively
-            cache = self.cache
-            return torch.ops.metrale_cpu.paged_attention(
-                q, k, v, cache.k[layer_idx], cache.v[layer_idx], cache.latent_dim is None, writes.cell_mapping,
-                p.gather, p.q_index, p.valid, p.mask, p.mask_mode, scale)
-        self.cache.write(layer_idx, writes.cell_mapping, k, v)
-        if p.tiles is not None:
-            return ia.attention(q, self.cache.k[layer_idx], self.cache.v[layer_idx], p.tiles, scale)
-        keys = self.cache.gather(self.cache.k[layer_idx], p.gather).transpose(1, 2)    # [B, nkv, K, D]
-        values = self.cache.gather(self.cache.v[layer_idx], p.gather).transpose(1, 2)
-        if p.mask_mode == "padded":
-            queries = q[p.q_index].transpose(1, 2)                  # [B, nh, Q, D]
-            out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=p.mask,
-                                                 scale=scale, enable_gqa=keys.shape[1] != queries.shape[1])
-            return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], out.shape[-1])   # [T, nh, Dv]
-        single = p.gather.shape[0] == 1
-        queries = (q.transpose(0, 1)[None] if single else q[p.q_index].transpose(1, 2))  # [B, nh, Q, D]
-        out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
-                                             attn_mask=p.mask if p.mask_mode == "explicit" else None,
-                                             is_causal=p.mask_mode == "causal", scale=scale,
-                                             enable_gqa=keys.shape[1] != queries.shape[1])
-        if single:
-            return out[0].transpose(0, 1)                           # [T, nh, Dv]
-        return out.transpose(1, 2)[p.valid]                          # [T, nh, Dv]
+        """Write this step's k/v of layer `layer_idx`, then attend for the query rows through the
+        backend that planned them."""
+        p = self.queries if self.queries is not None else self.plan
+        return p.backend.attend(self.cache, self.plan, p, layer_idx, q, k, v, scale)
 
     def visible_keys(self, layer_idx: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sparse attention's view of this step (runtime.model.sparse_attention.SparseContext): write k
@@ -404,6 +378,129 @@ class PagedAttention:
             return keys, seq, visible
         seq, col = p.valid.nonzero(as_tuple=True)                   # sequence-major: the step's row order
         return keys, seq, p.mask[seq, 0, col]
+
+
+class AttentionBackend:
+    """The reference backend: every step's context copied out of the cache and one masked SDPA
+    over the padded batch (or, for one sequence, unmasked / causal SDPA). Every backend plans its
+    steps (`plan`) and runs their attention (`attend(cache, writes, queries, layer, q, k, v,
+    scale)`: the k/v of `writes`' rows into the cache, the attention of `queries`' rows out);
+    the runner chooses one per cache at start (`choose_attention_backend`)."""
+
+    name = "sdpa"
+
+    def plan(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
+        return _build_plan(cache, chunks, self)
+
+    def attend(self, cache: PagedKVCache, writes: StepPlan, p: StepPlan, layer_idx: int, q: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        cache.write(layer_idx, writes.cell_mapping, k, v)
+        keys = cache.gather(cache.k[layer_idx], p.gather).transpose(1, 2)    # [B, nkv, K, D]
+        values = cache.gather(cache.v[layer_idx], p.gather).transpose(1, 2)
+        if p.mask_mode == "padded":
+            queries = q[p.q_index].transpose(1, 2)                  # [B, nh, Q, D]
+            out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=p.mask,
+                                                 scale=scale, enable_gqa=keys.shape[1] != queries.shape[1])
+            return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], out.shape[-1])   # [T, nh, Dv]
+        single = p.gather.shape[0] == 1
+        queries = (q.transpose(0, 1)[None] if single else q[p.q_index].transpose(1, 2))  # [B, nh, Q, D]
+        out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
+                                             attn_mask=p.mask if p.mask_mode == "explicit" else None,
+                                             is_causal=p.mask_mode == "causal", scale=scale,
+                                             enable_gqa=keys.shape[1] != queries.shape[1])
+        if single:
+            return out[0].transpose(0, 1)                           # [T, nh, Dv]
+        return out.transpose(1, 2)[p.valid]                          # [T, nh, Dv]
+
+
+class NativeCpuAttention(AttentionBackend):
+    """The CPU with the native library: the same plan, the write and the attention as one
+    `metrale_cpu::paged_attention` call (the reference's calls, natively, without the context
+    copy); a compiled forward hands the plan to the native ops once (`step_context`)."""
+
+    name = "native"
+
+    def attend(self, cache: PagedKVCache, writes: StepPlan, p: StepPlan, layer_idx: int, q: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.ops.metrale_cpu.paged_attention(
+            q, k, v, cache.k[layer_idx], cache.v[layer_idx], cache.latent_dim is None, writes.cell_mapping,
+            p.gather, p.q_index, p.valid, p.mask, p.mask_mode, scale)
+
+
+class InvariantAttention(AttentionBackend):
+    """Batch-invariant attention (runtime.ops.invariant_attention): each row in fixed tiles over
+    its own key list, so its result does not depend on the other rows of the step."""
+
+    name = "invariant"
+
+    def plan(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
+        return _build_plan(cache, chunks, self, batch_invariant=True)
+
+    def attend(self, cache: PagedKVCache, writes: StepPlan, p: StepPlan, layer_idx: int, q: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        cache.write(layer_idx, writes.cell_mapping, k, v)
+        return ia.attention(q, cache.k[layer_idx], cache.v[layer_idx], p.tiles, scale)
+
+
+class KernelAttention(AttentionBackend):
+    """The Triton paged-attention kernel (runtime/ops/kernels/paged_attention.py) for steps whose
+    sequences have at most `KERNEL_MAX_ROWS` rows (decode, chain and tree verify), reading keys
+    and values in place through the block table; longer chunks (prefills) take `fallback`."""
+
+    name = "triton"
+
+    def __init__(self, kernel, fallback: AttentionBackend) -> None:
+        self.kernel, self.fallback = kernel, fallback
+
+    def plan(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
+        if max(c.num_tokens for c in chunks) > KERNEL_MAX_ROWS:
+            return self.fallback.plan(cache, chunks)
+        return replace(_build_plan(cache, chunks, self), rows=kernel_rows(cache, chunks, self.kernel))
+
+    def attend(self, cache: PagedKVCache, writes: StepPlan, p: StepPlan, layer_idx: int, q: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        cache.write(layer_idx, writes.cell_mapping, k, v)
+        r = p.rows
+        return r.kernel(q, cache.k[layer_idx], cache.v[layer_idx], r.block_table, r.block_size,
+                        r.row_seq, r.row_start, r.row_end, r.row_anc, scale, r.max_keys)
+
+
+SDPA = AttentionBackend()
+NATIVE = NativeCpuAttention()
+INVARIANT = InvariantAttention()
+
+
+def padded_backend(device: torch.device) -> AttentionBackend:
+    """The padded-batch backend of a device: the native op on the CPU where it loads, else SDPA."""
+    return NATIVE if device.type == "cpu" and cpu_ops.load() else SDPA
+
+
+def choose_attention_backend(cache: PagedKVCache, *, batch_invariant: bool = False, kernel=None) -> AttentionBackend:
+    """Choose the attention backend of every step planned on `cache`, once: batch-invariant
+    tiles, else the Triton kernel `kernel` (decode and verify rows; prefills on the padded
+    backend), else the device's padded-batch backend (`padded_backend`)."""
+    if batch_invariant:
+        backend = INVARIANT
+    elif kernel is not None:
+        backend = KernelAttention(kernel, padded_backend(cache.device))
+    else:
+        backend = padded_backend(cache.device)
+    cache.attention = backend
+    return backend
+
+
+def drafter_attention(cache: PagedKVCache) -> AttentionBackend:
+    """The backend a drafter plans its steps on `cache` with: the cache's, but padded-batch where
+    the target's is batch-invariant (drafts decide which tokens are checked, never which are
+    committed; a drafter's fed rows need a plan with separate query rows)."""
+    backend = attention_backend(cache)
+    return padded_backend(cache.device) if backend is INVARIANT else backend
+
+
+def attention_backend(cache: PagedKVCache) -> AttentionBackend:
+    """The backend chosen for `cache` (`choose_attention_backend`; a cache nobody chose for gets
+    its device's padded-batch backend, chosen now)."""
+    return cache.attention if cache.attention is not None else choose_attention_backend(cache)
 
 
 class CausalAttention:

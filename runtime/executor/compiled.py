@@ -7,9 +7,8 @@ graph's guards on every call before it runs it. Compiling `model.forward` direct
 - Every `CausalLM` in a process shares `CausalLM.forward`'s code object, so every model, mode or
   EP shard built in it (tests, bench arms, a restarted group) adds its graphs to one list, which
   each call walks, and past Dynamo's recompile limit a step would silently run eager.
-- Guards on every module and parameter the graph reads (their identity, attributes, sizes):
-  ~330 us of guard checks on each 4 ms one-row step of the embedded model (a profile's
-  "TorchDynamo Cache Lookup").
+- Guards on every module and parameter the graph reads (their identity, attributes, sizes),
+  checked on every call (a profile's "TorchDynamo Cache Lookup"; design §3.4).
 
 `compile_step` compiles a copy of the function with its own code object, so the graphs it keeps
 belong to this one model, and drops the guards on the model's modules (Dynamo's
@@ -19,9 +18,8 @@ set before the first compile); the guards on the step's own inputs (the row coun
 several rows are separate graphs) and on globals stay.
 
 Even so, each call through Dynamo pays its frame hook, the remaining guards and the bytecode that
-gathers the graph's ~80 inputs (every parameter and module attribute it reads) before the graph
-runs: ~0.5 ms of a ~2.6 ms one-row step of the embedded model, ~0.14 ms of a ~0.66 ms drafter
-step. So `CompiledStep` keeps the graphs Dynamo hands its backend, and where a call's arguments
+gathers the graph's inputs (every parameter and module attribute it reads) before the graph
+runs, a fifth of a one-row step of the embedded model (design §3.4). So `CompiledStep` keeps the graphs Dynamo hands its backend, and where a call's arguments
 have the signature of a call that already ran (`signature`) it builds that graph's inputs itself
 (the model's parameters and attributes read once, the step's tensors and sizes from the call),
 checks the graph's shape guards on them (Dynamo's own expression for that graph) and calls the

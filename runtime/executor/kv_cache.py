@@ -83,9 +83,9 @@ class PagedKVCache:
         # the caches of other ranks can replay it: the allocator is deterministic, so the same
         # operations give the same block tables everywhere.
         self.journal: list[tuple[str, int, int]] | None = None
-        # The paged-attention kernel (runtime/ops/kernels/paged_attention.py) the steps planned on this
-        # cache run, or None for the context copy + SDPA; set once at start (`ModelRunner`).
-        self.attention_kernel = None
+        # The attention backend of every step planned on this cache
+        # (runtime.executor.attention.choose_attention_backend), chosen once at start.
+        self.attention = None
         # A hybrid model's per-sequence recurrent states (runtime.model.linear_attention.RecurrentStates):
         # rewound and freed with the sequence's blocks.
         self.states = None
@@ -297,7 +297,7 @@ class PagedKVCache:
         """Cell ids of positions 0..ends[b]-1 of each sequence `seq_ids[b]`, padded with 0 to the
         longest -> [B, max(ends)]: `cells` of each sequence padded as `pad_sequence` pads them, from
         the block tables in ~10 tensor ops whatever B (one `cells` slice per sequence and the
-        padding cost ~100 us for a 16-sequence decode step)."""
+        padding made several per sequence)."""
         book, size = self.book, self.block_size
         width = max(ends)
         num_blocks = -(-width // size)
@@ -317,8 +317,8 @@ class PagedKVCache:
     def gather(self, plane: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
         """Rows `cells` [...] of a cache plane (`k[layer]` or `v[layer]`, [N, ...]) -> [..., *plane.shape[1:]].
         `index_select` copies whole rows; advanced indexing (`plane[cells]`) goes through the
-        generic index kernel, 2.6x slower in float32 and 7x in bfloat16 for 16 sequences of 100
-        cells (one CPU thread), and a step gathers every layer's context."""
+        generic index kernel, several times slower (design §3.4), and a step gathers every
+        layer's context."""
         return plane.index_select(0, cells.reshape(-1)).view(*cells.shape, *plane.shape[1:])
 
     def write(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -4,19 +4,22 @@ Shapes: T step tokens, B sequences, H hidden, V vocab.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from runtime.ops import kernels
-from runtime.executor.attention import PagedAttention, SeqChunk, StepPlan, build_plan
+from runtime.executor.attention import PagedAttention, SeqChunk, StepPlan, choose_attention_backend
 from runtime.executor.step_context import forward_context
 from runtime.ops.batch_invariant import set_batch_invariant
 from runtime.executor.compiled import compile_step
 from runtime.platform.device import kv_tokens_for_memory, use_device
 from runtime.executor.kv_cache import PagedKVCache
-from runtime.model.experts import uses_fused_experts
+from runtime.model.experts import choose_experts_backends, uses_fused_experts
 from runtime.model.layers import Linear
 from runtime.model.linear_attention import RecurrentStates
-from runtime.model.causal_lm import CausalLM, RowTwice
+from runtime.model.causal_lm import CausalLM
+from runtime.model.decoder import RowTwice
 from runtime.executor.static_step import StepGraphs
 
 
@@ -32,6 +35,25 @@ def kv_bytes_per_token(model: CausalLM) -> int:
     layout = model.cache_layout()
     planes = 1 if layout["latent_dim"] is not None else 2
     return cache_layers(model) * layout["num_kv_heads"] * layout["head_dim"] * planes * model.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorChoice:
+    """What a runner chose at start, once: how its steps execute and which backends they run.
+    Its text is the start-up line (`serving.deployment` logs it)."""
+    device: str
+    dtype: str
+    execution: str                  # "compiled" or "eager"
+    static_steps: str               # "off", "padded" (the CPU runs the buckets) or "captured" (CUDA graphs)
+    batch_invariant: bool
+    attention: str                  # the cache's attention backend (runtime.executor.attention)
+    experts: tuple[tuple[str, int], ...]   # routed-experts backends and how many layers run each
+
+    def __str__(self) -> str:
+        experts = ", ".join(f"{name} x{n}" for name, n in self.experts) or "none"
+        return (f"{self.device} {self.dtype}: {self.execution} steps, static steps {self.static_steps}, "
+                f"batch-invariant {'on' if self.batch_invariant else 'off'}, attention {self.attention}, "
+                f"routed experts {experts}")
 
 
 class ModelRunner:
@@ -65,6 +87,8 @@ class ModelRunner:
             # The MTP drafter keeps the default kernels: its drafts decide which tokens are
             # checked, never which are committed (the target's rows, batch-invariant, decide).
             set_batch_invariant(model.mtp, False)
+        # Each routed-experts module's backend, chosen now that its dtype, device and modes are set.
+        self.experts_backends = choose_experts_backends(model)
         # A compiled batch-invariant step: its GEMMs, experts and attention are opaque ops whose
         # row count never becomes a guard, so one graph (one set of generated kernels) serves
         # every row count; a one-row step runs as two copies of its row (`forward`), so no graph
@@ -79,7 +103,7 @@ class ModelRunner:
         self.plan_tiles = self.batch_invariant and not sparse
         self.compiled = compiled and model.dtype != torch.float64 and not sparse and not hybrid
         # The step's graphs and guards are this model's own (runtime.executor.compiled). No size and stride
-        # asserts around every extern kernel: 111 of them per step, 4% of its CPU time.
+        # asserts around every extern kernel (over a hundred a step; design §3.4).
         options = {"size_asserts": False}
         if self.batch_invariant:
             # Fused kernels keep 16-bit intermediates in float32 unless told to round them as
@@ -91,7 +115,7 @@ class ModelRunner:
             options["pattern_matcher"] = False
         self._compiled_forward = compile_step(model.forward, options) if self.compiled else None
         # The final norm and the head as one graph too (a fused norm kernel instead of ~6 eager ops,
-        # ~40 us of a one-row step), where the head is this process's own linear: not a batch-
+        # design §3.4), where the head is this process's own linear: not a batch-
         # invariant one, nor an EP rank's vocabulary shard with its gather.
         plain_head = type(model.lm_head) is Linear and not self.batch_invariant
         self._compiled_logits = compile_step(model.compute_logits, options) if self.compiled and plain_head else None
@@ -106,12 +130,15 @@ class ModelRunner:
         if attention_kernel is None:
             attention_kernel = (self.device.type == "cuda" and kernels.available("cuda")
                                 and model.dtype != torch.float64)
-        if attention_kernel:
-            if not kernels.available(self.device.type):
-                raise ValueError(f"the Triton attention kernel cannot run on {self.device} here (triton missing, "
-                                 "or TRITON_INTERPRET not 1 for CPU tensors)")
-            from runtime.ops.kernels.paged_attention import paged_attention
-            self.cache.attention_kernel = paged_attention
+        if attention_kernel and not kernels.available(self.device.type):
+            raise ValueError(f"the Triton attention kernel cannot run on {self.device} here (triton missing, "
+                             "or TRITON_INTERPRET not 1 for CPU tensors)")
+        kernel = None
+        if attention_kernel and not self.plan_tiles:
+            from runtime.ops.kernels.paged_attention import paged_attention as kernel
+        # Every step planned on this cache (the target's, and the drafter's on its plane) attends
+        # through this backend, chosen here once.
+        self.attention = choose_attention_backend(self.cache, batch_invariant=self.plan_tiles, kernel=kernel)
         # The conv and recurrent states of the linear-attention layers, freed with each sequence's blocks.
         self.states = RecurrentStates(cfg, dtype=model.dtype, device=self.device) if hybrid else None
         self.cache.states = self.states
@@ -122,6 +149,13 @@ class ModelRunner:
             self.graphs = StepGraphs(model.forward, self.cache, max_keys, capture,
                                      attention_kernel=bool(attention_kernel), sync_free_experts=uses_fused_experts(model))
 
+        self.choice = ExecutorChoice(
+            device=str(self.device), dtype=str(model.dtype).removeprefix("torch."),
+            execution="compiled" if self.compiled else "eager",
+            static_steps="off" if self.graphs is None else ("captured" if self.graphs.capture else "padded"),
+            batch_invariant=self.batch_invariant, attention=self.attention.name,
+            experts=tuple(sorted(self.experts_backends.items())))
+
     @torch.inference_mode()
     def forward(self, tokens: list[int], chunks: list[SeqChunk]) -> tuple[torch.Tensor, StepPlan]:
         """Run the target over the step's rows (sequence-major, matching `chunks`).
@@ -131,7 +165,7 @@ class ModelRunner:
         shape = self.graphs.shape_of(chunks) if self.graphs is not None else None
         if shape is not None:
             return self.graphs.run(tokens, chunks, shape)
-        plan = build_plan(self.cache, chunks, batch_invariant=self.plan_tiles)
+        plan = self.attention.plan(self.cache, chunks)
         token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.device)
         paged = PagedAttention(self.cache, plan)
         if self.states is not None:
@@ -140,7 +174,7 @@ class ModelRunner:
             return self.model(token_tensor, plan.positions, paged), plan
         if self.batch_invariant and len(tokens) == 1:
             # Dynamo specialises a graph to one row (its kernels might round otherwise): the row
-            # runs twice, the copy reusing its attention (runtime.model.causal_lm.RowTwice).
+            # runs twice, the copy reusing its attention (runtime.model.decoder.RowTwice).
             with forward_context(RowTwice(paged), self.model) as ctx:
                 hidden = self._compiled_forward(token_tensor.repeat(2), plan.positions.repeat(2), ctx)
             return hidden[:1], plan

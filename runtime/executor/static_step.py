@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.executor.attention import KernelRows, PagedAttention, SeqChunk, StepPlan, row_depths
+from runtime.executor.attention import (AttentionBackend, KernelAttention, KernelRows, PagedAttention, SeqChunk,
+                                       StepPlan, padded_backend, row_depths)
 from runtime.ops import kernels
 from runtime.platform.device import capture_refusal
 from runtime.executor.kv_cache import PagedKVCache
@@ -73,9 +74,11 @@ class StaticBuffers:
     previous hidden of each row, for the drafter's forward (None for the target's)."""
 
     def __init__(self, shape: StaticShape, cache: PagedKVCache, hidden: tuple[int, torch.dtype] | None = None,
-                 kernel=None) -> None:
-        """`kernel`: the paged-attention kernel the plan's attention runs (`KernelRows`), or None
-        for the padded SDPA."""
+                 backend: AttentionBackend | None = None) -> None:
+        """`backend`: the attention backend the plan runs: the Triton kernel (`KernelAttention`,
+        its `KernelRows` filled here), or the device's padded batch (the default)."""
+        backend = backend or padded_backend(cache.device)
+        kernel = backend.kernel if isinstance(backend, KernelAttention) else None
         b, q, k, t = shape.num_seqs, shape.num_rows, shape.num_keys, shape.num_tokens
         dev, scratch = cache.device, cache.scratch_cell
         self.shape = shape
@@ -96,7 +99,8 @@ class StaticBuffers:
         self.plan = StepPlan(positions=self.positions, cell_mapping=self.cell_mapping, gather=self.gather,
                              q_index=torch.arange(t, device=dev).view(b, q),
                              valid=torch.ones(b, q, dtype=torch.bool, device=dev), mask=self.mask,
-                             last_rows=torch.arange(q - 1, t, q, device=dev), mask_mode="padded", rows=rows)
+                             last_rows=torch.arange(q - 1, t, q, device=dev), mask_mode="padded", rows=rows,
+                             backend=backend)
 
     def fill(self, tokens: list[int], chunks: list[SeqChunk], cache: PagedKVCache) -> torch.Tensor:
         """Write one step into the buffers; returns the step row of each real row [sum of chunk rows],
@@ -185,7 +189,7 @@ class StepGraphs:
                  capture: bool, hidden: tuple[int, torch.dtype] | None = None,
                  attention_kernel: bool | None = None, sync_free_experts: bool = False) -> None:
         """`hidden` (size, dtype): the forward also takes a hidden state per row, as the MTP
-        drafter's `mtp_forward(tokens, prev_hidden, positions, attention)` does.
+        drafter's `MTPLayer.forward(tokens, prev_hidden, positions, attention)` does.
         `attention_kernel`: the steps' attention through the Triton paged-attention kernel
         (reading keys and values in place) instead of the context copy and padded SDPA; None:
         on CUDA where triton is installed. Chosen here, once. `sync_free_experts`: the model's
@@ -198,10 +202,10 @@ class StepGraphs:
         if attention_kernel and not kernels.available(cache.device.type):
             raise ValueError(f"the Triton attention kernel cannot run on {cache.device} here (triton missing, "
                              "or TRITON_INTERPRET not 1 for CPU tensors)")
-        self.kernel = None
+        self.attention = padded_backend(cache.device)
         if attention_kernel:
             from runtime.ops.kernels.paged_attention import paged_attention
-            self.kernel = paged_attention
+            self.attention = KernelAttention(paged_attention, self.attention)
         self.forward_fn = forward
         self.cache = cache
         self.max_keys = max_keys
@@ -254,7 +258,7 @@ class StepGraphs:
         return self.forward_fn(buffers.tokens, buffers.positions, attention)
 
     def _prepare(self, shape: StaticShape) -> _Entry:
-        buffers = StaticBuffers(shape, self.cache, self.hidden, self.kernel)
+        buffers = StaticBuffers(shape, self.cache, self.hidden, self.attention)
         if not self.capture:
             return _Entry(buffers)
         graph, output, taken = capture_cuda_graph(lambda: self._forward(buffers), self.pool, self.cache.device)

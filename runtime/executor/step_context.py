@@ -14,8 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from runtime.ops import cpu_ops
-from runtime.executor.attention import PagedAttention, StepPlan
+from runtime.executor.attention import NATIVE, PagedAttention, StepPlan
 
 _step_context = threading.local()   # .paged, .model: the attention and model of the forward running on this thread
 
@@ -24,9 +23,7 @@ def _native_plan(paged) -> bool:
     """Whether the layers of a forward over `paged` run their attention natively from one plan set
     for the forward (`metrale_cpu::planned_attention`): a padded-batch plan on the CPU with the
     native ops loaded (not the batch-invariant tiles, not a static step's wrapper)."""
-    if type(paged) is not PagedAttention or paged.cache.device.type != "cpu" or paged.plan.tiles is not None:
-        return False
-    return bool(cpu_ops.LOADED if cpu_ops.LOADED is not None else cpu_ops.load())
+    return type(paged) is PagedAttention and paged.plan.backend is NATIVE
 
 
 def chains_natively(paged: PagedAttention) -> bool:
@@ -47,7 +44,7 @@ def forward_context(paged: PagedAttention, model: torch.nn.Module | None = None,
     if getattr(_step_context, "paged", None) is not None:
         raise RuntimeError("a forward is already running on this thread: forward contexts do not nest")
     native = _native_plan(paged)
-    if chain and (not native or any(p.tiles is not None for p in chain)):
+    if chain and (not native or any(p.backend is not NATIVE for p in chain)):
         raise ValueError("chained steps need the native attention plan (CPU, native ops, no batch-invariant tiles)")
     if native:
         writes, cache = paged.plan, paged.cache

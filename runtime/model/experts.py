@@ -6,6 +6,9 @@ Shapes: T rows, k choices per row, E local experts, H hidden, I expert intermedi
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,10 +24,31 @@ class RoutedExperts(nn.Module):
     experts computes only those and leaves other tokens' rows at zero.
     """
 
-    batch_invariant = False   # each touched expert's GEMMs through runtime.ops.batch_invariant.linear
     column_major_weights = True   # `pack_for_inference` lays each expert's matrices out for the CPU GEMM
     packed_weights = {"gate_up_packed": "gate_up_proj", "down_packed": "down_proj"}   # and packs them
-    fused = False   # the Triton fused MoE kernels (`choose_fused_experts`), chosen once at load
+    backend: ExpertsBackend | None = None   # `choose_experts_backend`
+    _batch_invariant = False
+    _fused = False
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Each touched expert's GEMMs through runtime.ops.batch_invariant.linear
+        (`set_batch_invariant`); switching it asks for a new backend."""
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        self._batch_invariant, self.backend = on, None
+
+    @property
+    def fused(self) -> bool:
+        """The Triton fused MoE kernels (`choose_fused_experts`, once at load); switching it asks
+        for a new backend."""
+        return self._fused
+
+    @fused.setter
+    def fused(self, on: bool) -> None:
+        self._fused, self.backend = on, None
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, expert_offset: int = 0) -> None:
         super().__init__()
@@ -39,30 +63,17 @@ class RoutedExperts(nn.Module):
         return self.gate_up_proj.shape[0]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/ids [T, k] (global ids) -> weighted sum over the local experts [T, H].
+        """x [T, H], weights/ids [T, k] (global ids) -> weighted sum over the local experts [T, H];
+        rows routed to experts outside this shard contribute zero. Runs the backend chosen for
+        this module (`choose_experts_backend`: once, when the runner is built or the module's
+        dtype or device last changed)."""
+        backend = self.backend or choose_experts_backend(self)
+        return backend(self, x, weights, ids)
 
-        Rows routed to experts outside this shard contribute zero. float32 and bfloat16 take the
-        grouped path on an accelerator (no host synchronisation) and the per-expert path on the
-        CPU (`_per_expert`), batch-invariant there with `bi.linear` as each expert's GEMM (a row's
-        result depends on its own choices only; 5.4 against 6.0 ms of routed experts per 16-row
-        float32 step for the looped path, design §3.2); float64, the reference mode, loops over
-        the touched experts. Every expert densely on fixed grouped-matmul tiles, tried for the
-        batch-invariant mode, was slower (bench/records/batch_invariant_*_dense_experts.json).
-        """
-        if x.dtype == torch.float64:
-            return self._looped(x, weights, ids)
-        if self.batch_invariant:
-            if torch.compiler.is_compiling():
-                return invariant_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
-            return _invariant_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
-        if self.fused:   # sync-free in float32 and bfloat16: the step captures in either
-            return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
-        if torch.compiler.is_compiling():   # opaque to inductor: grouped_mm has no float32 meta kernel
-            if x.device.type == "cpu" and cpu_ops.LOADED:   # the native op itself, no Python op around it
-                return _native_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset,
-                                       self._packed(x))
-            return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
-        return routed_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset, self._packed(x))
+    def _apply(self, fn, *args, **kwargs):
+        # A new dtype or device (`.to`, `.double()`, `.cuda()`) asks for a new choice.
+        self.backend = None
+        return super()._apply(fn, *args, **kwargs)
 
     def _packed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The packed expert matrices (`pack_for_inference`) where the native op reads them: kept,
@@ -75,9 +86,7 @@ class RoutedExperts(nn.Module):
         """The CPU's path: choices sorted by local expert as in `_grouped`, then one pair of
         matmuls per touched expert. Reading the counts costs the CPU nothing (there is no device
         to wait for), and the loop skips the empty groups CPU `_grouped_mm` walks, each with its
-        own matmul and a read of its offset: 111 against 164 us per layer for one row, 519
-        against 571 for 16 (float32, one thread, 8 experts of 256 x 256; /tmp probe, design §3).
-        Each expert's matmuls see the rows `_grouped_mm` gives that group, so the two paths agree
+        own matmul and a read of its offset (design §3.4). Each expert's matmuls see the rows `_grouped_mm` gives that group, so the two paths agree
         bit for bit."""
         t, k = ids.shape
         if t == 0:                                  # an EP rank that received no rows this layer
@@ -104,7 +113,7 @@ class RoutedExperts(nn.Module):
                 rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The CPU's path for many choices: every local expert's rows padded to the busiest one's
         count, then one batched matmul per projection over all local experts (two GEMM calls a
-        layer instead of two per touched expert: a CPU GEMM call costs 25-35 us in bfloat16
+        layer instead of two per touched expert: a CPU GEMM call has a fixed cost in bfloat16
         whatever its rows; see `PADDED_MIN_EXPERTS`). Reads the busiest count on the host.
         `rows` (lo, hi), batch-invariant (`bi.bmm_plan`): every call takes lo..hi rows per expert,
         more rows run as calls of exactly hi."""
@@ -160,8 +169,9 @@ class RoutedExperts(nn.Module):
         # Sum over the k choices in a fixed order: the result does not depend on the batch.
         return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
 
-    def _looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The reference path: one pair of matmuls per touched local expert (syncs with the host)."""
+    def _looped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, mm=F.linear) -> torch.Tensor:
+        """The reference path: one pair of matmuls per touched local expert (syncs with the host);
+        `mm` each expert's GEMM (`bi.linear` in the batch-invariant reference)."""
         t, k = ids.shape
         flat = (ids - self.expert_offset).reshape(-1)              # [T*k] local expert of each choice
         is_local = (flat >= 0) & (flat < self.num_local_experts)
@@ -178,7 +188,6 @@ class RoutedExperts(nn.Module):
                 if n == 0:
                     continue
                 xs = x[tokens[start:start + n]]
-                mm = bi.linear if self.batch_invariant else F.linear
                 gate, up = mm(xs, self.gate_up_proj[e]).chunk(2, dim=-1)
                 per_choice[slots[start:start + n]] = mm(F.silu(gate) * up, self.down_proj[e]).to(x.dtype)
                 start += n
@@ -201,20 +210,15 @@ class _Experts:
 
 
 # Touched local experts from which the CPU runs the padded batched matmuls instead of a GEMM pair
-# per touched expert, by dtype. Measured for 8 experts of 256 x 256 at two threads, choices spread
-# over the experts (per layer, us, per expert vs padded): bfloat16 2 choices 154 vs 186, 8: 471 vs
-# 194, 32: 659 vs 211, 64: 685 vs 254 (a bfloat16 GEMM call costs 25-35 us whatever its rows, a
-# batched one over 8 experts ~130); float32 2: 61 vs 159, 8: 218 vs 180, 32: 314 vs 204, 64: 357
-# vs 272, but in the served step (routing concentrated on fewer experts) float32 gained nothing
-# measurable, so it stays per expert. In the step (two threads, one-thread CPU time halved):
-# bfloat16 16 rows 9.6 -> 8.0 ms, k3 at 16 sequences 14.0 -> 12.2 ms. Counted in experts, not
-# choices: a row's two copies (runtime.model.causal_lm.RowTwice) make 4 choices over 2 experts, where the
-# padded path cost 655 against 488 us a layer.
+# per touched expert, by dtype: a bfloat16 GEMM call has a fixed cost whatever its rows, so from
+# three experts one batched call beats a pair per expert; float32 gained nothing measurable in the
+# served step, so it stays per expert (the measurements: design §3.4). Counted in experts, not
+# choices: a row's two copies (runtime.model.decoder.RowTwice) make 4 choices over 2 experts,
+# where the padded path was the slower.
 PADDED_MIN_EXPERTS = {torch.bfloat16: 3, torch.float16: 3}
 # ... and only while padding adds at most this many rows per touched expert (about what a GEMM
 # pair's call costs in rows): routing skewed to a few experts, in a long prefill, can triple the
-# rows (a random-weight model's 16 x 64-token prefill: batched matmuls 20.7 ms a forward against
-# 12-14 per expert). The native op (`metrale_cpu::routed_experts`, kPaddedWasteRows) decides alike.
+# rows and lose to the pairs (design §3.4). The native op (`metrale_cpu::routed_experts`, kPaddedWasteRows) decides alike.
 PADDED_WASTE_ROWS = 64
 
 
@@ -264,8 +268,7 @@ def _invariant_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     types and `bi.bmm_plan` finds row counts that give every row one result, padded on those
     (by `PADDED_MIN_EXPERTS` when each row equals `bi.linear`'s result, else always); otherwise
     per expert with each GEMM through `bi.linear` (always where that runs the native kernel on
-    every row count: bfloat16 without native bfloat16, whose batched matmul took ~3 ms for 16
-    rows of a 256 x 512 matrix)."""
+    every row count: bfloat16 without native bfloat16, whose batched matmul is far slower)."""
     experts = _Experts(gate_up_proj, down_proj, expert_offset)
     native = all(cpu_ops.takes_all_rows(x.dtype, w[0]) for w in (gate_up_proj, down_proj))
     if x.dtype in PADDED_MIN_EXPERTS and x.device.type == "cpu" and not native:
@@ -331,7 +334,91 @@ def choose_fused_experts(model: nn.Module, on: bool | None = None) -> bool:
                          "for CPU tensors, TRITON_INTERPRET=1; float32 or bfloat16)")
     for m in mods:
         m.fused = on and not m.batch_invariant
+        choose_experts_backend(m)
     return bool(on)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertsBackend:
+    """One way to run the routed experts, chosen once per module (`choose_experts_backend`):
+    `eager` runs in an eager forward, `traced` is what a compiled forward calls (an opaque op
+    where inductor cannot take the path itself); both take (module, x, weights, ids)."""
+    name: str
+    eager: Callable[..., torch.Tensor]
+    traced: Callable[..., torch.Tensor]
+
+    def __call__(self, m: RoutedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        run = self.traced if torch.compiler.is_compiling() else self.eager
+        return run(m, x, weights, ids)
+
+
+def _op_call(op):
+    return lambda m, x, w, ids: op(x, w, ids, m.gate_up_proj, m.down_proj, m.expert_offset)
+
+
+def _native_call(m: RoutedExperts, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return _native_experts(x, w, ids, m.gate_up_proj, m.down_proj, m.expert_offset, m._packed(x))
+
+
+def _python_call(m: RoutedExperts, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    if _take_padded(x, ids, m.expert_offset, m.num_local_experts):
+        return m._padded(x, w, ids)
+    return m._per_expert(x, w, ids)
+
+
+def _invariant_call(m: RoutedExperts, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return _invariant_experts(x, w, ids, m.gate_up_proj, m.down_proj, m.expert_offset)
+
+
+EXPERTS_BACKENDS = {b.name: b for b in (
+    # float64, the reference mode: one GEMM pair per touched expert, in order.
+    ExpertsBackend("reference", lambda m, x, w, ids: m._looped(x, w, ids), lambda m, x, w, ids: m._looped(x, w, ids)),
+    ExpertsBackend("reference-invariant", lambda m, x, w, ids: m._looped(x, w, ids, bi.linear),
+                   lambda m, x, w, ids: m._looped(x, w, ids, bi.linear)),
+    # Each touched expert's GEMMs through `bi.linear` (or padded batched matmuls on fixed tiles).
+    ExpertsBackend("invariant", _invariant_call, _op_call(invariant_experts)),
+    # The Triton fused MoE kernels: sync-free in float32 and bfloat16, so the step captures.
+    ExpertsBackend("fused", _op_call(fused_experts), _op_call(fused_experts)),
+    # The native CPU op (`metrale_cpu::routed_experts`), its few-row GEMMs from the packed matrices.
+    ExpertsBackend("native", _native_call, _native_call),
+    # The CPU without the native library: per expert, or padded batched matmuls (`_take_padded`).
+    ExpertsBackend("python", _python_call, _op_call(grouped_experts)),
+    # An accelerator: two grouped matmuls over the choices sorted by expert, no host sync.
+    ExpertsBackend("grouped", lambda m, x, w, ids: m._grouped(x, w, ids), _op_call(grouped_experts)),
+)}
+
+
+def experts_backend_name(m: RoutedExperts) -> str:
+    """The backend a routed-experts module runs, from what was chosen for it (its dtype, device,
+    batch-invariant switch, fused kernels) and whether the native CPU ops load."""
+    p = m.gate_up_proj
+    if p.dtype == torch.float64:
+        return "reference-invariant" if m.batch_invariant else "reference"
+    if m.batch_invariant:
+        return "invariant"
+    if m.fused:
+        return "fused"
+    if p.device.type != "cpu":
+        return "grouped"
+    return "native" if cpu_ops.load() else "python"
+
+
+def choose_experts_backend(m: RoutedExperts) -> ExpertsBackend:
+    """Choose `m`'s backend now (`experts_backend_name`) and keep it until its dtype or device
+    changes; the runner calls this for every module once its modes are set."""
+    m.backend = EXPERTS_BACKENDS[experts_backend_name(m)]
+    return m.backend
+
+
+def choose_experts_backends(model: nn.Module) -> dict[str, int]:
+    """`choose_experts_backend` for every routed-experts module of `model`; returns how many
+    modules run each backend (the start-up line names them)."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, RoutedExperts):
+            name = choose_experts_backend(m).name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def uses_fused_experts(model: nn.Module) -> bool:

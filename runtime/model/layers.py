@@ -66,12 +66,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.metrale_cpu.linear(x, weight, bias, cpu_ops.few_rows_max(x.dtype))
 
 
-class Linear(nn.Linear):
+class Linear(bi.InvariantSwitch, nn.Linear):
     """`nn.Linear` with a batch-invariant path (`runtime.ops.batch_invariant.linear`) when switched on;
     `in_parts` > 1 sums that path over equal slices of the input features (an attention output
     projection's two halves of its heads: `runtime.ops.batch_invariant.split_linear`)."""
 
-    batch_invariant = False
+    switched = {"_run": "_invariant"}
     packed_weights = {"packed": "weight"}   # buffer: weight it packs (`pack_for_inference`)
     in_parts = 1
     bi_rows: tuple[int, int] | None = None   # its GEMM plan (`bi.set_batch_invariant`)
@@ -81,22 +81,25 @@ class Linear(nn.Linear):
         self.register_buffer("packed", None, persistent=False)   # `pack_for_inference`: cpu_ops.pack(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.batch_invariant:
-            return linear(x, self.weight, self.bias, self.packed)
+        return self._run(x)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
+
+    def _invariant(self, x: torch.Tensor) -> torch.Tensor:
         if self.in_parts == 1:
             return bi.linear(x, self.weight, self.bias, self.bi_rows)
         out = bi.split_linear(x, self.weight, self.in_parts, self.bi_rows)
         return out if self.bias is None else out + self.bias
 
 
-class FusedProjection(nn.Module):
+class FusedProjection(bi.InvariantSwitch, nn.Module):
     """Linears that read the same input (an attention's q/k/v, an MLP's gate/up) as one GEMM: the
     weights concatenated along the outputs, each linear's weight left as a view of its rows (so
     loading and saving, which keep the separate linears, share the memory). One GEMM instead of
-    several saves the per-call cost that dominates small steps: about 4 us per fused call in
-    float32, 30-50 in bfloat16 (one CPU thread, design §3.2)."""
+    several saves the per-call cost that dominates small steps (design §3.4)."""
 
-    batch_invariant = False
+    switched = {"_run": "_invariant"}
     packed_weights = {"packed": "weight"}   # buffer: weight it packs (`pack_for_inference`)
     bi_rows: tuple[int, int] | None = None   # its GEMM plan (`bi.set_batch_invariant`)
 
@@ -122,16 +125,19 @@ class FusedProjection(nn.Module):
             start += n
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.batch_invariant:
-            return bi.linear(x, self.weight, self.bias, self.bi_rows).split(self.sizes, dim=-1)
-        return linear(x, self.weight, self.bias, self.packed).split(self.sizes, dim=-1)
+        return self._run(x).split(self.sizes, dim=-1)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
+
+    def _invariant(self, x: torch.Tensor) -> torch.Tensor:
+        return bi.linear(x, self.weight, self.bias, self.bi_rows)
 
 
 def pack_for_inference(model: nn.Module) -> None:
     """Once a model's weights are loaded: fuse the projections that share an input, and on the CPU
     store every linear and expert weight column-major (its transpose contiguous), which MKL's
-    GEMM runs up to 1.7x faster for the few rows of a decode or verify step (float32: 8.0 -> 4.9 us
-    for one row of 256 x 512, 34.8 -> 20.2 us for 16; design §3.2). Values are unchanged;
+    GEMM runs faster for the few rows of a decode or verify step (design §3.4). Values are unchanged;
     shapes and names too. Modules that name `packed_weights` (buffer: weight) also get a packed
     copy of each bfloat16 and float32 CPU weight, which the few-row kernel reads instead
     (`cpu_ops.pack`, the same bits; a non-persistent buffer, not in the state dict): the weights
@@ -281,7 +287,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class Router(nn.Module):
+class Router(bi.InvariantSwitch, nn.Module):
     """Top-k routing in float32 (float64 for a float64 model), in one of two scorings.
 
     sigmoid (GLM, DeepSeek): sigmoid scores plus `e_score_correction_bias` choose, grouped top-k
@@ -290,7 +296,7 @@ class Router(nn.Module):
     weights (`norm_topk_prob`) and scale them (`routed_scaling_factor`).
     """
 
-    batch_invariant = False
+    switched = {"_logits": "_logits_invariant", "_sigmoid": "_sigmoid_invariant"}
     column_major_weights = True   # `pack_for_inference` lays the router matrix out for the CPU GEMM
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -311,19 +317,31 @@ class Router(nn.Module):
         dt = stats_dtype(x.dtype)
         if self.is_softmax:
             # transformers keeps this router in the model dtype: logits there, softmax in float32.
-            mm = bi.linear if self.batch_invariant else F.linear
-            scores = torch.softmax(mm(x, self.weight.to(x.dtype)).to(dt), dim=-1)
+            scores = torch.softmax(self._logits(x, self.weight.to(x.dtype)).to(dt), dim=-1)
             weights, ids = scores.topk(self.top_k, dim=-1)
         else:
-            if self.batch_invariant:
-                scores = bi.rowwise(torch.sigmoid, bi.linear(x.to(dt), self.weight.to(dt)))
-            else:
-                scores = F.linear(x.to(dt), self.weight.to(dt)).sigmoid()
+            scores = self._sigmoid(x.to(dt), self.weight.to(dt))
             ids = self._grouped_top_k(scores + self.e_score_correction_bias.to(dt))
             weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + (0.0 if self.is_softmax else 1e-20))
         return scores, weights * self.routed_scaling_factor, ids
+
+    @staticmethod
+    def _logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w)
+
+    @staticmethod
+    def _logits_invariant(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return bi.linear(x, w)
+
+    @staticmethod
+    def _sigmoid(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w).sigmoid()
+
+    @staticmethod
+    def _sigmoid_invariant(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return bi.rowwise(torch.sigmoid, bi.linear(x, w))
 
     def _grouped_top_k(self, choice: torch.Tensor) -> torch.Tensor:
         """choice [T, E] -> ids [T, k] of the best experts inside the best `topk_group` groups."""

@@ -235,7 +235,7 @@ class GatedDeltaNet(nn.Module):
             conv_state = step.states.conv[seq_id][slot]                # [C, K-1]
             window = torch.cat((conv_state, qkv[first:first + n].t().to(conv_state.dtype)), dim=1)
             conv_state.copy_(window[:, -conv_state.shape[1]:])
-            # The depthwise conv as K multiply-adds over a sliding view (F.conv1d costs ~8 ms a call in float64).
+            # The depthwise conv as K multiply-adds over a sliding view (F.conv1d is far slower in float64).
             mixed = F.silu((window.to(weight.dtype).unfold(1, weight.shape[2], 1) * weight).sum(-1)).t()
             q, k, v = mixed.to(dt).split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
             q, k = q.reshape(n, self.nk, self.dk), k.reshape(n, self.nk, self.dk)

@@ -29,18 +29,23 @@ from runtime.model.rotary import apply_rotary, softmax_scale
 from runtime.model.sparse_attention import DsaSelection, Indexer
 
 
-def per_head_linear(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+def per_head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, nh, a], weight [nh, b, a] -> [T, nh, b]: head h's rows times weight[h]^T."""
-    if batch_invariant:   # one fixed-tile GEMM per head: a row's result does not depend on T
-        return torch.stack([bi.linear(x[:, h], weight[h]) for h in range(weight.shape[0])], dim=1)
     return torch.einsum("tna,nba->tnb", x, weight)
 
 
-class MLAttention(nn.Module):
+def per_head_linear_invariant(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`per_head_linear` as one fixed-tile GEMM per head: a row's result does not depend on T."""
+    return torch.stack([bi.linear(x[:, h], weight[h]) for h in range(weight.shape[0])], dim=1)
+
+
+class MLAttention(bi.InvariantSwitch, nn.Module):
     """Checkpoint names as transformers' DeepseekV3Attention: q_proj (no q_lora_rank) or
     q_a_proj / q_a_layernorm / q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj."""
 
-    batch_invariant = False
+    switched = {"_per_head": "_per_head_invariant"}
+    _per_head = staticmethod(per_head_linear)
+    _per_head_invariant = staticmethod(per_head_linear_invariant)
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, sparse: DsaSelection | None = None) -> None:
         """`sparse`: the model's DeepSeek sparse attention (runtime.model.sparse_attention), shared by its
@@ -91,7 +96,7 @@ class MLAttention(nn.Module):
         k_rope = apply_rotary(k_rope[:, None], cos, sin, self.interleaved)         # [T, 1, Dr]
         w = self.kv_b_proj.weight.view(-1, self.nope + self.v_dim, self.kv_lora_rank)   # [nh, Dn + Dv, C]
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
-        q_latent = per_head_linear(q_nope, w_uk.transpose(1, 2), self.batch_invariant)  # [T, nh, C]
+        q_latent = self._per_head(q_nope, w_uk.transpose(1, 2))                    # [T, nh, C]
         key = torch.cat((latent[:, None], k_rope), dim=-1)                          # [T, 1, C + Dr]
         if self.sparse is not None:   # the indexer's key goes to the cache beside the latent
             cell = self.sparse.cache_key(key, None if self.indexer is None else self.indexer.key(x, rope))
@@ -100,7 +105,7 @@ class MLAttention(nn.Module):
         else:
             out = ctx.attend(self.layer_idx, torch.cat((q_latent, q_rope), dim=-1), key,
                              key[..., :self.kv_lora_rank], self.scale)              # [T, nh, C]
-        out = per_head_linear(out, w_uv, self.batch_invariant)                      # [T, nh, Dv]
+        out = self._per_head(out, w_uv)                                             # [T, nh, Dv]
         return self.o_proj(out.reshape(t, -1))
 
     def write_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: KVWriter) -> None:

@@ -34,7 +34,7 @@ _FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 # vision tower (multimodal layout) and the `mtp.*` layer (not served for this family yet).
 _SKIPPED = {"model.visual.": "the vision tower (text only is served)",
             "mtp.": "the MTP layer (config.json announces none: mtp_num_hidden_layers)"}
-# Qwen3.5's `mtp.*` names -> the MTP layer's own (runtime.model.causal_lm.MTPLayer).
+# Qwen3.5's `mtp.*` names -> the MTP layer's own (runtime.model.mtp.MTPLayer).
 _QWEN35_MTP = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm.",
                "norm.": "shared_head.norm.", "layers.0.": "block."}
 log = logging.getLogger("metrale.weights")

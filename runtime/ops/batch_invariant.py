@@ -158,8 +158,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     become a guard, unless `rows`, the weight's plan looked up before compiling (`plan_rows`),
     admits the step's row count, or is below it (one decode row where a one-row GEMM would take
     another kernel): then the graph calls the GEMM itself, on exactly the call a plan-sized
-    `_linear` makes (padded with zero rows up to the least count), without the op's Python (~8 us
-    a call). The graph then holds one guard on the row count (a graph up to the plan's rows, one
+    `_linear` makes (padded with zero rows up to the least count), without the op's Python. The graph then holds one guard on the row count (a graph up to the plan's rows, one
     above; a row count below the least, a graph of its own, as Dynamo keeps for one row anyway).
     Where the native few-row kernel takes every row count of x's dtype (float64; bfloat16 on a CPU
     without native bfloat16: `cpu_ops.takes_all_rows`), it runs instead: each output is summed in
@@ -250,6 +249,32 @@ def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
     element of a row ever takes the scalar tail path."""
     pad = -x.shape[-1] % LANES
     return fn(F.pad(x, (0, pad)))[..., :x.shape[-1]] if pad else fn(x)
+
+
+class InvariantSwitch:
+    """A module with a default and a batch-invariant way to compute. `switched` maps each
+    attribute its forward calls (the class's own method: the default) to the name of its
+    batch-invariant method; setting `batch_invariant` (`set_batch_invariant`, once) binds them,
+    so no call reads the flag. `_switched(on)`, where a module has it, derives what else follows."""
+
+    switched: dict[str, str] = {}
+    _batch_invariant = False
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        object.__setattr__(self, "_batch_invariant", bool(on))
+        for name, invariant in self.switched.items():
+            if on:
+                object.__setattr__(self, name, getattr(self, invariant))
+            else:
+                self.__dict__.pop(name, None)
+        hook = getattr(self, "_switched", None)
+        if hook is not None:
+            hook(bool(on))
 
 
 def set_batch_invariant(model: torch.nn.Module, on: bool) -> None:

@@ -1,14 +1,14 @@
 """The runtime's native CPU ops (runtime/ops/csrc/cpu_ops.cpp), built once per source and torch build
 with the host's C++ compiler and loaded into torch.ops.metrale_cpu.
 
-Why: on the CPU a step's host time is mostly the per-call cost of small tensor ops (5-30 us each
-here). The routed experts of one layer took ~30 of them around their GEMMs: 280 us against 78 us
-of GEMMs for one row, 740 against 335 for a four-row verify (two threads, 8 experts of 256 x 256).
-The native op does the bookkeeping on host vectors. Its GEMMs, and every float32 / bfloat16 linear
+Why: on the CPU a step's host time is mostly the per-call cost of small tensor ops. The routed
+experts of one layer took ~30 of them around their GEMMs, more time than the GEMMs themselves
+(design §3.4). The native op does the bookkeeping on host vectors. Its GEMMs, and every float32 / bfloat16 linear
 of a few rows (`few_rows_max`), run a few-row kernel (`metrale_cpu::linear`): a stream of the
 column-major weights with float accumulators, each output summed in order (bfloat16: in pairs, on
-AVX512-BF16's dot products where the CPU has them), so a row's result is its own whatever the batch; MKL's GEMM of 4-16 rows read the weights at 4-7 GB/s, and oneDNN's
-bfloat16 GEMM without native bfloat16 (AVX2) took ~200 us a row. Without the kernel (more rows,
+AVX512-BF16's dot products where the CPU has them), so a row's result is its own whatever the batch; MKL's GEMM of a few rows reads the weights far
+below the memory's bandwidth, and oneDNN's bfloat16 GEMM without native bfloat16 (AVX2) is slower
+still (design §3.4). Without the kernel (more rows,
 other types) the op runs the Python path's ATen calls, bit for bit its results. Paged attention
 (`PagedAttention.attend` over a padded batch) is the other op: the same cache write, then the
 decode and verify rows read the cache in place (prefills gather for SDPA), in one native call.

@@ -3,9 +3,9 @@
 Python's cyclic collector walks every object it tracks in its oldest generation's collections.
 A serving process holds hundreds of thousands of long-lived objects: torch's and transformers'
 modules, the model's, and with compiled steps Dynamo's and inductor's graphs, guards and symbolic
-shapes (the embedded model: ~290,000 objects eager, ~460,000 compiled). Each full collection then
-costs 130-260 ms on this CPU, and it comes at a step chosen by allocation counts: one request's
-token waits that long, and in a bench run of 5 arms they added up to ~2 s. `freeze_heap`, once
+shapes (hundreds of thousands for the embedded model, design §3.4). Each full collection then
+costs a long pause, and it comes at a step chosen by allocation counts: one request's token waits
+that long. `freeze_heap`, once
 the deployment is built and warm, collects what is garbage and moves every survivor to the
 permanent generation (`gc.freeze`), which no collection walks; later collections see only what
 serving allocates. vLLM's engine freezes its start-up heap the same way.

@@ -7,9 +7,8 @@ the path, computes the mask and rolls the path back, so after a verify only the 
 advance it, as the KV cache keeps only theirs. A path the grammar refuses part-way gives no mask:
 its row is unreachable, because the row of the refused token drew from a mask without it.
 
-Engine choice (measured on models/tiny-glm-moe's 4096-token byte-level BPE, one CPU thread):
-llguidance and xgrammar both compile a small schema, regex or choice list in 0.1-1.6 ms and
-compute a mask in about 2-30 us mean (under 1.5 ms at worst); llguidance is taken because it
+Engine choice: llguidance and xgrammar both compile a small schema and compute a mask fast enough
+for a step (design §3.4); llguidance is taken because it
 needs no other package (xgrammar pulls transformers, triton and a tvm runtime) and reads
 tokenizer.json directly.
 

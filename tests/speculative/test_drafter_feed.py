@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import engine.engine as engine_module
-from runtime.executor.attention import KVWrites, PagedAttention, SeqChunk, build_plan, last_row_plan
+from runtime.executor.attention import KVWrites, PagedAttention, SeqChunk, build_plan, drafter_attention, last_row_plan
 from runtime.ops.batch_invariant import set_batch_invariant
 from runtime.sample.sampler import SamplingParams
 from serving.llm import LLM
@@ -15,7 +15,7 @@ from serving.llm import LLM
 
 @pytest.mark.parametrize("case", ["grouped", "deepseek_plain"])
 def test_last_rows_alone_equal_the_full_drafter_step(ckpt_mtp, family_ckpt, case):
-    """`mtp_forward` with `rows` gives those rows of the full step and writes the same keys and
+    """`MTPLayer.forward` with `rows` gives those rows of the full step and writes the same keys and
     values (grouped-query and latent attention), for every chunk's last row or a subset."""
     path = ckpt_mtp if case == "grouped" else family_ckpt(case)
     llm = LLM(path, dtype="float64", kv_cache_tokens=256, spec="mtp")
@@ -30,7 +30,8 @@ def test_last_rows_alone_equal_the_full_drafter_step(ckpt_mtp, family_ckpt, case
     tokens = torch.randint(0, model.config.vocab_size, (rows,), generator=gen)
     prev = torch.randn(rows, model.config.hidden_size, generator=gen, dtype=torch.float64)
     context = torch.randn(cache.k[layer].shape, generator=gen, dtype=torch.float64)
-    plan = build_plan(cache, chunks)
+    drafter = drafter_attention(cache)   # the drafter's plans: the padded batch, even beside a float64 target
+    plan = build_plan(cache, chunks, backend=drafter)
     cells = torch.cat([cache.cells(c.seq_id, 0, c.end) for c in chunks])
 
     def written() -> torch.Tensor:
@@ -41,14 +42,14 @@ def test_last_rows_alone_equal_the_full_drafter_step(ckpt_mtp, family_ckpt, case
         cache.k[layer].copy_(context)
         if cache.latent_dim is None:
             cache.v[layer].copy_(context)
-        if query == "write":   # rows that draft nothing: keys and values alone (`mtp_write`)
-            assert model.mtp_write(tokens, prev, KVWrites(cache, chunks)) is None
+        if query == "write":   # rows that draft nothing: keys and values alone (`MTPLayer.write`)
+            assert model.mtp.write(tokens, prev, KVWrites(cache, chunks)) is None
             return None, written()
         if query is None:
-            return model.mtp_forward(tokens, prev, plan.positions, PagedAttention(cache, plan)), written()
+            return model.mtp.forward(tokens, prev, plan.positions, PagedAttention(cache, plan)), written()
         picked = [chunks[j] for j in query]
         at = torch.tensor([sum(c.num_tokens for c in chunks[:j + 1]) - 1 for j in query])
-        out = model.mtp_forward(tokens, prev, plan.positions, PagedAttention(cache, plan, last_row_plan(cache, picked)), at)
+        out = model.mtp.forward(tokens, prev, plan.positions, PagedAttention(cache, plan, last_row_plan(cache, picked, drafter)), at)
         return out, written()
 
     full, keys = run(None)
@@ -64,7 +65,7 @@ def test_last_rows_alone_equal_the_full_drafter_step(ckpt_mtp, family_ckpt, case
 
 def test_a_write_only_feed_of_one_batch_invariant_row_writes_what_the_step_writes():
     """A batch-invariant float32 drafter (the runner keeps its drafter on the default kernels;
-    switched on here) runs a one-row step as two copies of the row (`_twice`); `mtp_write` runs
+    switched on here) runs a one-row step as two copies of the row (`one_row_twice`); `MTPLayer.write` runs
     the one row, and `bi.linear` gives it the same keys and values bit for bit."""
     from pathlib import Path
     model_dir = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
@@ -72,7 +73,7 @@ def test_a_write_only_feed_of_one_batch_invariant_row_writes_what_the_step_write
     model, cache = llm.engine.runner.model, llm.engine.runner.cache
     layer = model.config.num_hidden_layers
     set_batch_invariant(model.mtp, True)
-    assert model._twice(torch.zeros(1, dtype=torch.long))   # this CPU's one-row GEMMs round otherwise
+    assert model.one_row_twice and model.mtp.one_row_twice   # this CPU's one-row GEMMs round otherwise
     chunk = SeqChunk(1, 6, 1)
     cache.reserve(1, chunk.end)
     gen = torch.Generator().manual_seed(1)
@@ -81,11 +82,11 @@ def test_a_write_only_feed_of_one_batch_invariant_row_writes_what_the_step_write
     cell = cache.cells(1, 6, 7)
     plan = build_plan(cache, [chunk])
     with torch.inference_mode():
-        model.mtp_forward(tokens, prev, plan.positions, PagedAttention(cache, plan))
+        model.mtp.forward(tokens, prev, plan.positions, PagedAttention(cache, plan))
         want = cache.k[layer][cell].clone(), cache.v[layer][cell].clone()
         cache.k[layer].zero_()
         cache.v[layer].zero_()
-        model.mtp_write(tokens, prev, KVWrites(cache, [chunk]))
+        model.mtp.write(tokens, prev, KVWrites(cache, [chunk]))
     assert torch.equal(cache.k[layer][cell], want[0]) and torch.equal(cache.v[layer][cell], want[1])
     assert want[0].abs().sum() > 0
 

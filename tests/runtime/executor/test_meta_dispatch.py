@@ -55,7 +55,7 @@ def test_target_and_drafter_steps_touch_no_host():
     cache = PagedKVCache(num_layers=cache_layers(model), num_blocks=64, block_size=16, dtype=model.dtype,
                          device="meta", **model.cache_layout())
     target = StepGraphs(model.forward, cache, 512, capture=False)
-    drafter = StepGraphs(model.mtp_forward, cache, 512, capture=False, hidden=(model.config.hidden_size, model.dtype))
+    drafter = StepGraphs(model.mtp.forward, cache, 512, capture=False, hidden=(model.config.hidden_size, model.dtype))
     counts = []
     for graphs, shape in ((target, StaticShape(4, 4, 256)), (target, StaticShape(1, 1, 512)),
                           (drafter, StaticShape(4, 1, 256))):

@@ -289,13 +289,13 @@ def test_attention_row_is_the_same_in_decode_chain_tree_and_any_batch(dtype, ker
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_one_row_step_equals_the_row_among_others(dtype):
     """A one-row target step (run as two copies of the row where the plan pads one-row GEMMs,
-    `CausalLM._twice`) gives the row's hidden bit for bit as a step of several rows does, and
+    `CausalLM.one_row_twice`) gives the row's hidden bit for bit as a step of several rows does, and
     writes the copy's keys nowhere. The MTP drafter keeps the default kernels."""
     llm = LLM(MODEL, dtype, kv_cache_tokens=2048, batch_invariant=True)
     runner = llm.engine.runner
     model, cache = runner.model, runner.cache
     w = model.lm_head.weight
-    assert model._twice(torch.tensor([1])) == (bi.gemm_plan(w, w.dtype, False)[0] > 1)
+    assert model.one_row_twice == (bi.gemm_plan(w, w.dtype, False)[0] > 1)
     tokens = [5, 17, 99, 3, 42]
     cache.reserve(0, 5)
     cache.reserve(1, 5)
