@@ -12,9 +12,16 @@ loop's thread only tokenizes, detokenizes and encodes JSON, none of which opens 
 Requests and aborts go to the engine thread through a queue. A request is one or more sequences
 (the n choices of each of its prompts), added in one go so they share steps. After every step the
 thread tells each affected request's asyncio queue, in one list ordered by choice index, how many
-output tokens each sequence has now and whether it ended. Committed tokens (and their logprobs)
-are only ever appended, so a reader that slices `token_ids[:n]` with the `n` it was told always
-sees a consistent prefix.
+output tokens each sequence has now and whether it ended; a request that asked for no progress
+(`progress=False`: a non-streaming one) hears only of sequences that ended. Committed tokens (and
+their logprobs) are only ever appended, so a reader that slices `token_ids[:n]` with the `n` it
+was told always sees a consistent prefix.
+
+Hand-offs: each wakeup of the event loop's thread takes a core from the step's OpenMP team for a
+moment (2 cores: one of its two threads), so the engine thread wakes a loop at most once per batch
+of updates. Updates go to a per-loop outbox; only the update that finds the outbox empty schedules
+a delivery (`call_soon_threadsafe`), which empties it into the requests' queues. A loop that has
+not yet run its delivery gets later updates in the same one (docs/design.md §6).
 
 Bounds (`QueueLimits`): at most `max_waiting` sequences wait for a place in the batch (submitted,
 not yet running; a preempted one waits again), beyond that `submit` raises `QueueFull`, so a flood
@@ -73,8 +80,10 @@ class RequestHandle:
     """What the server holds for one request: the engine's sequences (set on the engine thread
     before their first update) and one queue of update lists."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, num_seqs: int, deadline: float | None = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, num_seqs: int, deadline: float | None = None,
+                 progress: bool = True) -> None:
         self.loop = loop
+        self.progress = progress    # False: only updates of sequences that ended (a non-streaming reader)
         self.updates: asyncio.Queue[list[Update] | BaseException] = asyncio.Queue()
         self.seqs: list[Sequence | None] = [None] * num_seqs
         self.deadline = deadline    # time.monotonic() after which the engine thread ends it (TIMEOUT)
@@ -99,18 +108,23 @@ class AsyncEngine:
         self._num_waiting = 0    # the scheduler's waiting sequences after the engine thread's last look
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        # Updates not yet delivered, per event loop (engine thread appends, the loop empties).
+        self._out_lock = threading.Lock()
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, list[Update] | BaseException]]] = {}
+        self.num_handoffs = 0    # deliveries scheduled on an event loop (each one a wakeup of its thread)
 
     # --- event-loop side ------------------------------------------------------------------
-    async def submit(self, seqs: list[tuple[list[int], SamplingParams]]) -> RequestHandle:
+    async def submit(self, seqs: list[tuple[list[int], SamplingParams]], progress: bool = True) -> RequestHandle:
         """Validate (raises `RequestError`) and queue a request of one or more sequences
-        (prompt ids, params); returns its handle."""
+        (prompt ids, params); returns its handle. `progress=False`: its queue hears only of
+        sequences that ended (one wakeup per sequence instead of one per step)."""
         if self.error is not None:
             raise RuntimeError(f"the engine stopped: {self.error}")
         for prompt_ids, params in seqs:
             self.engine.validate_request(prompt_ids, params)
         timeout = self.limits.request_timeout_s
         handle = RequestHandle(asyncio.get_running_loop(), len(seqs),
-                               None if timeout is None else time.monotonic() + timeout)
+                               None if timeout is None else time.monotonic() + timeout, progress)
         with self._lock:
             waiting = self._num_waiting + self._inbox_seqs
             if waiting + len(seqs) > self.limits.max_waiting:
@@ -142,7 +156,26 @@ class AsyncEngine:
 
     # --- engine thread --------------------------------------------------------------------
     def _notify(self, handle: RequestHandle, item: list[Update] | BaseException) -> None:
-        handle.loop.call_soon_threadsafe(handle.updates.put_nowait, item)
+        """Queue `item` for `handle`; wake its loop only if no delivery is pending there."""
+        loop = handle.loop
+        with self._out_lock:
+            box = self._outbox.setdefault(loop, [])
+            box.append((handle, item))
+            wake = len(box) == 1
+        if wake:
+            self.num_handoffs += 1
+            try:
+                loop.call_soon_threadsafe(self._deliver, loop)
+            except RuntimeError:    # the loop closed: nobody reads these updates any more
+                with self._out_lock:
+                    self._outbox.pop(loop, None)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On `loop`'s thread: every update queued for it since the last delivery, in order."""
+        with self._out_lock:
+            items = self._outbox.pop(loop, [])
+        for handle, item in items:
+            handle.updates.put_nowait(item)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -222,7 +255,10 @@ class AsyncEngine:
         for handle, updates in per_handle.values():
             if all(s is not None and s.is_finished for s in handle.seqs):
                 self._open.pop(id(handle), None)
-            self._notify(handle, sorted(updates, key=lambda u: u.index))
+            if not handle.progress:
+                updates = [u for u in updates if u.finished]
+            if updates:
+                self._notify(handle, sorted(updates, key=lambda u: u.index))
 
     def run(self) -> None:
         """Step until `shutdown`, on the calling thread, which must be the one that built the

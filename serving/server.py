@@ -205,7 +205,7 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
                 seqs += [(ids, params if params.seed is None else replace(params, seed=choice_seed(params.seed, i)))
                          for i in range(req.best_of)]
             try:
-                handle = await aengine.submit(seqs)
+                handle = await aengine.submit(seqs, progress=req.stream)   # non-streaming: told at the end
             except QueueFull as exc:
                 raise APIError(503, f"the server is overloaded: {exc}; retry later",
                                type_="server_error", code="queue_full") from None
@@ -230,6 +230,11 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
     async def next_update(request: Request, handle: RequestHandle) -> list[Update] | None:
         """The next step's updates, or None when the client went away (the request is then aborted)."""
         while True:
+            if not handle.updates.empty():    # already delivered: no task, no timer
+                item = handle.updates.get_nowait()
+                if isinstance(item, BaseException):
+                    raise item
+                return item
             try:
                 item = await asyncio.wait_for(handle.updates.get(), timeout=0.25)
             except asyncio.TimeoutError:
