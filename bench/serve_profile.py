@@ -11,7 +11,7 @@ engine thread spent inside `Deployment.step` and outside it (the server's loop: 
 metrics), the CPU time of the engine thread, of the HTTP (event loop) thread and of the other
 threads (OpenMP workers), their context switches (voluntary: a thread that waited and was woken;
 involuntary: a thread preempted), and how many cross-thread hand-offs the engine thread made
-(`call_soon_threadsafe`, each one a wakeup of the event loop).
+(deliveries run on the event loop, each one a wakeup of its thread).
 """
 from __future__ import annotations
 
@@ -154,12 +154,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # server arm: count the engine thread's hand-offs to the event loop
     handoffs = [0]
-    notify = async_engine.AsyncEngine._notify
+    deliver = async_engine.AsyncEngine._deliver
 
-    def counted(self, handle, item):
+    def counted(self, loop):
         handoffs[0] += 1
-        return notify(self, handle, item)
-    async_engine.AsyncEngine._notify = counted
+        return deliver(self, loop)
+    async_engine.AsyncEngine._deliver = counted
     port = free_port()
     body = {"model": "profile", "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0.0,
             "ignore_eos": True}

@@ -156,13 +156,20 @@ class AsyncEngine:
 
     # --- engine thread --------------------------------------------------------------------
     def _notify(self, handle: RequestHandle, item: list[Update] | BaseException) -> None:
-        """Queue `item` for `handle`; wake its loop only if no delivery is pending there."""
-        loop = handle.loop
+        self._notify_all([(handle, item)])
+
+    def _notify_all(self, items: list[tuple[RequestHandle, list[Update] | BaseException]]) -> None:
+        """Queue each (handle, item) in its loop's outbox; wake a loop only if its outbox was empty
+        (no delivery pending there). All of a step's updates go in one call, so the loop cannot
+        run a delivery half way through them."""
+        wake = []
         with self._out_lock:
-            box = self._outbox.setdefault(loop, [])
-            box.append((handle, item))
-            wake = len(box) == 1
-        if wake:
+            for handle, item in items:
+                box = self._outbox.setdefault(handle.loop, [])
+                if not box:
+                    wake.append(handle.loop)
+                box.append((handle, item))
+        for loop in wake:
             self.num_handoffs += 1
             try:
                 loop.call_soon_threadsafe(self._deliver, loop)
@@ -244,6 +251,7 @@ class AsyncEngine:
         else:
             done = outcome.done
         per_handle: dict[int, tuple[RequestHandle, list[Update]]] = {}
+        out = []
         for seq in done:
             entry = self._handles.get(seq.seq_id)
             if entry is None:
@@ -258,7 +266,9 @@ class AsyncEngine:
             if not handle.progress:
                 updates = [u for u in updates if u.finished]
             if updates:
-                self._notify(handle, sorted(updates, key=lambda u: u.index))
+                out.append((handle, sorted(updates, key=lambda u: u.index)))
+        if out:
+            self._notify_all(out)
 
     def run(self) -> None:
         """Step until `shutdown`, on the calling thread, which must be the one that built the
@@ -278,7 +288,6 @@ class AsyncEngine:
         except BaseException as exc:  # a broken engine fails every waiting request, loudly
             log.exception("engine loop failed")
             self.error = exc
-            for handle in {id(h): h for h, _ in self._handles.values()}.values():
-                self._notify(handle, exc)
+            self._notify_all([(handle, exc) for handle in {id(h): h for h, _ in self._handles.values()}.values()])
             if not isinstance(exc, Exception):
                 raise
