@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--stream", action="store_true")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (rank 0, this process, serves)")
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args(argv)
     if min(args.repeats, args.max_tokens, args.concurrency) < 1:
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     from serving import async_engine
     from serving.server import ServerConfig, serve
 
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, ep=args.ep)
     llm.deployment.warm_up()
     clock = StepClock(llm.deployment)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     driver.start()
     serve(llm, host="127.0.0.1", port=port, config=ServerConfig(served_model_name="profile"))
     client.wait(timeout=60)
+    llm.shutdown()
     if "walls" not in got:
         raise SystemExit("the client failed")
     tokens = args.max_tokens * args.concurrency * args.repeats
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                           got["handoffs1"] - got["handoffs0"]))
     del torch
     keys = [k for k in rows[1] if k not in ("arm",)]
-    print(f"{args.dtype}, {args.max_tokens} tokens, concurrency {args.concurrency}, "
+    print(f"{args.dtype}, ep {args.ep}, {args.max_tokens} tokens, concurrency {args.concurrency}, "
           f"{'streaming' if args.stream else 'non-streaming'}, {args.repeats} repeats (per output token):")
     for k in keys:
         print(f"  {k:32s} " + "  ".join(f"{r['arm']} {r.get(k, '-')}" for r in rows))
