@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from runtime.sampler import SamplingParams
+    from runtime.sample.sampler import SamplingParams
     from serving import LLM
     from serving import async_engine
     from serving.server import ServerConfig, serve

@@ -78,7 +78,7 @@ class SplitEngine:
     def __init__(self, model: str, dtype: str, max_num_seqs: int = 64, prefix_cache: bool = True) -> None:
         from pathlib import Path
 
-        from runtime.tokenizer import Tokenizer
+        from engine.tokenizer import Tokenizer
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=engine_core, args=(child, model, dtype, max_num_seqs, prefix_cache), daemon=True)
@@ -98,8 +98,8 @@ class SplitEngine:
         return len(self._open)
 
     async def submit(self, seqs, progress: bool = True):
-        from runtime.detokenizer import IncrementalDetokenizer
-        from runtime.sequence import Sequence
+        from engine.detokenizer import IncrementalDetokenizer
+        from engine.sequence import Sequence
         from serving.async_engine import RequestHandle
         loop = asyncio.get_running_loop()
         if self._reader_loop is None:
@@ -119,7 +119,7 @@ class SplitEngine:
     def _read(self) -> None:
         """On the event loop: every frame waiting in the pipe, applied to the mirrors."""
         from serving.async_engine import Update
-        from runtime.sequence import SequenceStatus
+        from engine.sequence import SequenceStatus
         while self.conn.poll():
             frame = array("i")
             frame.frombytes(self.conn.recv_bytes())

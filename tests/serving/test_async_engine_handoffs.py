@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from runtime.sampler import SamplingParams
+from runtime.sample.sampler import SamplingParams
 from serving.async_engine import AsyncEngine
 from serving.llm import LLM
 
