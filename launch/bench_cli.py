@@ -144,7 +144,7 @@ def cmd_serve_vs_vllm(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"--concurrency {conc!r} is not a comma list of integers") from None
     config = ServeVsVLLMConfig(model=args.model, vllm_python=vllm_python(args.vllm_python),
-                               dtype="bfloat16" if args.dtype == "auto" else args.dtype, concurrency=levels,
+                               dtype=args.dtype, concurrency=levels,
                                requests={c: args.requests for c in levels} if args.requests else {},
                                input_len=args.input_len, output_len=args.max_tokens or 64,
                                repeats=args.repeats, prefix_cache=args.prefix_cache)
