@@ -2,6 +2,7 @@
 
     python -m bench.serve_profile --model models/tiny-glm-moe --dtype bfloat16 --max-tokens 200 \
         --repeats 5 --concurrency 1 [--stream] [--json-out R.json]
+    python -m launch.serve_profile --ep 2 ...     # an EP group (mp launcher; rank 0 is this process)
 
 One process: an `LLM` is built and warmed up on the main thread; `LLM.generate` runs the request
 `--repeats` times (the offline arm), then the same thread serves (`serving.server.serve`) while a
@@ -114,7 +115,8 @@ def per_token(name: str, tokens: int, wall: float, clock: StepClock, inside0: fl
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, launcher=None) -> int:
+    """`launcher`: what `LLM` starts the EP group's worker ranks with (needed for --ep > 1)."""
     p = argparse.ArgumentParser(prog="python -m bench.serve_profile", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="bfloat16")
@@ -125,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (rank 0, this process, serves)")
     p.add_argument("--json-out", type=Path, default=None)
     args = p.parse_args(argv)
-    if min(args.repeats, args.max_tokens, args.concurrency) < 1:
-        p.error("--repeats, --max-tokens and --concurrency must be at least 1")
+    if min(args.repeats, args.max_tokens, args.concurrency, args.ep) < 1:
+        p.error("--repeats, --max-tokens, --concurrency and --ep must be at least 1")
+    if args.ep > 1 and launcher is None:
+        p.error("--ep > 1 needs a launcher: run python -m launch.serve_profile")
 
     import torch
 
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     from serving import async_engine
     from serving.server import ServerConfig, serve
 
-    llm = LLM(args.model, dtype=args.dtype, ep=args.ep)
+    llm = LLM(args.model, dtype=args.dtype, ep=args.ep, launcher=launcher)
     llm.deployment.warm_up()
     clock = StepClock(llm.deployment)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
