@@ -1,7 +1,7 @@
 """Where a served token's time goes: the server's step loop against `LLM.generate`, per token.
 
     python -m bench.serve_profile --model models/tiny-glm-moe --dtype bfloat16 --max-tokens 200 \
-        --repeats 5 --concurrency 1 [--stream] [--json-out R.json]
+        --repeats 5 --concurrency 1 [--stream] [--json-out R.json] [--plot-out R.png]
     python -m launch.serve_profile --ep 2 ...     # an EP group (mp launcher; rank 0 is this process)
 
 One process: an `LLM` is built and warmed up on the main thread; `LLM.generate` runs the request
@@ -115,6 +115,27 @@ def per_token(name: str, tokens: int, wall: float, clock: StepClock, inside0: fl
     return row
 
 
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Per output token: wall time, time inside the step, CPU per thread (bars), hand-offs (text)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = [("wall_us", "wall"), ("step_us", "inside step"), ("engine_cpu_us", "engine thread CPU"),
+            ("other_cpu_us", "OpenMP workers CPU"), ("http_cpu_us", "event loop thread CPU")]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, row in enumerate(rows):
+        xs = [j + (i - 0.5) * 0.4 for j in range(len(keys))]
+        ax.bar(xs, [row.get(k, 0) for k, _ in keys], 0.4,
+               label=f"{'LLM.generate' if row['arm'] == 'generate' else 'metrale serve'} ({row['tok_s']:.0f} tok/s, "
+                     f"{row['handoffs_per_token']:.3f} loop wakeups a token)")
+    ax.set_xticks(range(len(keys)), [label for _, label in keys], fontsize=8)
+    ax.set(ylabel="microseconds per output token", title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None, launcher=None) -> int:
     """`launcher`: what `LLM` starts the EP group's worker ranks with (needed for --ep > 1)."""
     p = argparse.ArgumentParser(prog="python -m bench.serve_profile", description=__doc__.split("\n")[0])
@@ -126,6 +147,7 @@ def main(argv: list[str] | None = None, launcher=None) -> int:
     p.add_argument("--stream", action="store_true")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (rank 0, this process, serves)")
     p.add_argument("--json-out", type=Path, default=None)
+    p.add_argument("--plot-out", type=Path, default=None)
     args = p.parse_args(argv)
     if min(args.repeats, args.max_tokens, args.concurrency, args.ep) < 1:
         p.error("--repeats, --max-tokens, --concurrency and --ep must be at least 1")
@@ -204,6 +226,10 @@ def main(argv: list[str] | None = None, launcher=None) -> int:
           f"{'streaming' if args.stream else 'non-streaming'}, {args.repeats} repeats (per output token):")
     for k in keys:
         print(f"  {k:32s} " + "  ".join(f"{r['arm']} {r.get(k, '-')}" for r in rows))
+    if args.plot_out is not None:
+        plot(rows, args.plot_out, f"{args.dtype}, EP {args.ep}, c{args.concurrency}, "
+                                  f"{'streamed' if args.stream else 'non-streaming'}, {args.max_tokens} tokens "
+                                  f"(load {os.getloadavg()[0]:.1f})")
     if args.json_out is not None:
         from bench.report import machine
         args.json_out.write_text(json.dumps({"workload": "serve_profile", "args": vars(args) | {"json_out": None},
