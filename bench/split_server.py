@@ -27,12 +27,12 @@ from types import SimpleNamespace
 REASONS = ("stop", "length", "abort", "timeout", "shutdown")
 
 
-def engine_core(conn, model: str, dtype: str, max_num_seqs: int, prefix_cache: bool) -> None:
+def engine_core(conn, model: str, dtype: str, max_num_seqs: int, prefix_cache: bool, enforce_eager: bool) -> None:
     """The engine process: build, warm up, then step whenever there is work; one frame a step."""
     import torch
 
     from serving import LLM
-    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, prefix_cache=prefix_cache)
+    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, prefix_cache=prefix_cache, enforce_eager=enforce_eager)
     llm.deployment.warm_up()
     engine = llm.engine
     cfg = llm.engine.model_config
@@ -75,13 +75,15 @@ def engine_core(conn, model: str, dtype: str, max_num_seqs: int, prefix_cache: b
 class SplitEngine:
     """What `build_app` needs of an `AsyncEngine`, over the engine process's pipe."""
 
-    def __init__(self, model: str, dtype: str, max_num_seqs: int = 64, prefix_cache: bool = True) -> None:
+    def __init__(self, model: str, dtype: str, max_num_seqs: int = 64, prefix_cache: bool = True,
+                 enforce_eager: bool = False) -> None:
         from pathlib import Path
 
         from engine.tokenizer import Tokenizer
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=engine_core, args=(child, model, dtype, max_num_seqs, prefix_cache), daemon=True)
+        self.proc = ctx.Process(target=engine_core, args=(child, model, dtype, max_num_seqs, prefix_cache, enforce_eager),
+                                daemon=True)
         self.proc.start()
         _, vocab, max_len = self.conn.recv()
         tokenizer = Tokenizer(model) if (Path(model) / "tokenizer.json").is_file() else None
@@ -170,12 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model-name", default="served")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false")
+    p.add_argument("--enforce-eager", action="store_true")
     args = p.parse_args(argv)
     import uvicorn
 
     from serving.server import ServerConfig, build_app
     from serving.server_metrics import ServerMetrics
-    split = SplitEngine(args.model, args.dtype, args.max_num_seqs, args.prefix_cache)
+    split = SplitEngine(args.model, args.dtype, args.max_num_seqs, args.prefix_cache, args.enforce_eager)
     app = build_app(split, ServerConfig(served_model_name=args.served_model_name), ServerMetrics())
     try:
         uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
