@@ -17,12 +17,15 @@ def test_a_steps_updates_reach_the_loop_in_one_delivery(ckpt_plain):
     built = threading.Event()
     box: dict = {"steps": 0}
 
-    def counted(engine) -> None:
-        box["steps"] += 1
-
     def engine_thread() -> None:   # builds and steps on one thread, as `metrale serve` does
         llm = LLM(ckpt_plain, dtype="float64")
-        box["aengine"] = AsyncEngine(llm.engine, llm.deployment, on_step=counted)
+        step = llm.deployment.step
+
+        def counted(engine):
+            box["steps"] += 1
+            return step(engine)
+        llm.deployment.step = counted
+        box["aengine"] = AsyncEngine(llm.engine, llm.deployment)
         built.set()
         try:
             box["aengine"].run()
