@@ -11,10 +11,12 @@ def add_bench_parser(sub) -> None:
     from launch.cli import DTYPE_HELP, DTYPES
     b.add_argument("--model", default=None, help="checkpoint folder (config.json, *.safetensors, tokenizer.json); "
                    "required unless --compare")
-    b.add_argument("--workload", default="sweep", choices=["sweep", "chat", "serve"],
+    b.add_argument("--workload", default="sweep", choices=["sweep", "chat", "serve", "serve-vs-vllm"],
                    help="sweep: closed-loop concurrency sweep; chat: conversations over a shared system prompt "
                         "through the server's chat endpoint, prefix cache on and off (arms cache, no-cache); "
-                        "serve: running OpenAI-compatible servers (--url) driven in a closed loop (default: sweep)")
+                        "serve: running OpenAI-compatible servers (--url) driven in a closed loop; serve-vs-vllm: "
+                        "starts metrale serve and vLLM's server (--vllm-python) and drives each in turn with "
+                        "vLLM's own `vllm bench serve` client (default: sweep)")
     b.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     add_device_args(b)
     b.add_argument("--quick", action="store_true", help="small sweep that finishes in a few minutes")
@@ -79,6 +81,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_chat_bench(args)
     if args.workload == "serve":
         return cmd_serve_bench(args)
+    if args.workload == "serve-vs-vllm":
+        return cmd_serve_vs_vllm(args)
     from bench.benchmark import BenchConfig, run_bench
 
     conc = args.concurrency or ("1,4" if args.quick else "1,2,4,8,16,32")
@@ -127,6 +131,24 @@ def cmd_compare(a: Path, b: Path) -> int:
     for r in record_ratios(*records, names=(str(a), str(b))):
         print(f"{r['arm']} c={r['concurrency']}: {r['a_tok_s']:.1f} / {r['b_tok_s']:.1f} = "
               f"{'tie' if r['tie'] else format(r['ratio'], '.3f')} [{r['range'][0]:.2f}-{r['range'][1]:.2f}]")
+    return 0
+
+
+def cmd_serve_vs_vllm(args: argparse.Namespace) -> int:
+    from bench.serve_vs_vllm import ServeVsVLLMConfig, run_serve_vs_vllm
+    from bench.vllm_arm import vllm_python
+
+    conc = args.concurrency or "1,16"
+    try:
+        levels = tuple(int(c) for c in conc.split(","))
+    except ValueError:
+        raise ValueError(f"--concurrency {conc!r} is not a comma list of integers") from None
+    config = ServeVsVLLMConfig(model=args.model, vllm_python=vllm_python(args.vllm_python),
+                               dtype=args.dtype, concurrency=levels,
+                               requests={c: args.requests for c in levels} if args.requests else {},
+                               input_len=args.input_len, output_len=args.max_tokens or 64,
+                               repeats=args.repeats, prefix_cache=args.prefix_cache)
+    run_serve_vs_vllm(config, json_out=args.json_out, plot_out=args.plot_out)
     return 0
 
 

@@ -12,9 +12,16 @@ loop's thread only tokenizes, detokenizes and encodes JSON, none of which opens 
 Requests and aborts go to the engine thread through a queue. A request is one or more sequences
 (the n choices of each of its prompts), added in one go so they share steps. After every step the
 thread tells each affected request's asyncio queue, in one list ordered by choice index, how many
-output tokens each sequence has now and whether it ended. Committed tokens (and their logprobs)
-are only ever appended, so a reader that slices `token_ids[:n]` with the `n` it was told always
-sees a consistent prefix.
+output tokens each sequence has now and whether it ended; a request that asked for no progress
+(`progress=False`: a non-streaming one) hears only of sequences that ended. Committed tokens (and
+their logprobs) are only ever appended, so a reader that slices `token_ids[:n]` with the `n` it
+was told always sees a consistent prefix.
+
+Hand-offs: each wakeup of the event loop's thread takes a core from the step's OpenMP team for a
+moment (2 cores: one of its two threads), so the engine thread wakes a loop at most once per batch
+of updates. Updates go to a per-loop outbox; only the update that finds the outbox empty schedules
+a delivery (`call_soon_threadsafe`), which empties it into the requests' queues. A loop that has
+not yet run its delivery gets later updates in the same one (docs/design.md §6).
 
 Bounds (`QueueLimits`): at most `max_waiting` sequences wait for a place in the batch (submitted,
 not yet running; a preempted one waits again), beyond that `submit` raises `QueueFull`, so a flood
@@ -42,6 +49,10 @@ from serving.deployment import Deployment
 log = logging.getLogger("metrale.async_engine")
 
 DEFAULT_MAX_WAITING = 512
+# `on_step` (the server's metrics, ~10-16 µs a call) runs at most this often while steps go on, and
+# always after a step that ended a sequence and before the loop idles: about 2% of a lone request's
+# step otherwise.
+ON_STEP_INTERVAL_S = 0.05
 TIMEOUT = "timeout"      # finish reason of a request that passed --request-timeout
 SHUTDOWN = "shutdown"    # finish reason of a request the server ended while shutting down
 
@@ -73,8 +84,10 @@ class RequestHandle:
     """What the server holds for one request: the engine's sequences (set on the engine thread
     before their first update) and one queue of update lists."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, num_seqs: int, deadline: float | None = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, num_seqs: int, deadline: float | None = None,
+                 progress: bool = True) -> None:
         self.loop = loop
+        self.progress = progress    # False: only updates of sequences that ended (a non-streaming reader)
         self.updates: asyncio.Queue[list[Update] | BaseException] = asyncio.Queue()
         self.seqs: list[Sequence | None] = [None] * num_seqs
         self.deadline = deadline    # time.monotonic() after which the engine thread ends it (TIMEOUT)
@@ -99,18 +112,23 @@ class AsyncEngine:
         self._num_waiting = 0    # the scheduler's waiting sequences after the engine thread's last look
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        # Updates not yet delivered, per event loop (engine thread appends, the loop empties).
+        self._out_lock = threading.Lock()
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, list[Update] | BaseException]]] = {}
+        self.num_handoffs = 0    # deliveries scheduled on an event loop (each one a wakeup of its thread)
 
     # --- event-loop side ------------------------------------------------------------------
-    async def submit(self, seqs: list[tuple[list[int], SamplingParams]]) -> RequestHandle:
+    async def submit(self, seqs: list[tuple[list[int], SamplingParams]], progress: bool = True) -> RequestHandle:
         """Validate (raises `RequestError`) and queue a request of one or more sequences
-        (prompt ids, params); returns its handle."""
+        (prompt ids, params); returns its handle. `progress=False`: its queue hears only of
+        sequences that ended (one wakeup per sequence instead of one per step)."""
         if self.error is not None:
             raise RuntimeError(f"the engine stopped: {self.error}")
         for prompt_ids, params in seqs:
             self.engine.validate_request(prompt_ids, params)
         timeout = self.limits.request_timeout_s
         handle = RequestHandle(asyncio.get_running_loop(), len(seqs),
-                               None if timeout is None else time.monotonic() + timeout)
+                               None if timeout is None else time.monotonic() + timeout, progress)
         with self._lock:
             waiting = self._num_waiting + self._inbox_seqs
             if waiting + len(seqs) > self.limits.max_waiting:
@@ -142,7 +160,33 @@ class AsyncEngine:
 
     # --- engine thread --------------------------------------------------------------------
     def _notify(self, handle: RequestHandle, item: list[Update] | BaseException) -> None:
-        handle.loop.call_soon_threadsafe(handle.updates.put_nowait, item)
+        self._notify_all([(handle, item)])
+
+    def _notify_all(self, items: list[tuple[RequestHandle, list[Update] | BaseException]]) -> None:
+        """Queue each (handle, item) in its loop's outbox; wake a loop only if its outbox was empty
+        (no delivery pending there). All of a step's updates go in one call, so the loop cannot
+        run a delivery half way through them."""
+        wake = []
+        with self._out_lock:
+            for handle, item in items:
+                box = self._outbox.setdefault(handle.loop, [])
+                if not box:
+                    wake.append(handle.loop)
+                box.append((handle, item))
+        for loop in wake:
+            self.num_handoffs += 1
+            try:
+                loop.call_soon_threadsafe(self._deliver, loop)
+            except RuntimeError:    # the loop closed: nobody reads these updates any more
+                with self._out_lock:
+                    self._outbox.pop(loop, None)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On `loop`'s thread: every update queued for it since the last delivery, in order."""
+        with self._out_lock:
+            items = self._outbox.pop(loop, [])
+        for handle, item in items:
+            handle.updates.put_nowait(item)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -202,7 +246,8 @@ class AsyncEngine:
         for handle in [h for h in self._open.values() if h.deadline is not None and h.deadline <= now]:
             self._end(handle, TIMEOUT)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One step and its updates; returns whether a sequence ended (or the group restarted)."""
         outcome = self.deployment.step(self.engine)
         if outcome.recovered:
             # A restart: tell every request where it stands (a step that failed half way may
@@ -211,6 +256,7 @@ class AsyncEngine:
         else:
             done = outcome.done
         per_handle: dict[int, tuple[RequestHandle, list[Update]]] = {}
+        out = []
         for seq in done:
             entry = self._handles.get(seq.seq_id)
             if entry is None:
@@ -222,7 +268,13 @@ class AsyncEngine:
         for handle, updates in per_handle.values():
             if all(s is not None and s.is_finished for s in handle.seqs):
                 self._open.pop(id(handle), None)
-            self._notify(handle, sorted(updates, key=lambda u: u.index))
+            if not handle.progress:
+                updates = [u for u in updates if u.finished]
+            if updates:
+                out.append((handle, sorted(updates, key=lambda u: u.index)))
+        if out:
+            self._notify_all(out)
+        return outcome.recovered or any(seq.is_finished for seq in done)
 
     def run(self) -> None:
         """Step until `shutdown`, on the calling thread, which must be the one that built the
@@ -230,19 +282,22 @@ class AsyncEngine:
         and ends the loop (`error` says why; the server's /health then says so)."""
         self.deployment.check_thread("the server's engine loop")
         try:
+            observed = 0.0
             with torch.inference_mode():   # as LLM.generate steps
                 while not self._stop.is_set():
                     self._drain(block=not self.engine.has_unfinished())
                     self._expire()
-                    self._step()  # also after aborts, which change the batch without a step
+                    ended = self._step()  # also after aborts, which change the batch without a step
                     with self._lock:
                         self._num_waiting = len(self.engine.scheduler.waiting)
                     if self.on_step is not None:
-                        self.on_step(self.engine)
+                        now = time.monotonic()
+                        if ended or now - observed >= ON_STEP_INTERVAL_S or not self.engine.has_unfinished():
+                            self.on_step(self.engine)
+                            observed = now
         except BaseException as exc:  # a broken engine fails every waiting request, loudly
             log.exception("engine loop failed")
             self.error = exc
-            for handle in {id(h): h for h, _ in self._handles.values()}.values():
-                self._notify(handle, exc)
+            self._notify_all([(handle, exc) for handle in {id(h): h for h, _ in self._handles.values()}.values()])
             if not isinstance(exc, Exception):
                 raise

@@ -65,6 +65,16 @@ from serving.server_metrics import ServerMetrics
 MAX_BODY_BYTES = 1 << 20
 DRAIN_LIMIT_BYTES = 16 << 20   # an oversized body is read (and dropped) up to this before the 413
 RETRY_AFTER_S = 1              # what a 503 tells the client to wait before trying again
+DISCONNECT_POLL_S = 0.25       # how often a request waiting on the engine checks for its client
+
+
+if hasattr(asyncio, "timeout"):     # Python 3.11+: a timer handle on the running task
+    async def wait_at_most(awaitable, seconds: float):
+        async with asyncio.timeout(seconds):
+            return await awaitable
+else:                               # 3.10: wait_for (a task per wait)
+    async def wait_at_most(awaitable, seconds: float):
+        return await asyncio.wait_for(awaitable, seconds)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -205,7 +215,7 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
                 seqs += [(ids, params if params.seed is None else replace(params, seed=choice_seed(params.seed, i)))
                          for i in range(req.best_of)]
             try:
-                handle = await aengine.submit(seqs)
+                handle = await aengine.submit(seqs, progress=req.stream)   # non-streaming: told at the end
             except QueueFull as exc:
                 raise APIError(503, f"the server is overloaded: {exc}; retry later",
                                type_="server_error", code="queue_full") from None
@@ -228,16 +238,22 @@ def build_app(aengine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics
         return await complete(request, handle, req, rid, plan, num_prompt_tokens, echoes)
 
     async def next_update(request: Request, handle: RequestHandle) -> list[Update] | None:
-        """The next step's updates, or None when the client went away (the request is then aborted)."""
+        """The next step's updates, or None when the client went away (the request is then aborted).
+        Per streamed token this runs on the event loop: it waits under a timer handle
+        (`asyncio.timeout`), not a task of its own (`wait_for`), and not at all when an update is
+        already there."""
         while True:
-            try:
-                item = await asyncio.wait_for(handle.updates.get(), timeout=0.25)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    aengine.abort(handle)
-                    metrics.requests.labels(outcome="cancelled").inc()
-                    return None
-                continue
+            if handle.updates.empty():
+                try:
+                    item = await wait_at_most(handle.updates.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        aengine.abort(handle)
+                        metrics.requests.labels(outcome="cancelled").inc()
+                        return None
+                    continue
+            else:
+                item = handle.updates.get_nowait()
             if isinstance(item, BaseException):
                 raise item
             return item
