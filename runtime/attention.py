@@ -108,7 +108,8 @@ class StepPlan:
     # (a chunk from position 0), the faster kernels, and the ones transformers itself picks.
     # "padded" (runtime.static_step): every sequence has Q rows, row b*Q + q is (b, q), the mask
     # is explicit and nothing about the layout is read back on the host.
-    mask_mode: str = "explicit"  # "explicit" | "none" | "causal" | "padded"
+    # "invariant" (`_invariant_plan`): an explicit mask whose every row the native op attends in place.
+    mask_mode: str = "explicit"  # "explicit" | "none" | "causal" | "padded" | "invariant"
     # Batch-invariant attention (runtime.invariant_attention): the step's rows in fixed tiles, each
     # with its own key list; None runs SDPA over the padded batch.
     tiles: ia.AttentionTiles | None = None
@@ -126,15 +127,17 @@ class StepPlan:
 KERNEL_MAX_ROWS = 8
 
 
-def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: bool = False) -> StepPlan:
+def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: bool = False,
+               native: bool | None = None) -> StepPlan:
     """Plan one step; every chunk's positions must already be reserved in `cache`.
 
-    `batch_invariant`: attention runs in fixed tiles whose per-row result does not depend on the
-    other rows of the step (`runtime.invariant_attention.attention`). Where the cache carries the
+    `batch_invariant`: each row's attention does not depend on the other rows of the step: through
+    the native op in place where `native` (None: where `native_invariant(cache)` holds; the plan of
+    `_invariant_plan`), else in fixed tiles (`runtime.invariant_attention.attention`). Where the cache carries the
     paged-attention kernel (`PagedKVCache.attention_kernel`, chosen at start) and every chunk has
     at most `KERNEL_MAX_ROWS` rows, the plan also carries the kernel's rows (`KernelRows`), which
     its attention then runs."""
-    plan = _build_plan(cache, chunks, batch_invariant=batch_invariant)
+    plan = _build_plan(cache, chunks, batch_invariant=batch_invariant, native=native)
     kernel = cache.attention_kernel
     if kernel is None or batch_invariant or max(c.num_tokens for c in chunks) > KERNEL_MAX_ROWS:
         return plan
@@ -164,7 +167,8 @@ def kernel_rows(cache: PagedKVCache, chunks: list[SeqChunk], kernel) -> KernelRo
                       row_end=meta_t[2], row_anc=meta_t[3], max_keys=max(c.end for c in chunks), kernel=kernel)
 
 
-def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: bool = False) -> StepPlan:
+def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: bool = False,
+                native: bool | None = None) -> StepPlan:
     if not chunks:
         raise ValueError("a step needs at least one sequence")
     b = len(chunks)
@@ -186,6 +190,8 @@ def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant:
         positions = torch.cat([c.positions(device) for c in chunks])
         cell_mapping = torch.cat([ctx[c.start:] for ctx, c in zip(ctxs, chunks)])
         last_rows = torch.tensor(list(itertools.accumulate(c.num_tokens for c in chunks)), device=device) - 1
+    if batch_invariant and (native_invariant(cache) if native is None else native):   # in place, natively
+        return _invariant_plan(chunks, ctxs, positions, cell_mapping, last_rows)
     if batch_invariant:   # the tiles replace the padded batch's fields
         firsts = [0]
         for c in chunks[:-1]:
@@ -217,6 +223,56 @@ def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant:
             mask[i, 0, :c.num_tokens, c.start:c.end] = ancestor_mask(c.parents, device)
     return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=gather, q_index=q_index, valid=valid,
                     mask=mask, last_rows=last_rows)
+
+
+def native_invariant(cache: PagedKVCache) -> bool:
+    """Whether a batch-invariant step over `cache` attends through the native op in place
+    (`_invariant_plan`): a float32 or bfloat16 cache on the CPU, the native library loaded. float64,
+    the reference mode, and accelerators keep the tiles (`runtime.invariant_attention`)."""
+    return (cache.device.type == "cpu" and cache.k.dtype in (torch.float32, torch.bfloat16)
+            and bool(cpu_ops.LOADED if cpu_ops.LOADED is not None else cpu_ops.load()))
+
+
+def _invariant_plan(chunks: list[SeqChunk], ctxs: list[torch.Tensor], positions: torch.Tensor,
+                    cell_mapping: torch.Tensor, last_rows: torch.Tensor) -> StepPlan:
+    """A batch-invariant step's plan for the native op's in-place rows (mask mode "invariant":
+    every row, whatever the chunk's length, reads the cache in place, `paged_rows` in
+    runtime/csrc/cpu_ops.cpp). There a row's scores, softmax and weighted sum run over its own key
+    list alone, key j of the list always in the same lane and order, up to its last visible key:
+    nothing of another row or of the padding enters. So the key list fixes the result: a causal
+    chunk's rows share their sequence's context in position order (row r sees its first start + r
+    + 1 keys), and a tree row gets an entry of its own over the committed context, then its
+    ancestors by depth, then itself (exactly what the chain row at its depth reads). Entries are
+    padded to the longest list and row count of the step and masked."""
+    lists: list[torch.Tensor] = []
+    rows: list[list[int]] = []
+    ends: list[list[int]] = []
+    first = 0
+    for ctx, c in zip(ctxs, chunks):
+        if c.parents is None:
+            lists.append(ctx)
+            rows.append(list(range(first, first + c.num_tokens)))
+            ends.append(list(range(c.start + 1, c.end + 1)))
+        else:
+            for i in range(c.num_tokens):
+                path = []
+                j = i
+                while j >= 0:
+                    path.append(c.start + j)
+                    j = c.parents[j]
+                lists.append(torch.cat((ctx[:c.start], ctx[torch.tensor(path[::-1], device=ctx.device)])))
+                rows.append([first + i])
+                ends.append([c.start + len(path)])
+        first += c.num_tokens
+    device = ctxs[0].device
+    q_max = max(len(r) for r in rows)
+    gather = torch.nn.utils.rnn.pad_sequence(lists, batch_first=True)                  # [B, K], padding: cell 0
+    q_index = torch.tensor([r + [0] * (q_max - len(r)) for r in rows], device=device)    # [B, Q]
+    row_end = torch.tensor([e + [0] * (q_max - len(e)) for e in ends], device=device)    # [B, Q]
+    valid = torch.tensor([[True] * len(r) + [False] * (q_max - len(r)) for r in rows], device=device)
+    mask = (torch.arange(gather.shape[1], device=device)[None, None, :] < row_end[:, :, None])[:, None]
+    return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=gather, q_index=q_index, valid=valid,
+                    mask=mask, last_rows=last_rows, mask_mode="invariant")
 
 
 def _causal_batch_plan(chunks: list[SeqChunk], gather: torch.Tensor, q_max: int, k_max: int,

@@ -89,7 +89,7 @@ def gemm_plan(weight: torch.Tensor, dtype: torch.dtype, bias: bool) -> tuple[int
     depends on shapes, not values, so equal results on probe rows mean the same reduction order
     on any rows (`_probe` makes the results sensitive to that order). Accelerators keep the fixed
     tiles."""
-    if cpu_ops.takes_all_rows(dtype, weight):   # `linear` runs the native kernel: any row count
+    if cpu_ops.invariant_linear(dtype, weight):   # `linear` runs the native kernel: any row count
         return 1, MAX_TILE
     key = (weight.shape, weight.stride(), dtype, weight.device.type, bias, torch.get_num_threads())
     plan = _gemm_plans.get(key)
@@ -151,7 +151,7 @@ def bmm_plan(weight: torch.Tensor, dtype: torch.dtype) -> tuple[int, int, bool] 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           rows: tuple[int, int] | None = None) -> torch.Tensor:
+           rows: tuple[int, int] | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` whose every output row is independent of the other rows of `x` [..., in]: the
     GEMM runs on calls of `gemm_plan` rows (the last call padded up to its least row count).
     In a compiled graph it is one opaque op (`metrale::bi_linear`), so the row count does not
@@ -161,10 +161,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `_linear` makes (padded with zero rows up to the least count), without the op's Python (~8 us
     a call). The graph then holds one guard on the row count (a graph up to the plan's rows, one
     above; a row count below the least, a graph of its own, as Dynamo keeps for one row anyway).
-    Where the native few-row kernel takes every row count of x's dtype (float64; bfloat16 on a CPU
-    without native bfloat16: `cpu_ops.takes_all_rows`), it runs instead: each output is summed in
-    k order, whatever the rows, the threads or the column's place in the weight."""
-    if cpu_ops.takes_all_rows(x.dtype, weight):
+    On the CPU with the native library (a column-major float32, bfloat16 or float64 weight:
+    `cpu_ops.invariant_linear`) the native few-row kernel runs instead, on every row count: each
+    output is summed in k order, whatever the rows, the threads or the column's place in the
+    weight; from `packed` (`cpu_ops.pack` of the weight, the same bits) where given."""
+    if cpu_ops.invariant_linear(x.dtype, weight):
+        if packed is not None and packed.dtype == x.dtype:
+            return torch.ops.metrale_cpu.linear(x, weight, bias, cpu_ops.ALL_ROWS, packed)
         return torch.ops.metrale_cpu.linear(x, weight, bias, cpu_ops.ALL_ROWS)
     if torch.compiler.is_compiling():
         if rows is not None and x.dim() == 2:

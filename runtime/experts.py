@@ -52,6 +52,9 @@ class RoutedExperts(nn.Module):
         if x.dtype == torch.float64:
             return self._looped(x, weights, ids)
         if self.batch_invariant:
+            if self.native_invariant(x.dtype):   # the native op itself, in a compiled step too
+                return _native_invariant_experts(x, weights, ids, self.gate_up_proj, self.down_proj,
+                                                 self.expert_offset, self._packed(x))
             if torch.compiler.is_compiling():
                 return invariant_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
             return _invariant_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
@@ -63,6 +66,11 @@ class RoutedExperts(nn.Module):
                                        self._packed(x))
             return grouped_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset)
         return routed_experts(x, weights, ids, self.gate_up_proj, self.down_proj, self.expert_offset, self._packed(x))
+
+    def native_invariant(self, dtype: torch.dtype) -> bool:
+        """Whether the batch-invariant experts of `dtype` rows run the native op
+        (`_native_invariant_experts`): its few-row kernel takes both matrices (`cpu_ops.invariant_linear`)."""
+        return all(cpu_ops.invariant_linear(dtype, w[0]) for w in (self.gate_up_proj, self.down_proj))
 
     def _packed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The packed expert matrices (`pack_for_inference`) where the native op reads them: kept,
@@ -266,9 +274,10 @@ def _invariant_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     per expert with each GEMM through `bi.linear` (always where that runs the native kernel on
     every row count: bfloat16 without native bfloat16, whose batched matmul took ~3 ms for 16
     rows of a 256 x 512 matrix)."""
+    if all(cpu_ops.invariant_linear(x.dtype, w[0]) for w in (gate_up_proj, down_proj)):
+        return _native_invariant_experts(x, weights, ids, gate_up_proj, down_proj, expert_offset)
     experts = _Experts(gate_up_proj, down_proj, expert_offset)
-    native = all(cpu_ops.takes_all_rows(x.dtype, w[0]) for w in (gate_up_proj, down_proj))
-    if x.dtype in PADDED_MIN_EXPERTS and x.device.type == "cpu" and not native:
+    if x.dtype in PADDED_MIN_EXPERTS and x.device.type == "cpu":
         plans = bi.bmm_plan(gate_up_proj, x.dtype), bi.bmm_plan(down_proj, x.dtype)
         if None not in plans:
             (lo_a, hi_a, same_a), (lo_b, hi_b, same_b) = plans
@@ -277,11 +286,30 @@ def _invariant_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     return RoutedExperts._per_expert(experts, x, weights, ids, _planned_linear(gate_up_proj, down_proj, x.dtype))
 
 
+def _native_invariant_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                              down_proj: torch.Tensor, expert_offset: int,
+                              packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The batch-invariant routed experts through the native op, every expert's GEMMs on the
+    few-row kernel at any row count (each output summed in k order: a row's result is its own),
+    one choice a row: each of a row's k choices is a row of its own with weight 1, so the op
+    returns every choice's expert output rounded to x's type, and the weighted sum over the k
+    choices runs here as the Python paths run it (products rounded to x's type, then summed in
+    choice order), so EP 2's two ranks, each adding zeros for the other's choices, all-reduce what
+    one rank adds."""
+    t, k = ids.shape
+    if t == 0:
+        return x.new_zeros(0, x.shape[1])
+    per_choice = torch.ops.metrale_cpu.routed_experts(
+        x.repeat_interleave(k, dim=0), weights.new_ones(t * k, 1), ids.reshape(t * k, 1), gate_up_proj, down_proj,
+        expert_offset, 0, cpu_ops.ALL_ROWS, *(packed or ()))
+    return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
+
+
 def _planned_linear(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, dtype: torch.dtype):
     """`bi.linear` for one layer's expert matrices, their GEMM plans looked up once for the layer
     (an expert's matrix is a fresh view each call, so `bi.linear` would look its plan up anew);
     `bi.linear` itself where it runs the native kernel on every row count (no plan)."""
-    if all(cpu_ops.takes_all_rows(dtype, w[0]) for w in (gate_up_proj, down_proj)):
+    if all(cpu_ops.invariant_linear(dtype, w[0]) for w in (gate_up_proj, down_proj)):
         return bi.linear
     plans = {(w.shape[1:], w.stride()[1:]): bi.gemm_plan(w[0], dtype, False) for w in (gate_up_proj, down_proj)}
 

@@ -84,7 +84,7 @@ class Linear(nn.Linear):
         if not self.batch_invariant:
             return linear(x, self.weight, self.bias, self.packed)
         if self.in_parts == 1:
-            return bi.linear(x, self.weight, self.bias, self.bi_rows)
+            return bi.linear(x, self.weight, self.bias, self.bi_rows, self.packed)
         out = bi.split_linear(x, self.weight, self.in_parts, self.bi_rows)
         return out if self.bias is None else out + self.bias
 
@@ -123,7 +123,7 @@ class FusedProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.batch_invariant:
-            return bi.linear(x, self.weight, self.bias, self.bi_rows).split(self.sizes, dim=-1)
+            return bi.linear(x, self.weight, self.bias, self.bi_rows, self.packed).split(self.sizes, dim=-1)
         return linear(x, self.weight, self.bias, self.packed).split(self.sizes, dim=-1)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from runtime import kernels
-from runtime.attention import PagedAttention, SeqChunk, StepPlan, build_plan
+from runtime.attention import PagedAttention, SeqChunk, StepPlan, build_plan, native_invariant
 from runtime.step_context import forward_context
 from runtime.batch_invariant import set_batch_invariant
 from runtime.compiled import compile_step
@@ -112,6 +112,8 @@ class ModelRunner:
                                  "or TRITON_INTERPRET not 1 for CPU tensors)")
             from runtime.kernels.paged_attention import paged_attention
             self.cache.attention_kernel = paged_attention
+        # Batch-invariant attention through the native op in place, or the tiles (`build_plan`): chosen once.
+        self.plan_native = self.plan_tiles and native_invariant(self.cache)
         # The conv and recurrent states of the linear-attention layers, freed with each sequence's blocks.
         self.states = RecurrentStates(cfg, dtype=model.dtype, device=self.device) if hybrid else None
         self.cache.states = self.states
@@ -131,7 +133,7 @@ class ModelRunner:
         shape = self.graphs.shape_of(chunks) if self.graphs is not None else None
         if shape is not None:
             return self.graphs.run(tokens, chunks, shape)
-        plan = build_plan(self.cache, chunks, batch_invariant=self.plan_tiles)
+        plan = build_plan(self.cache, chunks, batch_invariant=self.plan_tiles, native=self.plan_native)
         token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.device)
         paged = PagedAttention(self.cache, plan)
         if self.states is not None:
