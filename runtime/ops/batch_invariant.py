@@ -233,15 +233,17 @@ def halves(num_heads: int) -> int:
     return 2 if num_heads % 2 == 0 else 1
 
 
-def split_linear(x: torch.Tensor, weight: torch.Tensor, parts: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
+def split_linear(x: torch.Tensor, weight: torch.Tensor, parts: int, rows: tuple[int, int] | None = None,
+                 packed: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """`linear` over `parts` equal slices of the input features, the partial sums added as a
     balanced tree in slice order. An output projection is summed in two halves of its heads: at
     EP 2 each rank's row-parallel slice is one half, and the all-reduce of two ranks (a + b, order
-    free) adds the same two sums as one rank."""
+    free) adds the same two sums as one rank. `packed`: each slice's `cpu_ops.pack` (`pack_parts`)."""
     width = weight.shape[1] // parts
     if width * parts != weight.shape[1]:
         raise ValueError(f"{weight.shape[1]} input features do not split into {parts} equal parts")
-    sums = [linear(x[..., i * width:(i + 1) * width], weight[:, i * width:(i + 1) * width], rows=rows)
+    sums = [linear(x[..., i * width:(i + 1) * width], weight[:, i * width:(i + 1) * width], rows=rows,
+                   packed=None if packed is None else packed[i])
             for i in range(parts)]
     while len(sums) > 1:
         sums = [sums[i] + sums[i + 1] if i + 1 < len(sums) else sums[i] for i in range(0, len(sums), 2)]
@@ -267,3 +269,18 @@ def set_batch_invariant(model: torch.nn.Module, on: bool) -> None:
             bias = module.bias is not None and getattr(module, "gemm_takes_bias", True)
             module.bi_rows = (plan_rows(module.weight, bias, parts)
                               if on and module.weight.device.type != "meta" else None)
+        if hasattr(module, "packed_parts"):
+            module.packed_parts = pack_parts(module.weight, getattr(module, "in_parts", 1)) if on else None
+
+
+def pack_parts(weight: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...] | None:
+    """The packed copy (`cpu_ops.pack`) of each of `split_linear`'s `parts` slices of `weight`,
+    which the native kernel reads instead of the slices (the same bits); None for one part, or
+    where a slice is not packed (`cpu_ops.packs`)."""
+    if parts == 1:
+        return None
+    width = weight.shape[1] // parts
+    slices = [weight[:, i * width:(i + 1) * width] for i in range(parts)]
+    if not all(cpu_ops.packs(w) and cpu_ops.invariant_linear(w.dtype, w) for w in slices):
+        return None
+    return tuple(cpu_ops.pack(w) for w in slices)

@@ -391,6 +391,9 @@ def test_compiled_step_rows_do_not_depend_on_the_step(dtype):
     assert torch.equal(torch.cat((first, second)), alone)
     assert torch.equal(few, alone[:5])
     assert torch.equal(one, alone[:1])
+    # The logits of a row alone and among others (the head's compiled graph where it is native).
+    assert torch.equal(runner.logits(one, [0]), runner.logits(alone, list(range(700)))[:1])
+    assert torch.equal(runner.logits(alone, [3]), runner.logits(alone, [0, 3, 9])[1:2])
     llm.shutdown()
 
 
