@@ -177,6 +177,19 @@ def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant:
     if any(c.num_tokens < 1 for c in chunks):
         raise ValueError(f"sequence {next(c.seq_id for c in chunks if c.num_tokens < 1)} has an empty chunk")
     device = cache.device
+    native = batch_invariant and (native_invariant(cache) if native is None else native)
+    if native and all(c.parents is None for c in chunks):   # causal chunks in place: the default plan's fields
+        if b > 1:
+            gather = cache.context_cells([c.seq_id for c in chunks], [c.end for c in chunks])
+            return replace(_causal_batch_plan(chunks, gather, q_max, k_max, device), mask_mode="invariant")
+        ctx = cache.cells(chunks[0].seq_id, 0, chunks[0].end)
+        positions = chunks[0].positions(device)
+        plan = _single_plan(chunks[0], positions, ctx[chunks[0].start:], ctx,
+                            torch.tensor([chunks[0].num_tokens - 1], device=device))
+        mask = plan.mask
+        if plan.mask_mode == "causal":   # row r sees keys 0 .. r
+            mask = (torch.arange(chunks[0].end, device=device)[None, :] <= positions[:, None])[None, None]
+        return replace(plan, mask=mask, mask_mode="invariant")   # one row: no mask, it sees every key
     if b > 1 and not batch_invariant and all(c.parents is None for c in chunks):
         # Several causal chunks: the padded batch's fields from host lists, a few tensor ops in all.
         gather = cache.context_cells([c.seq_id for c in chunks], [c.end for c in chunks])
@@ -190,7 +203,7 @@ def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant:
         positions = torch.cat([c.positions(device) for c in chunks])
         cell_mapping = torch.cat([ctx[c.start:] for ctx, c in zip(ctxs, chunks)])
         last_rows = torch.tensor(list(itertools.accumulate(c.num_tokens for c in chunks)), device=device) - 1
-    if batch_invariant and (native_invariant(cache) if native is None else native):   # in place, natively
+    if native:   # tree rows in place, an entry each
         return _invariant_plan(chunks, ctxs, positions, cell_mapping, last_rows)
     if batch_invariant:   # the tiles replace the padded batch's fields
         firsts = [0]

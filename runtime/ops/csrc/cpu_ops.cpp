@@ -1818,7 +1818,9 @@ at::Tensor paged_attention_prepared(const at::Tensor& q, const at::Tensor& k, co
   const int64_t b = gather.size(0), kk = gather.size(1);
   const bool single = !padded && b == 1;
   TORCH_CHECK(single || (q_index.has_value() && valid.has_value()), "a batch of ", b, " sequences needs q_index and valid");
-  TORCH_CHECK(!(padded || explicit_mask) || mask.has_value(), "mask mode ", mode, " needs a mask");
+  // (The invariant mode's one row alone may come without a mask: it sees every key.)
+  TORCH_CHECK(!(padded || explicit_mask) || mask.has_value() || (invariant && single && q.size(0) == 1),
+              "mask mode ", mode, " needs a mask");
   const int64_t rows_per_seq = single ? q.size(0) : q_index->size(1);
   const bool in_place = k_plane.stride(2) == 1 && v_plane.stride(2) == 1;
   TORCH_CHECK(in_place || !invariant, "the invariant mask mode needs cache planes with contiguous rows");
@@ -1829,7 +1831,8 @@ at::Tensor paged_attention_prepared(const at::Tensor& q, const at::Tensor& k, co
       const at::Tensor rows = single ? at::arange(q.size(0), gather.options()).view({1, -1})
                                      : (padded ? *q_index : at::where(*valid, *q_index, -1));
       pp.rows = rows.contiguous();
-      pp.mask = (padded || explicit_mask) ? mask->reshape({b, rows_per_seq, kk}).contiguous() : at::Tensor();
+      pp.mask = (padded || explicit_mask) && mask.has_value() ? mask->reshape({b, rows_per_seq, kk}).contiguous()
+                                                              : at::Tensor();
       pp.gather = gather.contiguous();
       pp.ready = true;
     }
