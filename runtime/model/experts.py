@@ -44,8 +44,9 @@ class RoutedExperts(nn.Module):
         Rows routed to experts outside this shard contribute zero. float32 and bfloat16 take the
         grouped path on an accelerator (no host synchronisation) and the per-expert path on the
         CPU (`_per_expert`), batch-invariant there with `bi.linear` as each expert's GEMM (a row's
-        result depends on its own choices only; 5.4 against 6.0 ms of routed experts per 16-row
-        float32 step for the looped path, design §3.2); float64, the reference mode, loops over
+        result depends on its own choices only), or, with the native library and column-major
+        matrices, the native op on its few-row kernel at every row count
+        (`_native_invariant_experts`, design §3.2); float64, the reference mode, loops over
         the touched experts. Every expert densely on fixed grouped-matmul tiles, tried for the
         batch-invariant mode, was slower (bench/records/batch_invariant_*_dense_experts.json).
         """

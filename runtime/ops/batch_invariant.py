@@ -1,5 +1,13 @@
 """Batch-invariant kernels: a row's result does not depend on how many rows share the call.
 
+On the CPU with the native library (`runtime.ops.cpu_ops`), float32 and bfloat16 take the native
+kernels that already sum each row in an order of its own, at every row count: `linear` the
+few-row kernel (`cpu_ops.invariant_linear`), the routed experts the native op on it
+(`runtime.model.experts._native_invariant_experts`), attention the native op's in-place rows
+(`runtime.executor.attention._invariant_plan`); docs/design.md §3.2. What follows is what the
+Python kernels here do where that library is not loaded, on accelerators, and in float64's
+attention and experts.
+
 Why a row can change with its neighbours (measured on this CPU build, torch 2.13, MKL and
 oneDNN; `tests/runtime/ops/test_batch_invariant.py` checks every claim below on the machine it
 runs on):
