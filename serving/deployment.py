@@ -393,7 +393,7 @@ class Deployment:
             graphs = runner.graphs   # the drafter's steps go static (and captured) with the target's
             return MTPProposer(runner.model, runner.cache, spec.confidence_stop, spec.knobs,
                                static_steps=graphs is not None, cuda_graphs=graphs is not None and graphs.capture,
-                               compiled=runner.compiled and not runner.batch_invariant)
+                               compiled=runner.compiled)
         if not spec.ep_propose:
             return load_local_drafter(cfg.model_dir, cfg.dtype, runner.comm.rank, runner.comm.world_size,
                                       runner.cache, spec.confidence_stop, spec.knobs)

@@ -86,7 +86,7 @@ class MTPProposer(DraftProposer):
         `cuda_graphs`: the drafter's short steps padded to buckets and, on CUDA, captured
         (runtime.executor.static_step), as the target's are. `compiled`: the drafter's forward runs
         through `torch.compile` (inductor, dynamic shapes) as the target's does (not in float64,
-        not in batch-invariant mode, not with static steps): eager, its ~70 small ops cost ~1 ms
+        not for a batch-invariant drafter, not with static steps): eager, its ~70 small ops cost ~1 ms
         of host time a draft, a third of the compiled target step (tools/step_split.py). It
         compiles at its first forward, or before serving in `warm_up`."""
         if model.mtp is None:

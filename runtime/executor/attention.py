@@ -108,7 +108,8 @@ class StepPlan:
     # (a chunk from position 0), the faster kernels, and the ones transformers itself picks.
     # "padded" (runtime.executor.static_step): every sequence has Q rows, row b*Q + q is (b, q), the mask
     # is explicit and nothing about the layout is read back on the host.
-    mask_mode: str = "explicit"  # "explicit" | "none" | "causal" | "padded"
+    # "invariant" (`_invariant_plan`): an explicit mask whose every row the native op attends in place.
+    mask_mode: str = "explicit"  # "explicit" | "none" | "causal" | "padded" | "invariant"
     # Batch-invariant attention (runtime.ops.invariant_attention): the step's rows in fixed tiles, each
     # with its own key list; None runs SDPA over the padded batch.
     tiles: ia.AttentionTiles | None = None
@@ -129,12 +130,13 @@ KERNEL_MAX_ROWS = 8
 
 
 def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: bool = False,
-               backend: AttentionBackend | None = None) -> StepPlan:
+               native: bool | None = None, backend: AttentionBackend | None = None) -> StepPlan:
     """Plan one step through `backend`, by default the cache's (`attention_backend`, chosen once
     for the cache); every chunk's positions must already be reserved in `cache`.
-    `batch_invariant`: through the batch-invariant backend (`INVARIANT`) instead."""
+    `batch_invariant`: through a batch-invariant backend instead: the native op in place where
+    `native` (None: where `native_invariant(cache)` holds), else the tiles."""
     if batch_invariant:
-        backend = INVARIANT
+        backend = invariant_backend(cache, native)
     return (backend or attention_backend(cache)).plan(cache, chunks)
 
 
@@ -162,7 +164,7 @@ def kernel_rows(cache: PagedKVCache, chunks: list[SeqChunk], kernel) -> KernelRo
 
 
 def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], backend: AttentionBackend, *,
-                batch_invariant: bool = False) -> StepPlan:
+                batch_invariant: bool = False, native: bool = False) -> StepPlan:
     if not chunks:
         raise ValueError("a step needs at least one sequence")
     b = len(chunks)
@@ -171,6 +173,19 @@ def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], backend: AttentionB
     if any(c.num_tokens < 1 for c in chunks):
         raise ValueError(f"sequence {next(c.seq_id for c in chunks if c.num_tokens < 1)} has an empty chunk")
     device = cache.device
+    native = batch_invariant and native
+    if native and all(c.parents is None for c in chunks):   # causal chunks in place: the default plan's fields
+        if b > 1:
+            gather = cache.context_cells([c.seq_id for c in chunks], [c.end for c in chunks])
+            return replace(_causal_batch_plan(chunks, gather, q_max, k_max, device, backend), mask_mode="invariant")
+        ctx = cache.cells(chunks[0].seq_id, 0, chunks[0].end)
+        positions = chunks[0].positions(device)
+        plan = _single_plan(chunks[0], positions, ctx[chunks[0].start:], ctx,
+                            torch.tensor([chunks[0].num_tokens - 1], device=device), backend)
+        mask = plan.mask
+        if plan.mask_mode == "causal":   # row r sees keys 0 .. r
+            mask = (torch.arange(chunks[0].end, device=device)[None, :] <= positions[:, None])[None, None]
+        return replace(plan, mask=mask, mask_mode="invariant")   # one row: no mask, it sees every key
     if b > 1 and not batch_invariant and all(c.parents is None for c in chunks):
         # Several causal chunks: the padded batch's fields from host lists, a few tensor ops in all.
         gather = cache.context_cells([c.seq_id for c in chunks], [c.end for c in chunks])
@@ -184,6 +199,8 @@ def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], backend: AttentionB
         positions = torch.cat([c.positions(device) for c in chunks])
         cell_mapping = torch.cat([ctx[c.start:] for ctx, c in zip(ctxs, chunks)])
         last_rows = torch.tensor(list(itertools.accumulate(c.num_tokens for c in chunks)), device=device) - 1
+    if native:   # tree rows in place, an entry each
+        return _invariant_plan(chunks, ctxs, positions, cell_mapping, last_rows, backend)
     if batch_invariant:   # the tiles replace the padded batch's fields
         firsts = [0]
         for c in chunks[:-1]:
@@ -215,6 +232,56 @@ def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], backend: AttentionB
             mask[i, 0, :c.num_tokens, c.start:c.end] = ancestor_mask(c.parents, device)
     return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=gather, q_index=q_index, valid=valid,
                     mask=mask, last_rows=last_rows, backend=backend)
+
+
+def native_invariant(cache: PagedKVCache) -> bool:
+    """Whether a batch-invariant step over `cache` attends through the native op in place
+    (`_invariant_plan`): a float32 or bfloat16 cache on the CPU, the native library loaded. float64,
+    the reference mode, and accelerators keep the tiles (`runtime.ops.invariant_attention`)."""
+    return (cache.device.type == "cpu" and cache.k.dtype in (torch.float32, torch.bfloat16)
+            and bool(cpu_ops.LOADED if cpu_ops.LOADED is not None else cpu_ops.load()))
+
+
+def _invariant_plan(chunks: list[SeqChunk], ctxs: list[torch.Tensor], positions: torch.Tensor,
+                    cell_mapping: torch.Tensor, last_rows: torch.Tensor, backend: AttentionBackend) -> StepPlan:
+    """A batch-invariant step's plan for the native op's in-place rows (mask mode "invariant":
+    every row, whatever the chunk's length, reads the cache in place, `paged_rows` in
+    runtime/ops/csrc/cpu_ops.cpp). There a row's scores, softmax and weighted sum run over its own key
+    list alone, key j of the list always in the same lane and order, up to its last visible key:
+    nothing of another row or of the padding enters. So the key list fixes the result: a causal
+    chunk's rows share their sequence's context in position order (row r sees its first start + r
+    + 1 keys), and a tree row gets an entry of its own over the committed context, then its
+    ancestors by depth, then itself (exactly what the chain row at its depth reads). Entries are
+    padded to the longest list and row count of the step and masked."""
+    lists: list[torch.Tensor] = []
+    rows: list[list[int]] = []
+    ends: list[list[int]] = []
+    first = 0
+    for ctx, c in zip(ctxs, chunks):
+        if c.parents is None:
+            lists.append(ctx)
+            rows.append(list(range(first, first + c.num_tokens)))
+            ends.append(list(range(c.start + 1, c.end + 1)))
+        else:
+            for i in range(c.num_tokens):
+                path = []
+                j = i
+                while j >= 0:
+                    path.append(c.start + j)
+                    j = c.parents[j]
+                lists.append(torch.cat((ctx[:c.start], ctx[torch.tensor(path[::-1], device=ctx.device)])))
+                rows.append([first + i])
+                ends.append([c.start + len(path)])
+        first += c.num_tokens
+    device = ctxs[0].device
+    q_max = max(len(r) for r in rows)
+    gather = torch.nn.utils.rnn.pad_sequence(lists, batch_first=True)                  # [B, K], padding: cell 0
+    q_index = torch.tensor([r + [0] * (q_max - len(r)) for r in rows], device=device)    # [B, Q]
+    row_end = torch.tensor([e + [0] * (q_max - len(e)) for e in ends], device=device)    # [B, Q]
+    valid = torch.tensor([[True] * len(r) + [False] * (q_max - len(r)) for r in rows], device=device)
+    mask = (torch.arange(gather.shape[1], device=device)[None, None, :] < row_end[:, :, None])[:, None]
+    return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=gather, q_index=q_index, valid=valid,
+                    mask=mask, last_rows=last_rows, mask_mode="invariant", backend=backend)
 
 
 def _causal_batch_plan(chunks: list[SeqChunk], gather: torch.Tensor, q_max: int, k_max: int,
@@ -427,6 +494,17 @@ class NativeCpuAttention(AttentionBackend):
             p.gather, p.q_index, p.valid, p.mask, p.mask_mode, scale)
 
 
+class NativeInvariantAttention(NativeCpuAttention):
+    """Batch-invariant attention through the native op in place (mask mode "invariant",
+    `_invariant_plan`): each row over its own key list in a fixed order, the CPU's float32 and
+    bfloat16 with the native library (`native_invariant`)."""
+
+    name = "native-invariant"
+
+    def plan(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
+        return _build_plan(cache, chunks, self, batch_invariant=True, native=True)
+
+
 class InvariantAttention(AttentionBackend):
     """Batch-invariant attention (runtime.ops.invariant_attention): each row in fixed tiles over
     its own key list, so its result does not depend on the other rows of the step."""
@@ -468,6 +546,13 @@ class KernelAttention(AttentionBackend):
 SDPA = AttentionBackend()
 NATIVE = NativeCpuAttention()
 INVARIANT = InvariantAttention()
+NATIVE_INVARIANT = NativeInvariantAttention()
+
+
+def invariant_backend(cache: PagedKVCache, native: bool | None = None) -> AttentionBackend:
+    """The batch-invariant backend for `cache`: the native op in place where `native` (None:
+    where `native_invariant(cache)` holds), else the tiles."""
+    return NATIVE_INVARIANT if (native_invariant(cache) if native is None else native) else INVARIANT
 
 
 def padded_backend(device: torch.device) -> AttentionBackend:
@@ -480,7 +565,7 @@ def choose_attention_backend(cache: PagedKVCache, *, batch_invariant: bool = Fal
     tiles, else the Triton kernel `kernel` (decode and verify rows; prefills on the padded
     backend), else the device's padded-batch backend (`padded_backend`)."""
     if batch_invariant:
-        backend = INVARIANT
+        backend = invariant_backend(cache)
     elif kernel is not None:
         backend = KernelAttention(kernel, padded_backend(cache.device))
     else:
@@ -494,7 +579,7 @@ def drafter_attention(cache: PagedKVCache) -> AttentionBackend:
     the target's is batch-invariant (drafts decide which tokens are checked, never which are
     committed; a drafter's fed rows need a plan with separate query rows)."""
     backend = attention_backend(cache)
-    return padded_backend(cache.device) if backend is INVARIANT else backend
+    return padded_backend(cache.device) if backend in (INVARIANT, NATIVE_INVARIANT) else backend
 
 
 def attention_backend(cache: PagedKVCache) -> AttentionBackend:

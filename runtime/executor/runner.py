@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.ops import kernels
-from runtime.executor.attention import PagedAttention, SeqChunk, StepPlan, choose_attention_backend
+from runtime.ops import cpu_ops, kernels
+from runtime.executor.attention import NATIVE_INVARIANT, PagedAttention, SeqChunk, StepPlan, choose_attention_backend
 from runtime.executor.step_context import forward_context
 from runtime.ops.batch_invariant import set_batch_invariant
 from runtime.executor.compiled import compile_step
@@ -92,7 +92,7 @@ class ModelRunner:
         # A compiled batch-invariant step: its GEMMs, experts and attention are opaque ops whose
         # row count never becomes a guard, so one graph (one set of generated kernels) serves
         # every row count; a one-row step runs as two copies of its row (`forward`), so no graph
-        # is specialised to one row. It rounds otherwise than the eager step (both invariant), so
+        # is specialised to one row, except over the native ops (`plan_native`). It rounds otherwise than the eager step (both invariant), so
         # every EP rank compiles or none does (the handshake's COMPILED_BIT).
         # Sparse attention (runtime.model.sparse_attention) runs eager over the padded plan: no compiled
         # step, no batch-invariant tiles, no static steps (it reads each row's visible keys itself).
@@ -115,9 +115,11 @@ class ModelRunner:
             options["pattern_matcher"] = False
         self._compiled_forward = compile_step(model.forward, options) if self.compiled else None
         # The final norm and the head as one graph too (a fused norm kernel instead of ~6 eager ops,
-        # design §3.4), where the head is this process's own linear: not a batch-
-        # invariant one, nor an EP rank's vocabulary shard with its gather.
-        plain_head = type(model.lm_head) is Linear and not self.batch_invariant
+        # design §3.4), where the head is this process's own linear: not a batch-invariant one on
+        # GEMM plans (a batch-invariant head on the native kernel is one opaque op at every row
+        # count), nor an EP rank's vocabulary shard with its gather.
+        plain_head = type(model.lm_head) is Linear and (
+            not self.batch_invariant or cpu_ops.invariant_linear(model.dtype, model.lm_head.weight))
         self._compiled_logits = compile_step(model.compute_logits, options) if self.compiled and plain_head else None
         self.config = cfg
         self.device = model.device
@@ -139,6 +141,9 @@ class ModelRunner:
         # Every step planned on this cache (the target's, and the drafter's on its plane) attends
         # through this backend, chosen here once.
         self.attention = choose_attention_backend(self.cache, batch_invariant=self.plan_tiles, kernel=kernel)
+        # Batch-invariant attention through the native op in place (not the tiles): the one-row
+        # compiled step needs no two copies of its row then (`forward`).
+        self.plan_native = self.attention is NATIVE_INVARIANT
         # The conv and recurrent states of the linear-attention layers, freed with each sequence's blocks.
         self.states = RecurrentStates(cfg, dtype=model.dtype, device=self.device) if hybrid else None
         self.cache.states = self.states
@@ -172,9 +177,12 @@ class ModelRunner:
             paged.states = self.states.step(chunks)
         if self._compiled_forward is None:
             return self.model(token_tensor, plan.positions, paged), plan
-        if self.batch_invariant and len(tokens) == 1:
+        if self.batch_invariant and len(tokens) == 1 and not self.plan_native:
             # Dynamo specialises a graph to one row (its kernels might round otherwise): the row
-            # runs twice, the copy reusing its attention (runtime.model.decoder.RowTwice).
+            # runs twice, the copy reusing its attention (runtime.model.decoder.RowTwice). Not
+            # where GEMMs, experts and attention are the native row-invariant ops (`plan_native`):
+            # there the one-row graph gives a row the bits of any other graph
+            # (test_compiled_step_rows_do_not_depend_on_the_step).
             with forward_context(RowTwice(paged), self.model) as ctx:
                 hidden = self._compiled_forward(token_tensor.repeat(2), plan.positions.repeat(2), ctx)
             return hidden[:1], plan

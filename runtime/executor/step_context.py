@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from runtime.executor.attention import NATIVE, PagedAttention, StepPlan
+from runtime.executor.attention import NATIVE, NativeCpuAttention, PagedAttention, StepPlan
 
 _step_context = threading.local()   # .paged, .model: the attention and model of the forward running on this thread
 
@@ -22,8 +22,9 @@ _step_context = threading.local()   # .paged, .model: the attention and model of
 def _native_plan(paged) -> bool:
     """Whether the layers of a forward over `paged` run their attention natively from one plan set
     for the forward (`metrale_cpu::planned_attention`): a padded-batch plan on the CPU with the
-    native ops loaded (not the batch-invariant tiles, not a static step's wrapper)."""
-    return type(paged) is PagedAttention and paged.plan.backend is NATIVE
+    native ops loaded (its own, or the batch-invariant rows in place; not the tiles, not a static
+    step's wrapper)."""
+    return type(paged) is PagedAttention and isinstance(paged.plan.backend, NativeCpuAttention)
 
 
 def chains_natively(paged: PagedAttention) -> bool:

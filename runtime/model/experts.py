@@ -75,6 +75,11 @@ class RoutedExperts(nn.Module):
         self.backend = None
         return super()._apply(fn, *args, **kwargs)
 
+    def native_invariant(self, dtype: torch.dtype) -> bool:
+        """Whether the batch-invariant experts of `dtype` rows run the native op
+        (`_native_invariant_experts`): its few-row kernel takes both matrices (`cpu_ops.invariant_linear`)."""
+        return all(cpu_ops.invariant_linear(dtype, w[0]) for w in (self.gate_up_proj, self.down_proj))
+
     def _packed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The packed expert matrices (`pack_for_inference`) where the native op reads them: kept,
         and x of their type."""
@@ -269,9 +274,10 @@ def _invariant_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     (by `PADDED_MIN_EXPERTS` when each row equals `bi.linear`'s result, else always); otherwise
     per expert with each GEMM through `bi.linear` (always where that runs the native kernel on
     every row count: bfloat16 without native bfloat16, whose batched matmul is far slower)."""
+    if all(cpu_ops.invariant_linear(x.dtype, w[0]) for w in (gate_up_proj, down_proj)):
+        return _native_invariant_experts(x, weights, ids, gate_up_proj, down_proj, expert_offset)
     experts = _Experts(gate_up_proj, down_proj, expert_offset)
-    native = all(cpu_ops.takes_all_rows(x.dtype, w[0]) for w in (gate_up_proj, down_proj))
-    if x.dtype in PADDED_MIN_EXPERTS and x.device.type == "cpu" and not native:
+    if x.dtype in PADDED_MIN_EXPERTS and x.device.type == "cpu":
         plans = bi.bmm_plan(gate_up_proj, x.dtype), bi.bmm_plan(down_proj, x.dtype)
         if None not in plans:
             (lo_a, hi_a, same_a), (lo_b, hi_b, same_b) = plans
@@ -280,11 +286,30 @@ def _invariant_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     return RoutedExperts._per_expert(experts, x, weights, ids, _planned_linear(gate_up_proj, down_proj, x.dtype))
 
 
+def _native_invariant_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                              down_proj: torch.Tensor, expert_offset: int,
+                              packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The batch-invariant routed experts through the native op, every expert's GEMMs on the
+    few-row kernel at any row count (each output summed in k order: a row's result is its own),
+    one choice a row: each of a row's k choices is a row of its own with weight 1, so the op
+    returns every choice's expert output rounded to x's type, and the weighted sum over the k
+    choices runs here as the Python paths run it (products rounded to x's type, then summed in
+    choice order), so EP 2's two ranks, each adding zeros for the other's choices, all-reduce what
+    one rank adds."""
+    t, k = ids.shape
+    if t == 0:
+        return x.new_zeros(0, x.shape[1])
+    per_choice = torch.ops.metrale_cpu.routed_experts(
+        x.repeat_interleave(k, dim=0), weights.new_ones(t * k, 1), ids.reshape(t * k, 1), gate_up_proj, down_proj,
+        expert_offset, 0, cpu_ops.ALL_ROWS, *(packed or ()))
+    return (per_choice.view(t, k, x.shape[1]) * weights.to(x.dtype)[..., None]).sum(dim=1)
+
+
 def _planned_linear(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, dtype: torch.dtype):
     """`bi.linear` for one layer's expert matrices, their GEMM plans looked up once for the layer
     (an expert's matrix is a fresh view each call, so `bi.linear` would look its plan up anew);
     `bi.linear` itself where it runs the native kernel on every row count (no plan)."""
-    if all(cpu_ops.takes_all_rows(dtype, w[0]) for w in (gate_up_proj, down_proj)):
+    if all(cpu_ops.invariant_linear(dtype, w[0]) for w in (gate_up_proj, down_proj)):
         return bi.linear
     plans = {(w.shape[1:], w.stride()[1:]): bi.gemm_plan(w[0], dtype, False) for w in (gate_up_proj, down_proj)}
 
@@ -366,6 +391,10 @@ def _python_call(m: RoutedExperts, x: torch.Tensor, w: torch.Tensor, ids: torch.
     return m._per_expert(x, w, ids)
 
 
+def _native_invariant_call(m: RoutedExperts, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return _native_invariant_experts(x, w, ids, m.gate_up_proj, m.down_proj, m.expert_offset, m._packed(x))
+
+
 def _invariant_call(m: RoutedExperts, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return _invariant_experts(x, w, ids, m.gate_up_proj, m.down_proj, m.expert_offset)
 
@@ -377,6 +406,8 @@ EXPERTS_BACKENDS = {b.name: b for b in (
                    lambda m, x, w, ids: m._looped(x, w, ids, bi.linear)),
     # Each touched expert's GEMMs through `bi.linear` (or padded batched matmuls on fixed tiles).
     ExpertsBackend("invariant", _invariant_call, _op_call(invariant_experts)),
+    # The native op on its few-row kernel at every row count, one choice a row (design §3.2).
+    ExpertsBackend("native-invariant", _native_invariant_call, _native_invariant_call),
     # The Triton fused MoE kernels: sync-free in float32 and bfloat16, so the step captures.
     ExpertsBackend("fused", _op_call(fused_experts), _op_call(fused_experts)),
     # The native CPU op (`metrale_cpu::routed_experts`), its few-row GEMMs from the packed matrices.
@@ -395,7 +426,7 @@ def experts_backend_name(m: RoutedExperts) -> str:
     if p.dtype == torch.float64:
         return "reference-invariant" if m.batch_invariant else "reference"
     if m.batch_invariant:
-        return "invariant"
+        return "native-invariant" if m.native_invariant(p.dtype) else "invariant"
     if m.fused:
         return "fused"
     if p.device.type != "cpu":

@@ -75,6 +75,7 @@ class Linear(bi.InvariantSwitch, nn.Linear):
     packed_weights = {"packed": "weight"}   # buffer: weight it packs (`pack_for_inference`)
     in_parts = 1
     bi_rows: tuple[int, int] | None = None   # its GEMM plan (`bi.set_batch_invariant`)
+    packed_parts: tuple[torch.Tensor, ...] | None = None   # each `in_parts` slice packed (`bi.pack_parts`)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -88,8 +89,8 @@ class Linear(bi.InvariantSwitch, nn.Linear):
 
     def _invariant(self, x: torch.Tensor) -> torch.Tensor:
         if self.in_parts == 1:
-            return bi.linear(x, self.weight, self.bias, self.bi_rows)
-        out = bi.split_linear(x, self.weight, self.in_parts, self.bi_rows)
+            return bi.linear(x, self.weight, self.bias, self.bi_rows, self.packed)
+        out = bi.split_linear(x, self.weight, self.in_parts, self.bi_rows, self.packed_parts)
         return out if self.bias is None else out + self.bias
 
 
@@ -131,7 +132,7 @@ class FusedProjection(bi.InvariantSwitch, nn.Module):
         return linear(x, self.weight, self.bias, self.packed)
 
     def _invariant(self, x: torch.Tensor) -> torch.Tensor:
-        return bi.linear(x, self.weight, self.bias, self.bi_rows)
+        return bi.linear(x, self.weight, self.bias, self.bi_rows, self.packed)
 
 
 def pack_for_inference(model: nn.Module) -> None:

@@ -1,5 +1,13 @@
 """Batch-invariant kernels: a row's result does not depend on how many rows share the call.
 
+On the CPU with the native library (`runtime.ops.cpu_ops`), float32 and bfloat16 take the native
+kernels that already sum each row in an order of its own, at every row count: `linear` the
+few-row kernel (`cpu_ops.invariant_linear`), the routed experts the native op on it
+(`runtime.model.experts._native_invariant_experts`), attention the native op's in-place rows
+(`runtime.executor.attention._invariant_plan`); docs/design.md §3.2. What follows is what the
+Python kernels here do where that library is not loaded, on accelerators, and in float64's
+attention and experts.
+
 Why a row can change with its neighbours (measured on this CPU build, torch 2.13, MKL and
 oneDNN; `tests/runtime/ops/test_batch_invariant.py` checks every claim below on the machine it
 runs on):
@@ -89,7 +97,7 @@ def gemm_plan(weight: torch.Tensor, dtype: torch.dtype, bias: bool) -> tuple[int
     depends on shapes, not values, so equal results on probe rows mean the same reduction order
     on any rows (`_probe` makes the results sensitive to that order). Accelerators keep the fixed
     tiles."""
-    if cpu_ops.takes_all_rows(dtype, weight):   # `linear` runs the native kernel: any row count
+    if cpu_ops.invariant_linear(dtype, weight):   # `linear` runs the native kernel: any row count
         return 1, MAX_TILE
     key = (weight.shape, weight.stride(), dtype, weight.device.type, bias, torch.get_num_threads())
     plan = _gemm_plans.get(key)
@@ -151,7 +159,7 @@ def bmm_plan(weight: torch.Tensor, dtype: torch.dtype) -> tuple[int, int, bool] 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           rows: tuple[int, int] | None = None) -> torch.Tensor:
+           rows: tuple[int, int] | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` whose every output row is independent of the other rows of `x` [..., in]: the
     GEMM runs on calls of `gemm_plan` rows (the last call padded up to its least row count).
     In a compiled graph it is one opaque op (`metrale::bi_linear`), so the row count does not
@@ -160,10 +168,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     another kernel): then the graph calls the GEMM itself, on exactly the call a plan-sized
     `_linear` makes (padded with zero rows up to the least count), without the op's Python. The graph then holds one guard on the row count (a graph up to the plan's rows, one
     above; a row count below the least, a graph of its own, as Dynamo keeps for one row anyway).
-    Where the native few-row kernel takes every row count of x's dtype (float64; bfloat16 on a CPU
-    without native bfloat16: `cpu_ops.takes_all_rows`), it runs instead: each output is summed in
-    k order, whatever the rows, the threads or the column's place in the weight."""
-    if cpu_ops.takes_all_rows(x.dtype, weight):
+    On the CPU with the native library (a column-major float32, bfloat16 or float64 weight:
+    `cpu_ops.invariant_linear`) the native few-row kernel runs instead, on every row count: each
+    output is summed in k order, whatever the rows, the threads or the column's place in the
+    weight; from `packed` (`cpu_ops.pack` of the weight, the same bits) where given."""
+    if cpu_ops.invariant_linear(x.dtype, weight):
+        if packed is not None and packed.dtype == x.dtype:
+            return torch.ops.metrale_cpu.linear(x, weight, bias, cpu_ops.ALL_ROWS, packed)
         return torch.ops.metrale_cpu.linear(x, weight, bias, cpu_ops.ALL_ROWS)
     if torch.compiler.is_compiling():
         if rows is not None and x.dim() == 2:
@@ -229,15 +240,17 @@ def halves(num_heads: int) -> int:
     return 2 if num_heads % 2 == 0 else 1
 
 
-def split_linear(x: torch.Tensor, weight: torch.Tensor, parts: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
+def split_linear(x: torch.Tensor, weight: torch.Tensor, parts: int, rows: tuple[int, int] | None = None,
+                 packed: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """`linear` over `parts` equal slices of the input features, the partial sums added as a
     balanced tree in slice order. An output projection is summed in two halves of its heads: at
     EP 2 each rank's row-parallel slice is one half, and the all-reduce of two ranks (a + b, order
-    free) adds the same two sums as one rank."""
+    free) adds the same two sums as one rank. `packed`: each slice's `cpu_ops.pack` (`pack_parts`)."""
     width = weight.shape[1] // parts
     if width * parts != weight.shape[1]:
         raise ValueError(f"{weight.shape[1]} input features do not split into {parts} equal parts")
-    sums = [linear(x[..., i * width:(i + 1) * width], weight[:, i * width:(i + 1) * width], rows=rows)
+    sums = [linear(x[..., i * width:(i + 1) * width], weight[:, i * width:(i + 1) * width], rows=rows,
+                   packed=None if packed is None else packed[i])
             for i in range(parts)]
     while len(sums) > 1:
         sums = [sums[i] + sums[i + 1] if i + 1 < len(sums) else sums[i] for i in range(0, len(sums), 2)]
@@ -289,3 +302,18 @@ def set_batch_invariant(model: torch.nn.Module, on: bool) -> None:
             bias = module.bias is not None and getattr(module, "gemm_takes_bias", True)
             module.bi_rows = (plan_rows(module.weight, bias, parts)
                               if on and module.weight.device.type != "meta" else None)
+        if hasattr(module, "packed_parts"):
+            module.packed_parts = pack_parts(module.weight, getattr(module, "in_parts", 1)) if on else None
+
+
+def pack_parts(weight: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...] | None:
+    """The packed copy (`cpu_ops.pack`) of each of `split_linear`'s `parts` slices of `weight`,
+    which the native kernel reads instead of the slices (the same bits); None for one part, or
+    where a slice is not packed (`cpu_ops.packs`)."""
+    if parts == 1:
+        return None
+    width = weight.shape[1] // parts
+    slices = [weight[:, i * width:(i + 1) * width] for i in range(parts)]
+    if not all(cpu_ops.packs(w) and cpu_ops.invariant_linear(w.dtype, w) for w in slices):
+        return None
+    return tuple(cpu_ops.pack(w) for w in slices)

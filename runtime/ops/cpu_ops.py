@@ -159,6 +159,20 @@ def takes_all_rows(dtype: torch.dtype, weight: torch.Tensor) -> bool:
             and weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) == weight.shape[0])
 
 
+def invariant_linear(dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    """Whether `metrale_cpu::linear` with `ALL_ROWS` runs x . weight^T for x of `dtype` at every row
+    count (the library loaded; float32, bfloat16 or float64; weight of that type, column-major, on
+    the CPU): each output is then summed in k order from zero, whatever the rows beside it, the
+    thread count or the weight being packed, so the batch-invariant mode takes it for every GEMM
+    (tests/runtime/test_native_linear.py checks every row count 1..80 at 1 and 2 threads). Loads
+    the library on first use."""
+    if LOADED is None and not torch.compiler.is_compiling():
+        load()
+    return (bool(LOADED) and dtype in (torch.float32, torch.bfloat16, torch.float64) and weight.dtype == dtype
+            and weight.device.type == "cpu" and weight.dim() == 2 and weight.stride(0) == 1
+            and weight.stride(1) == weight.shape[0])
+
+
 def packs(weight: torch.Tensor) -> bool:
     """Whether `pack_for_inference` keeps a packed copy of `weight` (`pack`): a CPU bfloat16
     [N, K] or [E, N, K] matrix with N a multiple of 32, or a float32 one with N a multiple of 16,

@@ -1797,7 +1797,9 @@ void write_cells(at::Tensor& plane, const at::Tensor& cells, const at::Tensor& s
 // its order.
 // k_plane, v_plane: the layer's cache planes [N, nkv, D] / [N, nkv, Dv] (v_plane a view of
 // k_plane's first channels in a latent cache, then `write_v` is false); mode: "none" (one sequence
-// of one row or more, unmasked), "causal", "explicit" (mask [B, 1, Q, K]) or "padded" (B*Q rows).
+// of one row or more, unmasked), "causal", "explicit" (mask [B, 1, Q, K]), "padded" (B*Q rows) or
+// "invariant" (explicit, and every row in place whatever the rows a sequence: the batch-invariant
+// plan, runtime.attention._invariant_plan, whose rows must not take SDPA's kernels).
 at::Tensor paged_attention_prepared(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_plane,
                                     at::Tensor& v_plane, bool write_v, const at::Tensor& cell_mapping,
                                     const at::Tensor& gather, const std::optional<at::Tensor>& q_index,
@@ -1806,7 +1808,8 @@ at::Tensor paged_attention_prepared(const at::Tensor& q, const at::Tensor& k, co
   const KernelClock clock;
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [T, heads, dim]");
   TORCH_CHECK(gather.dim() == 2, "gather must be [B, K], got ", gather.sizes());
-  const bool padded = mode == "padded", causal = mode == "causal", explicit_mask = mode == "explicit";
+  const bool invariant = mode == "invariant";
+  const bool padded = mode == "padded", causal = mode == "causal", explicit_mask = mode == "explicit" || invariant;
   TORCH_CHECK(padded || causal || explicit_mask || mode == "none", "unknown mask mode ", mode);
   write_cells(k_plane, cell_mapping, k);
   if (write_v) {
@@ -1815,16 +1818,21 @@ at::Tensor paged_attention_prepared(const at::Tensor& q, const at::Tensor& k, co
   const int64_t b = gather.size(0), kk = gather.size(1);
   const bool single = !padded && b == 1;
   TORCH_CHECK(single || (q_index.has_value() && valid.has_value()), "a batch of ", b, " sequences needs q_index and valid");
-  TORCH_CHECK(!(padded || explicit_mask) || mask.has_value(), "mask mode ", mode, " needs a mask");
+  // (The invariant mode's one row alone may come without a mask: it sees every key.)
+  TORCH_CHECK(!(padded || explicit_mask) || mask.has_value() || (invariant && single && q.size(0) == 1),
+              "mask mode ", mode, " needs a mask");
   const int64_t rows_per_seq = single ? q.size(0) : q_index->size(1);
-  if (!causal && rows_per_seq <= kInPlaceMaxRows && k_plane.stride(2) == 1 && v_plane.stride(2) == 1) {
+  const bool in_place = k_plane.stride(2) == 1 && v_plane.stride(2) == 1;
+  TORCH_CHECK(in_place || !invariant, "the invariant mask mode needs cache planes with contiguous rows");
+  if (!causal && (rows_per_seq <= kInPlaceMaxRows || invariant) && in_place) {
     PagedPrep local;
     PagedPrep& pp = prep != nullptr ? *prep : local;
     if (!pp.ready || pp.rows.size(1) != rows_per_seq || !pp.gather.sizes().equals(gather.sizes())) {
       const at::Tensor rows = single ? at::arange(q.size(0), gather.options()).view({1, -1})
                                      : (padded ? *q_index : at::where(*valid, *q_index, -1));
       pp.rows = rows.contiguous();
-      pp.mask = (padded || explicit_mask) ? mask->reshape({b, rows_per_seq, kk}).contiguous() : at::Tensor();
+      pp.mask = (padded || explicit_mask) && mask.has_value() ? mask->reshape({b, rows_per_seq, kk}).contiguous()
+                                                              : at::Tensor();
       pp.gather = gather.contiguous();
       pp.ready = true;
     }

@@ -15,7 +15,9 @@ import importlib
 import pytest
 import torch
 
+from runtime.ops import cpu_ops
 from runtime.executor.attention import PagedAttention, SeqChunk, build_plan
+from runtime.ops.batch_invariant import set_batch_invariant
 from runtime.executor.kv_cache import PagedKVCache
 from serving.llm import LLM
 from runtime.sample.sampler import SamplingParams
@@ -23,6 +25,7 @@ from runtime.model.weights import load_model
 from tests.conftest import cache_kwargs, output_cache
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+BF16_LOGITS_ULPS = 8   # bfloat16 steps of the largest logit two bfloat16 paths may differ by
 
 
 def _norm_in_input_dtype(self, hidden_states):
@@ -83,8 +86,9 @@ def reference(path, dtype):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="eager").eval()
 
 
-def our_logits_stepwise(model, ids: list[int], prefill: int) -> torch.Tensor:
-    """Prefill the first `prefill` tokens in one chunk, then one token per step; logits of every row."""
+def our_logits_stepwise(model, ids: list[int], prefill: int, batch_invariant: bool = False) -> torch.Tensor:
+    """Prefill the first `prefill` tokens in one chunk, then one token per step; logits of every row.
+    `batch_invariant`: the steps' plans for the batch-invariant kernels (switched on by the caller)."""
     cfg = model.config
     cache = PagedKVCache(num_layers=cfg.num_hidden_layers, num_blocks=16, block_size=4, dtype=model.dtype,
                          device=model.device, **model.cache_layout())
@@ -93,7 +97,7 @@ def our_logits_stepwise(model, ids: list[int], prefill: int) -> torch.Tensor:
     with torch.no_grad():
         for n in [prefill] + [1] * (len(ids) - prefill):
             cache.reserve(0, start + n)
-            plan = build_plan(cache, [SeqChunk(0, start, n)])
+            plan = build_plan(cache, [SeqChunk(0, start, n)], batch_invariant=batch_invariant)
             hidden = model(torch.tensor(ids[start:start + n]), plan.positions, PagedAttention(cache, plan))
             rows.append(model.compute_logits(hidden))
             start += n
@@ -144,3 +148,50 @@ def test_greedy_continuations_identical_in_float64(request, which, float64_islan
                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert out.token_ids == want
         assert out.finish_reason == "length"
+
+
+def batch_invariant_model(path, dtype: torch.dtype):
+    """The checkpoint loaded as served, with the batch-invariant kernels switched on; skips
+    without the native CPU ops, whose kernels these tests are about."""
+    if not cpu_ops.load():
+        pytest.skip(f"the native CPU ops are unavailable: {cpu_ops.error()}")
+    model = load_model(path, dtype, device="cpu")
+    set_batch_invariant(model, True)
+    return model
+
+
+@pytest.mark.parametrize("which", ["ckpt_plain", "ckpt_grouped"])
+def test_batch_invariant_float32_logits_match_transformers(request, which):
+    """The batch-invariant step (GEMMs and experts on the native few-row kernel at every row
+    count, attention in place: `_invariant_plan`) against transformers, not only against itself:
+    float32 logits within 1e-4 over a prefill and decode steps."""
+    path = request.getfixturevalue(which)
+    ref = reference(path, torch.float32)
+    ours = batch_invariant_model(path, torch.float32)
+    ids = torch.randint(0, ref.config.vocab_size, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    for prefill in (20, 7):
+        expected = reference_logits_stepwise(ref, ids, prefill)
+        got = our_logits_stepwise(ours, ids, prefill, batch_invariant=True)
+        assert got.dtype == torch.float32
+        assert (got - expected).abs().max().item() < TOLERANCE[torch.float32], f"prefill={prefill}"
+
+
+@pytest.mark.parametrize("which", ["ckpt_plain", "ckpt_grouped"])
+def test_batch_invariant_bfloat16_logits_match_the_default_path(request, which):
+    """bfloat16: the batch-invariant step's logits against the default step's on the same
+    weights, within bfloat16 rounding (BF16_LOGITS_ULPS of the largest logit), and no further from
+    the float32 transformers logits than the default step is (a kernel that computed something
+    else would be off by the logits' own size)."""
+    path = request.getfixturevalue(which)
+    ref = reference(path, torch.float32)
+    ids = torch.randint(0, ref.config.vocab_size, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    default = load_model(path, torch.bfloat16, device="cpu")
+    ours = batch_invariant_model(path, torch.bfloat16)
+    for prefill in (20, 7):
+        want = our_logits_stepwise(default, ids, prefill).float()
+        got = our_logits_stepwise(ours, ids, prefill, batch_invariant=True).float()
+        truth = reference_logits_stepwise(ref, ids, prefill)
+        scale = want.abs().max().item()
+        assert scale > 0.1 and not torch.equal(got, want)   # the two paths round differently
+        assert (got - want).abs().max().item() <= BF16_LOGITS_ULPS * 2.0 ** -8 * scale, f"prefill={prefill}"
+        assert (got - truth).abs().max() <= 1.5 * (want - truth).abs().max(), f"prefill={prefill}"

@@ -15,6 +15,7 @@ import torch
 
 from bench.corpus import heldout_prompts
 from runtime.ops import batch_invariant as bi
+from runtime.ops import cpu_ops
 from runtime.ops import invariant_attention as ia
 from runtime.executor.attention import SeqChunk, build_plan
 from runtime.model.config import load_config
@@ -96,6 +97,38 @@ def test_gemm_plan_holds_at_every_row_count(threads):
                 assert 1 <= lo <= hi <= bi.MAX_TILE
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_linear_row_is_its_own_at_every_row_count_place_and_thread_count(dtype):
+    """The batch-invariant GEMM on the CPU is the native few-row kernel at every row count
+    (`cpu_ops.invariant_linear`): each row of calls of 1..80 rows (every tiling the kernel has:
+    1-4 rows streamed, strips of 4 or 8 rows, each remainder), at the front and at the back of the
+    call, at one and at two threads, from the packed weight and from the plain one, with a bias
+    and without, equals the row alone at one thread bit for bit, on `bi._probe`'s rows, whose
+    channel pairs make any other order of summation visible."""
+    if not cpu_ops.load():
+        pytest.skip(f"the native CPU ops are unavailable: {cpu_ops.error()}")
+    most = 80
+    counts = (*range(1, 25), 31, 32, 33, 47, 64, 65, 79, 80)
+    for n, k, bias in ((512, 256, False), (256, 768, True)):
+        w = torch.empty(n, k).t().contiguous().t().to(dtype)     # column-major, as pack_for_inference lays it
+        x, w = bi._probe(w, most, dtype)
+        b = torch.full((n,), 0.5, dtype=dtype) if bias else None
+        assert cpu_ops.invariant_linear(dtype, w) and bi.gemm_plan(w, dtype, bias) == (1, bi.MAX_TILE)
+        packed = cpu_ops.pack(w) if cpu_ops.packs(w) else None
+        with torch_threads(1):
+            alone = torch.cat([torch.ops.metrale_cpu.linear(x[i:i + 1], w, b, cpu_ops.ALL_ROWS) for i in range(most)])
+        assert torch.equal(bi.linear(x, w, b), alone)
+        for threads in (1, 2):
+            with torch_threads(threads):
+                for rows in counts:
+                    for at in (0, most - rows):
+                        part = x[at:at + rows]
+                        assert torch.equal(bi.linear(part, w, b), alone[at:at + rows]), (n, k, rows, at, threads)
+                        if packed is not None:
+                            assert torch.equal(bi.linear(part, w, b, packed=packed), alone[at:at + rows]), \
+                                (n, k, rows, at, threads, "packed")
+
+
 def test_plain_float32_linear_is_not_row_invariant_here():
     """What the padding is for: an unpadded float32 GEMM rounds 1 row and 16 rows differently
     (if a CPU build ever stops doing so, this test says the padding is no longer needed)."""
@@ -117,7 +150,11 @@ def test_rowwise_sigmoid_of_narrow_rows_does_not_depend_on_the_row_count(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_router_and_experts_rows_do_not_depend_on_the_row_count(dtype):
+@pytest.mark.parametrize("layout", ["row-major", "packed"])
+def test_router_and_experts_rows_do_not_depend_on_the_row_count(dtype, layout):
+    """Row-major expert matrices take the Python paths' GEMM plans; packed ones, as served
+    (`pack_for_inference`), the native op on the few-row kernel (`_native_invariant_experts`),
+    an EP shard's included."""
     cfg = load_config(MODEL)
     torch.manual_seed(0)
     router = Router(cfg).to(dtype)
@@ -128,6 +165,9 @@ def test_router_and_experts_rows_do_not_depend_on_the_row_count(dtype):
     with torch.no_grad():
         experts.gate_up_proj.normal_(0, 0.05)
         experts.down_proj.normal_(0, 0.05)
+    if layout == "packed":
+        pack_for_inference(experts)
+        assert experts.native_invariant(dtype) == bool(cpu_ops.load())
     router.batch_invariant = experts.batch_invariant = True
 
     def moe(x: torch.Tensor) -> torch.Tensor:
@@ -142,14 +182,18 @@ def test_router_and_experts_rows_do_not_depend_on_the_row_count(dtype):
     with torch.no_grad():
         shard.gate_up_proj.copy_(experts.gate_up_proj[4:])
         shard.down_proj.copy_(experts.down_proj[4:])
+    if layout == "packed":
+        pack_for_inference(shard)
     shard.batch_invariant = True
     assert_row_invariant(lambda x: shard(x, *router(x)[1:]), row)
 
 
-def test_padded_invariant_experts_do_not_depend_on_the_busiest_experts_rows():
-    """bfloat16 batch-invariant experts run padded batched matmuls (`bi.bmm_plan`): a row's
-    output is the same whatever the busiest expert's row count (one call up to the plan's hi
-    rows, calls of exactly hi beyond it) and, where the plan says so, equal to the per-expert path."""
+def test_padded_invariant_experts_do_not_depend_on_the_busiest_experts_rows(monkeypatch):
+    """bfloat16 batch-invariant experts without the native few-row kernel run padded batched
+    matmuls (`bi.bmm_plan`): a row's output is the same whatever the busiest expert's row count
+    (one call up to the plan's hi rows, calls of exactly hi beyond it) and, where the plan says
+    so, equal to the per-expert path."""
+    monkeypatch.setattr(cpu_ops, "invariant_linear", lambda dtype, weight: False)   # as without the library
     dtype = torch.bfloat16
     torch.manual_seed(0)
     experts = RoutedExperts(8, 256, 128).to(dtype)
@@ -174,11 +218,23 @@ def test_padded_invariant_experts_do_not_depend_on_the_busiest_experts_rows():
                            experts(x[:40], weights[:40], ids[:40]))
 
 
-KERNELS = {"sdpa": ia.attention, "tiled": ia.tiled_attention}
+KERNELS = {"sdpa": ia.attention, "tiled": ia.tiled_attention, "native": None}
 
 
 def attention_rows(kernel: str, chunks: list[SeqChunk], cache: PagedKVCache, q: torch.Tensor) -> torch.Tensor:
-    plan = build_plan(cache, chunks, batch_invariant=True)
+    """The batch-invariant attention of the step's rows: the tiles' kernels, or the native op in
+    place (`native`: the plan of `runtime.attention._invariant_plan`; the rows' own keys, already
+    in the cache, written again where they are)."""
+    if kernel == "native":
+        if not cpu_ops.load():
+            pytest.skip(f"the native CPU ops are unavailable: {cpu_ops.error()}")
+        plan = build_plan(cache, chunks, batch_invariant=True, native=True)
+        assert plan.mask_mode == "invariant" and plan.tiles is None
+        k, v = cache.k[0, plan.cell_mapping], cache.v[0, plan.cell_mapping]
+        return torch.ops.metrale_cpu.paged_attention(q, k, v, cache.k[0], cache.v[0], True, plan.cell_mapping,
+                                                     plan.gather, plan.q_index, plan.valid, plan.mask,
+                                                     plan.mask_mode, 0.125)
+    plan = build_plan(cache, chunks, batch_invariant=True, native=False)
     return KERNELS[kernel](q, cache.k[0], cache.v[0], plan.tiles, 0.125)
 
 
@@ -222,7 +278,7 @@ def test_sdpa_and_tiled_attention_agree_with_plain_attention():
             weights = torch.softmax(torch.einsum("hd,lhd->hl", q[row], keys) * 0.125, dim=-1)
             want.append(torch.einsum("hl,lhd->hd", weights, values))
             row += 1
-    assert len(build_plan(cache, chunks, batch_invariant=True).tiles.shared) == 1
+    assert len(build_plan(cache, chunks, batch_invariant=True, native=False).tiles.shared) == 1
     for kernel in KERNELS:
         got = attention_rows(kernel, chunks, cache, q)
         assert torch.allclose(got, torch.stack(want), atol=1e-12, rtol=0), kernel
@@ -335,6 +391,9 @@ def test_compiled_step_rows_do_not_depend_on_the_step(dtype):
     assert torch.equal(torch.cat((first, second)), alone)
     assert torch.equal(few, alone[:5])
     assert torch.equal(one, alone[:1])
+    # The logits of a row alone and among others (the head's compiled graph where it is native).
+    assert torch.equal(runner.logits(one, [0]), runner.logits(alone, list(range(700)))[:1])
+    assert torch.equal(runner.logits(alone, [3]), runner.logits(alone, [0, 3, 9])[1:2])
     llm.shutdown()
 
 
