@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.executor.attention import (INVARIANT, NATIVE, SDPA, KernelAttention, PagedAttention, SeqChunk,
-                                        choose_attention_backend, drafter_attention)
+from runtime.executor.attention import (INVARIANT, NATIVE, NATIVE_INVARIANT, SDPA, KernelAttention, PagedAttention,
+                                        SeqChunk, choose_attention_backend, drafter_attention)
 from runtime.executor.runner import ModelRunner
 from runtime.model.experts import EXPERTS_BACKENDS, RoutedExperts, choose_experts_backends, experts_backend_name
 from runtime.model.weights import load_model
@@ -28,7 +28,7 @@ def combinations() -> list[tuple[str, str]]:
     interpreter, and its SDPA with grouped matmuls)."""
     combos = [("sdpa", "python"), ("invariant", "invariant"), ("sdpa", "grouped")]
     if cpu_ops.load():
-        combos.append(("native", "native"))
+        combos += [("native", "native"), ("native-invariant", "native-invariant")]
     if kernels.available("cpu"):
         combos.append(("triton", "fused"))
     return combos
@@ -42,8 +42,10 @@ def model():
 def run_steps(model, attention: str, experts: str) -> list[torch.Tensor]:
     """The hidden states of the prompts' prefills and of `STEPS`, with every layer on the named
     backends."""
-    runner = ModelRunner(model, kv_cache_tokens=1024, batch_invariant=attention == "invariant", attention_kernel=False)
-    if attention == "triton":
+    runner = ModelRunner(model, kv_cache_tokens=1024, batch_invariant="invariant" in attention, attention_kernel=False)
+    if attention == "invariant":   # the tiles, where the native library would take the rows in place
+        runner.attention = runner.cache.attention = INVARIANT
+    elif attention == "triton":
         from runtime.ops.kernels.paged_attention import paged_attention
         runner.attention = choose_attention_backend(runner.cache, kernel=paged_attention)
     elif attention == "sdpa":
@@ -88,10 +90,11 @@ def test_the_runner_chooses_once_from_the_device_dtype_and_modes(model):
     assert line.startswith("cpu float32: eager steps, static steps off, batch-invariant off") and \
         f"attention {padded.name}" in line and f"routed experts {padded.name if padded is NATIVE else 'python'} x{count}" in line
     invariant = ModelRunner(model, kv_cache_tokens=256, batch_invariant=True, attention_kernel=False)
-    assert invariant.attention is INVARIANT
+    assert invariant.attention is (NATIVE_INVARIANT if cpu_ops.load() else INVARIANT)
     # The target's layers are batch-invariant; the drafter keeps the default kernels and plans on
     # the padded batch (its fed rows need separate query rows).
-    assert {experts_backend_name(m) for m in model.layers.modules() if isinstance(m, RoutedExperts)} == {"invariant"}
+    assert {experts_backend_name(m) for m in model.layers.modules() if isinstance(m, RoutedExperts)} == \
+        {"native-invariant" if cpu_ops.load() else "invariant"}
     assert drafter_attention(invariant.cache) is padded
     if kernels.available("cpu"):
         kernel = ModelRunner(model, kv_cache_tokens=256, batch_invariant=False, attention_kernel=True)
@@ -105,7 +108,7 @@ def test_a_plan_attends_through_the_backend_that_planned_it(model):
     runner = ModelRunner(model, kv_cache_tokens=256, batch_invariant=False, attention_kernel=False)
     from runtime.executor.attention import build_plan
     runner.cache.reserve(0, 4)
-    tiles = build_plan(runner.cache, [SeqChunk(0, 0, 4)], batch_invariant=True)
+    tiles = build_plan(runner.cache, [SeqChunk(0, 0, 4)], batch_invariant=True, native=False)
     padded = build_plan(runner.cache, [SeqChunk(0, 0, 4)])
     assert tiles.backend is INVARIANT and tiles.tiles is not None
     assert padded.backend is runner.attention and padded.tiles is None
