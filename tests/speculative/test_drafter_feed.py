@@ -63,15 +63,21 @@ def test_last_rows_alone_equal_the_full_drafter_step(ckpt_mtp, family_ckpt, case
     torch.testing.assert_close(run("write")[1], keys, rtol=0, atol=0)   # the same keys and values, bit for bit
 
 
-def test_a_write_only_feed_of_one_batch_invariant_row_writes_what_the_step_writes():
+def test_a_write_only_feed_of_one_batch_invariant_row_writes_what_the_step_writes(monkeypatch):
     """A batch-invariant float32 drafter (the runner keeps its drafter on the default kernels;
-    switched on here) runs a one-row step as two copies of the row (`one_row_twice`); `MTPLayer.write` runs
-    the one row, and `bi.linear` gives it the same keys and values bit for bit."""
+    switched on here) on the Python kernels (the native few-row kernel, which needs no copies,
+    switched off here as where the library is not loaded) runs a one-row step as two copies of
+    the row (`one_row_twice`); `MTPLayer.write` runs the one row, and `bi.linear` gives it the same keys and
+    values bit for bit."""
     from pathlib import Path
+    from runtime.ops import cpu_ops
     model_dir = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
     llm = LLM(model_dir, dtype="float32", kv_cache_tokens=256, spec="mtp", batch_invariant=True, enforce_eager=True)
     model, cache = llm.engine.runner.model, llm.engine.runner.cache
     layer = model.config.num_hidden_layers
+    assert not model.one_row_twice or not cpu_ops.load()   # native: one row as itself
+    monkeypatch.setattr(cpu_ops, "invariant_linear", lambda dtype, weight: False)
+    set_batch_invariant(model, True)   # chosen again without the native kernel
     set_batch_invariant(model.mtp, True)
     assert model.one_row_twice and model.mtp.one_row_twice   # this CPU's one-row GEMMs round otherwise
     chunk = SeqChunk(1, 6, 1)
