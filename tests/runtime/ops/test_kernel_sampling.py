@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine.verify import device_rejection_tokens, rejection_tokens
-from runtime.executor.sampling import KERNEL
+from runtime.executor.sampling import KERNEL, KernelSampler
 from runtime.sample.sampler import (History, RowSpec, SamplingParams, key_uniforms, position_key, process_logits,
                                     sample_rows, target_probs)
 from tests.runtime.ops.kernel_cases import kernel_device
@@ -136,3 +136,21 @@ def test_the_compiled_kernel_matches_the_reference(dtype):
     rows = [RowSpec(SamplingParams(temperature=1.0), s, 9) for s in range(3)]
     keys = torch.tensor([position_key(r.seed, r.position) for r in rows], dtype=torch.long)
     assert kernel_tokens(logits, rows, 1024)[0].tolist() == torch.argmin(key_uniforms(keys, 32000), -1).tolist()
+
+
+@pytest.mark.parametrize("verify", ["exact", "rejection"])
+def test_an_engine_draws_the_same_tokens_through_the_kernel(ckpt_mtp, verify, monkeypatch):
+    """Seeded sampled requests with MTP speculation: the runner's sampler swapped for the kernel
+    (plain rows, chain verify rows, rejection) commits the tokens the reference path commits."""
+    kernel_device()
+    from serving.llm import LLM
+    prompts = [[5, 17, 200, 3, 5, 17], [9, 9, 9, 100]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, top_k=30, top_p=0.9, seed=3)
+    llm = LLM(ckpt_mtp, dtype="float32", spec="mtp", num_drafts=2, spec_verify=verify)
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    calls = []
+    draws = KernelSampler.draws
+    monkeypatch.setattr(KernelSampler, "draws", lambda self, *a, **kw: calls.append(1) or draws(self, *a, **kw))
+    llm.engine.runner.sampler = llm.engine.verifier.sampler = KERNEL
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.metrics.verifies > 0 and calls
