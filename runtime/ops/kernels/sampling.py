@@ -102,12 +102,13 @@ def _sample_kernel(logits_ptr, stride_n, vocab, temp_ptr, topk_ptr, topp_ptr, mi
     big_key = tl.full([], 1 << 40, tl.int64)        # above every key: a threshold's value test alone decides
     n_min = tl.zeros([], tl.int64)
     min_key = big_key
-    for v0 in range(0, vocab, BLOCK):
-        idx = v0 + offs
-        xr = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
-        _, _, k, keep = _kept(xr, idx < vocab, t, m, s1, floor, -float("inf"), big_key, -float("inf"), big_key)
-        n_min += tl.sum(keep.to(tl.int64), 0)
-        min_key = tl.minimum(min_key, tl.min(tl.where(idx < vocab, k, big_key), 0))
+    if sampled & (top_k > 0) & (top_k < vocab):     # what top-k needs (greedy rows skip every pass below)
+        for v0 in range(0, vocab, BLOCK):
+            idx = v0 + offs
+            xr = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
+            _, _, k, keep = _kept(xr, idx < vocab, t, m, s1, floor, -float("inf"), big_key, -float("inf"), big_key)
+            n_min += tl.sum(keep.to(tl.int64), 0)
+            min_key = tl.minimum(min_key, tl.min(tl.where(idx < vocab, k, big_key), 0))
     # top-k: the k-th largest logit (of those min_p keeps; all of them when fewer than k remain),
     # bisecting the keys: count(key >= lo) >= k > count(key >= hi), done when count(key >= lo) == k
     # (the answer is then the least key >= lo) or hi == lo + 1 (lo).
@@ -139,13 +140,14 @@ def _sample_kernel(logits_ptr, stride_n, vocab, temp_ptr, topk_ptr, topp_ptr, mi
     s2 = tl.zeros([], tl.float64)
     n_kept = tl.zeros([], tl.int64)
     least_kept = big_key
-    for v0 in range(0, vocab, BLOCK):
-        idx = v0 + offs
-        xr = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
-        _, e, k, keep = _kept(xr, idx < vocab, t, m, s1, floor, kth, kth_key, -float("inf"), big_key)
-        s2 += tl.sum(tl.where(keep, e, 0.0), 0)
-        n_kept += tl.sum(keep.to(tl.int64), 0)
-        least_kept = tl.minimum(least_kept, tl.min(tl.where(keep, k, big_key), 0))
+    if sampled & (top_p < 1.0):
+        for v0 in range(0, vocab, BLOCK):
+            idx = v0 + offs
+            xr = tl.load(base + idx, mask=idx < vocab, other=-float("inf"))
+            _, e, k, keep = _kept(xr, idx < vocab, t, m, s1, floor, kth, kth_key, -float("inf"), big_key)
+            s2 += tl.sum(tl.where(keep, e, 0.0), 0)
+            n_kept += tl.sum(keep.to(tl.int64), 0)
+            least_kept = tl.minimum(least_kept, tl.min(tl.where(keep, k, big_key), 0))
     # top-p: the least key t0 whose strictly larger kept tokens hold less than top_p of the mass (the
     # last token top-p keeps), bisecting: mass(key > lo) >= top_p > mass(key > hi), done when one kept
     # key lies in (lo, hi] (the answer) or hi == lo + 1 (hi).
@@ -187,25 +189,26 @@ def _sample_kernel(logits_ptr, stride_n, vocab, temp_ptr, topk_ptr, topp_ptr, mi
     win_i = tl.zeros([], tl.int64)
     s3 = tl.zeros([], tl.float64)
     e_draft = tl.zeros([], tl.float64)
-    for v0 in range(0, vocab, BLOCK):
-        idx = v0 + offs
-        live = idx < vocab
-        xr = tl.load(base + idx, mask=live, other=-float("inf"))
-        _, e, _, keep = _kept(xr, live, t, m, s1, floor, kth, kth_key, cut, cut_key)
-        ek = tl.where(keep, e, 0.0)
-        s3 += tl.sum(ek, 0)
-        e_draft += tl.sum(tl.where(idx == draft, ek, 0.0), 0)
-        z = key + (idx + 1).to(tl.uint64) * golden
-        z = (z ^ (z >> 30)) * m1
-        z = (z ^ (z >> 27)) * m2
-        z = z ^ (z >> 31)
-        u = (z >> 11).to(tl.float64) * (1.0 / 9007199254740992.0)
-        score = tl.where(idx == draft, -1.0, ek / -tl.log(1.0 - u))
-        score = tl.where(live, score, -2.0)
-        bmax = tl.max(score, 0)
-        bi = tl.argmax(score, 0).to(tl.int64) + v0
-        win_i = tl.where(bmax > win, bi, win_i)
-        win = tl.maximum(win, bmax)
+    if sampled:
+        for v0 in range(0, vocab, BLOCK):
+            idx = v0 + offs
+            live = idx < vocab
+            xr = tl.load(base + idx, mask=live, other=-float("inf"))
+            _, e, _, keep = _kept(xr, live, t, m, s1, floor, kth, kth_key, cut, cut_key)
+            ek = tl.where(keep, e, 0.0)
+            s3 += tl.sum(ek, 0)
+            e_draft += tl.sum(tl.where(idx == draft, ek, 0.0), 0)
+            z = key + (idx + 1).to(tl.uint64) * golden
+            z = (z ^ (z >> 30)) * m1
+            z = (z ^ (z >> 27)) * m2
+            z = z ^ (z >> 31)
+            u = (z >> 11).to(tl.float64) * (1.0 / 9007199254740992.0)
+            score = tl.where(idx == draft, -1.0, ek / -tl.log(1.0 - u))
+            score = tl.where(live, score, -2.0)
+            bmax = tl.max(score, 0)
+            bi = tl.argmax(score, 0).to(tl.int64) + v0
+            win_i = tl.where(bmax > win, bi, win_i)
+            win = tl.maximum(win, bmax)
     token = tl.where(sampled, tl.where((win <= 0.0) & (draft >= 0), draft, win_i), best_i)
     x_tok = tl.load(base + token).to(tl.float64)
     tl.store(token_ptr + row, token)
