@@ -154,3 +154,24 @@ def test_an_engine_draws_the_same_tokens_through_the_kernel(ckpt_mtp, verify, mo
     llm.engine.runner.sampler = llm.engine.verifier.sampler = KERNEL
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert llm.engine.metrics.verifies > 0 and calls
+
+
+def test_the_kernel_path_reads_no_scalar_per_row():
+    """The kernel backend's draws stay on the device (no `.item()`, a GPU sync each); rejection
+    reads its outcome once, as a list."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    dev = kernel_device()
+
+    class Scalars(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Scalars.n += func.__name__.startswith("_local_scalar_dense")
+            return func(*args, **(kwargs or {}))
+
+    logits = distinct_logits(4, 50, torch.float32, seed=6).to(dev)
+    rows = [RowSpec(MIXED[i + 2], 1, 10 + i) for i in range(4)]
+    with Scalars():
+        draws = KERNEL.draws(logits, rows, [3, 4, 5, -1])
+        na, out = device_rejection_tokens(KERNEL, logits, rows, [3, 4, 5], 1, 10)
+    assert Scalars.n == 0 and draws.tokens.shape == (4,) and len(out) == na + 1
