@@ -25,7 +25,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from runtime.sample.grammar import GrammarCompiler
 from runtime.executor.runner import ModelRunner
 from engine.prefix_cache import PrefixCache, root_key
-from runtime.sample.sampler import RowSpec, SamplingParams, TokenLogprobs, prompt_token_logprobs, sample_rows
+from runtime.sample.sampler import RowSpec, SamplingParams, TokenLogprobs, prompt_token_logprobs
 from engine.scheduler import Scheduled, Scheduler, SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import Tokenizer
@@ -75,7 +75,7 @@ class Engine:
         self.states: dict[int, ProposerState] = {}
         self.metrics = AcceptanceMetrics()
         self.depth = DepthPolicy(self.spec)
-        self.verifier = Verifier(self.spec)
+        self.verifier = Verifier(self.spec, runner.sampler)
         self.scheduler = self._scheduler(runner, SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens))
         self.max_model_len = min(self.model_config.max_position_embeddings, runner.cache.capacity_tokens)
@@ -354,7 +354,7 @@ class Engine:
         if last:
             logits = self.runner.logits(hidden, [r for _, r in last])
             rows = [RowSpec(s.params, s.seed, len(s.token_ids), s.history()) for s, _ in last]
-            sampled = {s.seq_id: x for (s, _), x in zip(last, sample_rows(logits, rows))}
+            sampled = {s.seq_id: x for (s, _), x in zip(last, self.runner.sampler.sample_rows(logits, rows))}
         for seq, r, n in plain:
             x = sampled.get(seq.seq_id)
             updates.append(SeqUpdate(seq=seq, num_computed=seq.num_computed + n,

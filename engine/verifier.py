@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.executor.attention import SeqChunk
+from runtime.executor.sampling import REFERENCE, KernelSampler, ReferenceSampler
 from runtime.sample.sampler import TokenLogprobs, process_logits, sampling_probs, token_logprobs
 from engine.scheduler import Scheduled
 from engine.sequence import Sequence
 from speculative.proposer import Drafts
 from speculative.settings import SpecSettings
 from speculative.tree_shape import accepted_path, verify_rows
-from engine.verify import chain_rows, committed_tokens, rejection_tokens, target_tokens, tree_rows
+from engine.verify import chain_rows, committed_tokens, device_rejection_tokens, rejection_tokens, target_tokens, tree_rows
 from engine.verify_key import verify_batch_order
 from engine.verify_plan import SeqLayout, VerifyPlan, VerifyPlanCache
 
@@ -69,8 +70,9 @@ class VerifyItem:
 
 
 class Verifier:
-    def __init__(self, spec: SpecSettings) -> None:
+    def __init__(self, spec: SpecSettings, sampler: ReferenceSampler | KernelSampler = REFERENCE) -> None:
         self.spec = spec
+        self.sampler = sampler      # the runner's sampler backend, chosen once
         self.tree = spec.tree_shape
         self.plans = VerifyPlanCache(self.tree)
 
@@ -122,14 +124,19 @@ class Verifier:
         logprobs = None
         if self.spec.verify == "rejection" and not seq.params.is_greedy:
             # The drafters here are deterministic (top-1 or lookup): q is one-hot at each draft.
-            processed = [process_logits(lg, seq.params, r.history) for lg, r in zip(rows_logits, rows)]
-            dists = [sampling_probs(p, seq.params) for p in processed]
-            na, commit = rejection_tokens(d.tokens, None, dists, seq.seed, start + 1)
+            if self.sampler.on_device:
+                na, commit = device_rejection_tokens(self.sampler, rows_logits, rows, d.tokens, seq.seed, start + 1)
+                processed = [process_logits(lg, seq.params, r.history) for lg, r in zip(rows_logits, rows)
+                             ] if seq.params.logprobs is not None else []
+            else:
+                processed = [process_logits(lg, seq.params, r.history) for lg, r in zip(rows_logits, rows)]
+                dists = [sampling_probs(p, seq.params) for p in processed]
+                na, commit = rejection_tokens(d.tokens, None, dists, seq.seed, start + 1)
             targets = commit + [-1] * (k + 1 - len(commit))
             if seq.params.logprobs is not None:
                 logprobs = [token_logprobs(p, t, seq.params.logprobs) for p, t in zip(processed, commit)]
         else:
-            sampled = target_tokens(rows_logits, rows)
+            sampled = target_tokens(rows_logits, rows, self.sampler)
             targets = [s.token for s in sampled]
             na, commit = committed_tokens(d.tokens, targets)
             if seq.params.logprobs is not None:
@@ -144,7 +151,7 @@ class Verifier:
         rows = verify_rows(seq.token_ids[start], d.tokens, d.hedges)
         n = len(rows)
         # The token after a row at depth δ sits at start + δ + 1: the position plain decoding draws it at.
-        sampled = target_tokens(rows_logits, tree_rows(seq, rows))
+        sampled = target_tokens(rows_logits, tree_rows(seq, rows), self.sampler)
         targets = [s.token for s in sampled]
         path, bonus = accepted_path(d.tokens, d.hedges, targets)
         na = len(path)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.sample.sampler import RowSpec, Sampled, draw_rows, key_uniforms, position_key, sample_rows
+from runtime.executor.sampling import REFERENCE, KernelSampler, ReferenceSampler
+from runtime.sample.sampler import RowSpec, Sampled, draw_rows, key_uniforms, position_key
 from engine.sequence import Sequence
 
 
@@ -34,11 +35,13 @@ def tree_rows(seq: Sequence, rows: list[tuple[int, int, int]]) -> list[RowSpec]:
             for (_, depth, _), path in zip(rows, paths)]
 
 
-def target_tokens(logits: torch.Tensor, rows: list[RowSpec]) -> list[Sampled]:
-    """logits [n, V] of one sequence's verify rows -> the target's token (and logprobs) after each row."""
+def target_tokens(logits: torch.Tensor, rows: list[RowSpec],
+                  sampler: ReferenceSampler | KernelSampler = REFERENCE) -> list[Sampled]:
+    """logits [n, V] of one sequence's verify rows -> the target's token (and logprobs) after each
+    row, drawn by the runner's sampler backend."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} verify rows")
-    return sample_rows(logits, rows)
+    return sampler.sample_rows(logits, rows)
 
 
 def accepted_prefix(drafts: list[int], targets: list[int]) -> int:
@@ -98,5 +101,24 @@ def rejection_tokens(drafts: list[int], draft_dists: list[torch.Tensor] | None, 
                       torch.tensor([position_key(seed, first_position + i) for i in range(k + 1)],
                                    dtype=torch.long, device=dev))
     host = torch.cat([accept.long(), draws]).tolist()
+    na = next((i for i in range(k) if not host[i]), k)
+    return na, drafts[:na] + [host[k + na]]
+
+
+def device_rejection_tokens(sampler: KernelSampler, logits: torch.Tensor, rows: list[RowSpec], drafts: list[int],
+                            seed: int, first_position: int) -> tuple[int, list[int]]:
+    """`rejection_tokens` for a deterministic drafter (q one-hot at each draft) from the verify
+    rows' logits [K+1, V] through the sampling kernel: row i's draw is from p_i without draft i
+    (the residual max(0, p_i - q_i)), row K's from p_K, and draft i's probability p_i(d_i) comes
+    back with it; the acceptance uniforms are keyed as `rejection_tokens`' and one host read
+    ends it. The same outcome as `rejection_tokens` on the rows' `target_probs`."""
+    k = len(drafts)
+    if logits.shape[0] != k + 1 or len(rows) != k + 1:
+        raise ValueError(f"{k} drafts need {k + 1} verify rows, got {logits.shape[0]} logits rows, {len(rows)} specs")
+    draws = sampler.draws(logits, rows, [*drafts, -1])
+    keys = [position_key(seed ^ REJECTION_STREAM, first_position + i) for i in range(k)]
+    u = key_uniforms(torch.tensor(keys, dtype=torch.long).to(logits.device), 1)[:, 0]
+    accept = u < torch.clamp(draws.draft_probs[:k], max=1.0)
+    host = torch.cat([accept.long(), draws.tokens]).tolist()
     na = next((i for i in range(k) if not host[i]), k)
     return na, drafts[:na] + [host[k + na]]

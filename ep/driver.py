@@ -31,6 +31,7 @@ class DriverRunner:
         self.model = local.model
         self.config = local.config
         self.cache = local.cache
+        self.sampler = local.sampler     # the engine draws on rank 0 through the local runner's choice
         self.cache.journal = []
         # Drafter inputs observed since the last command (they index the last forward's hidden).
         self.obs_journal: list[Observation] = []

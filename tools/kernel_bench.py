@@ -8,8 +8,10 @@ plan) through the paged kernel against the context copy + padded SDPA, for decod
 sequences over contexts of C keys (GLM-4.5-Air-like heads: 96 query, 8 kv, dim 128), with the
 bytes of keys and values read over the time (GB/s). experts: the fused MoE kernels against the
 grouped-matmul path (`RoutedExperts._grouped`) for T rows (128 experts, k 8, hidden 4096,
-intermediate 1536 on a GPU). Each cell alternates the two arms and keeps the median of the
-timings (CUDA events on a GPU).
+intermediate 1536 on a GPU). sampling: the sampling kernel's backend against the reference
+sampler (`sample_rows`: per-row processing and sort), N rows of a 151552-token vocabulary at
+temperature 0.8, top-k 50, top-p 0.95, each arm ending in its host read of the tokens. Each cell
+alternates the two arms and keeps the median of the timings (CUDA events on a GPU).
 """
 from __future__ import annotations
 
@@ -27,9 +29,11 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 FULL = {"attention": {"heads": (96, 8, 128), "seqs": (1, 8, 64), "keys": (1024, 8192)},
-        "experts": {"shape": (128, 8, 4096, 1536), "rows": (1, 8, 64, 512)}}
+        "experts": {"shape": (128, 8, 4096, 1536), "rows": (1, 8, 64, 512)},
+        "sampling": {"vocab": 151552, "rows": (1, 8, 64)}}
 SMOKE = {"attention": {"heads": (4, 2, 16), "seqs": (1,), "keys": (40,)},
-         "experts": {"shape": (8, 2, 32, 32), "rows": (4,)}}
+         "experts": {"shape": (8, 2, 32, 32), "rows": (4,)},
+         "sampling": {"vocab": 300, "rows": (2,)}}
 
 
 def timed(fns: dict, device: torch.device, reps: int) -> dict:
@@ -112,6 +116,24 @@ def expert_cells(device: torch.device, dtype: torch.dtype, sizes: dict, reps: in
                "grouped_over_fused": round(med["grouped"] / med["fused"], 2)}
 
 
+def sampling_cells(device: torch.device, dtype: torch.dtype, sizes: dict, reps: int):
+    from runtime.executor.sampling import KERNEL, REFERENCE
+    from runtime.sample.sampler import RowSpec, SamplingParams
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.95)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for n in sizes["rows"]:
+        logits = (torch.randn(n, sizes["vocab"], generator=g) * 3).to(device=device, dtype=dtype)
+        rows = [RowSpec(params, i, 1000 + i) for i in range(n)]
+        fns = {"kernel": lambda: KERNEL.sample_rows(logits, rows), "reference": lambda: REFERENCE.sample_rows(logits, rows)}
+        same = [s.token for s in fns["kernel"]()] == [s.token for s in fns["reference"]()]
+        with torch.inference_mode():
+            med = timed(fns, device, reps)
+        yield {"kernel": "sampling", "rows": n, "vocab": sizes["vocab"], "dtype": str(dtype).removeprefix("torch."),
+               "params": "t0.8 k50 p0.95", "same_tokens": same, "kernel_us": round(med["kernel"] * 1e6, 1),
+               "reference_us": round(med["reference"] * 1e6, 1),
+               "reference_over_kernel": round(med["reference"] / med["kernel"], 2)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -129,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or (1 if args.smoke else 20)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     for cell in [*attention_cells(device, dtype, sizes["attention"], reps),
-                 *expert_cells(device, dtype, sizes["experts"], reps)]:
+                 *expert_cells(device, dtype, sizes["experts"], reps),
+                 *sampling_cells(device, dtype, sizes["sampling"], reps)]:
         line = json.dumps(cell)
         print(line, flush=True)
         if args.json_out:

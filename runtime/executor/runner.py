@@ -10,6 +10,7 @@ import torch
 
 from runtime.ops import cpu_ops, kernels
 from runtime.executor.attention import NATIVE_INVARIANT, PagedAttention, SeqChunk, StepPlan, choose_attention_backend
+from runtime.executor.sampling import choose_sampler
 from runtime.executor.step_context import forward_context
 from runtime.ops.batch_invariant import set_batch_invariant
 from runtime.executor.compiled import compile_step
@@ -48,19 +49,21 @@ class ExecutorChoice:
     batch_invariant: bool
     attention: str                  # the cache's attention backend (runtime.executor.attention)
     experts: tuple[tuple[str, int], ...]   # routed-experts backends and how many layers run each
+    sampler: str = "torch"          # the sampler backend (runtime.executor.sampling)
 
     def __str__(self) -> str:
         experts = ", ".join(f"{name} x{n}" for name, n in self.experts) or "none"
         return (f"{self.device} {self.dtype}: {self.execution} steps, static steps {self.static_steps}, "
                 f"batch-invariant {'on' if self.batch_invariant else 'off'}, attention {self.attention}, "
-                f"routed experts {experts}")
+                f"routed experts {experts}, sampler {self.sampler}")
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, *, kv_cache_tokens: int, block_size: int = 16,
                  compiled: bool = False, batch_invariant: bool | None = None,
                  gpu_memory_utilization: float | None = None, static_steps: bool = False,
-                 cuda_graphs: bool = False, attention_kernel: bool | None = None) -> None:
+                 cuda_graphs: bool = False, attention_kernel: bool | None = None,
+                 sampling_kernel: bool | None = None) -> None:
         """The cache and every step tensor live on the model's device.
 
         `gpu_memory_utilization` (CUDA only): size the cache from the GPU's free memory after the
@@ -78,7 +81,9 @@ class ModelRunner:
         (runtime.ops.batch_invariant); None: on for float64 only.
         `attention_kernel`: decode and verify steps (static or not) attend through the Triton
         paged-attention kernel, reading keys and values in place; None: on CUDA where triton is
-        installed (float32/bfloat16). Chosen here, once."""
+        installed (float32/bfloat16). Chosen here, once.
+        `sampling_kernel`: every step's rows are drawn by the Triton sampling kernel, on the
+        device in one launch (runtime.executor.sampling); None: on CUDA where triton is installed."""
         cfg = model.config
         self.model = model
         self.batch_invariant = model.dtype == torch.float64 if batch_invariant is None else batch_invariant
@@ -144,6 +149,8 @@ class ModelRunner:
         # Batch-invariant attention through the native op in place (not the tiles): the one-row
         # compiled step needs no two copies of its row then (`forward`).
         self.plan_native = self.attention is NATIVE_INVARIANT
+        # How every step's rows are drawn (the engine's and the verifier's), chosen here once.
+        self.sampler = choose_sampler(self.device, sampling_kernel)
         # The conv and recurrent states of the linear-attention layers, freed with each sequence's blocks.
         self.states = RecurrentStates(cfg, dtype=model.dtype, device=self.device) if hybrid else None
         self.cache.states = self.states
@@ -159,7 +166,7 @@ class ModelRunner:
             execution="compiled" if self.compiled else "eager",
             static_steps="off" if self.graphs is None else ("captured" if self.graphs.capture else "padded"),
             batch_invariant=self.batch_invariant, attention=self.attention.name,
-            experts=tuple(sorted(self.experts_backends.items())))
+            experts=tuple(sorted(self.experts_backends.items())), sampler=self.sampler.name)
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], chunks: list[SeqChunk]) -> tuple[torch.Tensor, StepPlan]:

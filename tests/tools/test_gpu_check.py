@@ -58,8 +58,9 @@ def test_gpu_check_smoke_on_the_cpu_with_the_gpu_image_packages(tmp_path):
     # Every cell was written as it finished; the output folder holds a few small files only.
     lines = [json.loads(x) for x in (out / "cells.jsonl").read_text().splitlines()]
     assert lines == record["kernels"] + record["rows"]
-    # the kernel bench under the interpreter: both kernels against the paths they replace
-    assert {c["kernel"] for c in record["kernels"]} == {"paged_attention", "fused_moe"}
+    # the kernel bench under the interpreter: each kernel against the path it replaces
+    assert {c["kernel"] for c in record["kernels"]} == {"paged_attention", "fused_moe", "sampling"}
+    assert all(c["same_tokens"] for c in record["kernels"] if c["kernel"] == "sampling")
     assert all(c.get("kernel_us", c.get("fused_us", 0)) > 0 for c in record["kernels"])
     files = sorted(p.name for p in out.rglob("*"))
     assert files == ["cells.jsonl", "cuda_tests.xml", "gpu_check.json", "stages.log"]

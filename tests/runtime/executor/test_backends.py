@@ -11,6 +11,7 @@ import torch
 from runtime.executor.attention import (INVARIANT, NATIVE, NATIVE_INVARIANT, SDPA, KernelAttention, PagedAttention,
                                         SeqChunk, choose_attention_backend, drafter_attention)
 from runtime.executor.runner import ModelRunner
+from runtime.executor.sampling import KERNEL, REFERENCE, choose_sampler
 from runtime.model.experts import EXPERTS_BACKENDS, RoutedExperts, choose_experts_backends, experts_backend_name
 from runtime.model.weights import load_model
 from runtime.ops import cpu_ops, kernels
@@ -89,6 +90,8 @@ def test_the_runner_chooses_once_from_the_device_dtype_and_modes(model):
     line = str(runner.choice)
     assert line.startswith("cpu float32: eager steps, static steps off, batch-invariant off") and \
         f"attention {padded.name}" in line and f"routed experts {padded.name if padded is NATIVE else 'python'} x{count}" in line
+    # The CPU samples through the reference path unless asked (seeded outputs stay as they were).
+    assert runner.sampler is REFERENCE and line.endswith(", sampler torch")
     invariant = ModelRunner(model, kv_cache_tokens=256, batch_invariant=True, attention_kernel=False)
     assert invariant.attention is (NATIVE_INVARIANT if cpu_ops.load() else INVARIANT)
     # The target's layers are batch-invariant; the drafter keeps the default kernels and plans on
@@ -99,6 +102,8 @@ def test_the_runner_chooses_once_from_the_device_dtype_and_modes(model):
     if kernels.available("cpu"):
         kernel = ModelRunner(model, kv_cache_tokens=256, batch_invariant=False, attention_kernel=True)
         assert isinstance(kernel.attention, KernelAttention) and kernel.attention.fallback is padded
+        assert ModelRunner(model, kv_cache_tokens=256, batch_invariant=False, attention_kernel=False,
+                           sampling_kernel=True).sampler is KERNEL
     ModelRunner(model, kv_cache_tokens=256, batch_invariant=False, attention_kernel=False)   # back to the default
 
 
@@ -129,3 +134,15 @@ def test_an_experts_module_is_chosen_for_again_when_its_dtype_changes():
     assert m.backend is None
     m(torch.zeros(2, 16, dtype=torch.float64), torch.ones(2, 2, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.long))
     assert m.backend.name == "reference"
+
+
+def test_the_sampler_is_chosen_once_from_the_device():
+    """The reference sampler on the CPU; the Triton kernel where asked and triton can run it (a
+    CUDA device; CPU tensors under the interpreter), a one-line error where it cannot."""
+    assert choose_sampler(torch.device("cpu")) is REFERENCE
+    assert choose_sampler(torch.device("cpu"), kernel=False) is REFERENCE
+    if kernels.available("cpu"):
+        assert choose_sampler(torch.device("cpu"), kernel=True) is KERNEL
+    else:
+        with pytest.raises(ValueError, match="Triton sampling kernel cannot run on cpu"):
+            choose_sampler(torch.device("cpu"), kernel=True)
