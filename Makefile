@@ -23,9 +23,9 @@ $(BIN)/metrale: pyproject.toml
 	# torch first: the local CPU build, so pip never pulls a CUDA build for the range in pyproject.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
-	# The native CPU ops (runtime/cpu_ops.py), built once here rather than on the first step; without
+	# The native CPU ops (runtime/ops/cpu_ops.py), built once here rather than on the first step; without
 	# a C++ compiler the Python paths run (slower; the same values within rounding).
-	$(BIN)/python -m runtime.cpu_ops || echo "native CPU ops not built: the Python paths will run"
+	$(BIN)/python -m runtime.ops.cpu_ops || echo "native CPU ops not built: the Python paths will run"
 	@touch $@
 
 venv: $(BIN)/metrale

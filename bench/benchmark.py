@@ -122,12 +122,12 @@ class BenchConfig:
     enforce_eager: bool = False   # every engine arm without torch.compile
     request_kinds: tuple[str, ...] = ("plain",)
     vllm_python: str | None = None   # the peer venv's Python for the vllm arms (bench.vllm_arm)
-    device: str = "auto"   # every arm, the hf one too (runtime.device.resolve_device)
+    device: str = "auto"   # every arm, the hf one too (runtime.platform.device.resolve_device)
 
     def __post_init__(self) -> None:
         from bench.vllm_arm import vllm_drafts, vllm_python
         from speculative.tree_shape import TreeShape
-        from runtime.device import resolve_device
+        from runtime.platform.device import resolve_device
         resolve_device(self.device)   # a bad device or CUDA that is not there: refused before any arm loads
         for kind in self.request_kinds:
             if kind not in REQUEST_KINDS:
@@ -281,7 +281,7 @@ class EngineArm:
         steps = max(1, engine.num_steps - steps0)
         cell["step_ms"] = round(1000 * wall / steps, 3)
         graphs = getattr(self.llm.engine.runner, "graphs", None)
-        if graphs is not None:   # static steps (runtime.static_step): buckets, CUDA graphs and their pool
+        if graphs is not None:   # static steps (runtime.executor.static_step): buckets, CUDA graphs and their pool
             cell["static_steps"] = graphs.summary()
         cell["request_kind"] = kind
         cell["prefix_cache"] = {"policy": self.prefix_policy, "prompt_tokens": sum(s.prompt_len for s in done),
@@ -318,9 +318,9 @@ class HFArm:
 
     def __init__(self, name: str, config: BenchConfig, threads: int, max_cache_len: int) -> None:
         import transformers
-        from transformers import AutoModelForCausalLM  # every family of runtime.families
-        from runtime.device import resolve_device
-        from runtime.weights import DTYPES
+        from transformers import AutoModelForCausalLM  # every family of runtime.model.families
+        from runtime.platform.device import resolve_device
+        from runtime.model.weights import DTYPES
         self.name = name
         self.device = resolve_device(config.device)
         self.model = AutoModelForCausalLM.from_pretrained(config.model, dtype=DTYPES[config.dtype]).to(self.device).eval()
@@ -413,7 +413,7 @@ def bench_prompts(config: BenchConfig) -> PromptPlan:
     """The run's prompts: the model folder's `heldout_prompts.jsonl` first, then further held-out
     chunks of the corpus (bench.corpus) as needed, each kept only when its first KV block differs
     from every earlier prompt's, cut into the warm-up set and one set per (repeat, concurrency)."""
-    from runtime.tokenizer import Tokenizer
+    from engine.tokenizer import Tokenizer
     model_dir = Path(config.model)
     tok = Tokenizer(model_dir)
     levels = list(config.concurrency)
@@ -451,9 +451,9 @@ def progress(arm: str, concurrency: int, runs: list[dict]) -> None:
 
 def kv_cache_bytes(config: BenchConfig) -> dict:
     """KV bytes per token of the model (target layers) in the bench dtype, and what an uncompressed
-    cache would take: they differ for multi-head latent attention (runtime.mla)."""
-    from runtime.config import load_config
-    from runtime.weights import DTYPES
+    cache would take: they differ for multi-head latent attention (runtime.model.mla)."""
+    from runtime.model.config import load_config
+    from runtime.model.weights import DTYPES
     cfg = load_config(config.model)
     size = DTYPES[config.dtype].itemsize * cfg.num_hidden_layers
     out = {"architecture": cfg.architecture, "bytes_per_token": cfg.kv_values_per_token() * size,

@@ -67,7 +67,7 @@ class ChatBenchConfig:
 def workload(config: ChatBenchConfig) -> tuple[str, list[list[str]], str]:
     """(the system prompt, each conversation's user messages, a warm-up prompt sharing nothing
     with them), cut from held-out code to the configured token counts."""
-    from runtime.tokenizer import Tokenizer
+    from engine.tokenizer import Tokenizer
     tok = Tokenizer(Path(config.model))
     texts = heldout_prompts(2 + config.conversations * config.turns)
 

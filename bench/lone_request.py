@@ -32,7 +32,7 @@ PROMPT = [17, 230, 41, 998, 5, 77, 1024, 300, 12, 64, 2048, 9, 150, 511, 33, 400
 OFFLINE_CHILD = """
 import json, sys, time
 from serving import LLM
-from runtime.sampler import SamplingParams
+from runtime.sample.sampler import SamplingParams
 model, dtype, max_tokens, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
 llm = LLM(model, dtype=dtype)
 llm.deployment.warm_up()

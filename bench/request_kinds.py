@@ -6,8 +6,8 @@ work) and by what it does to acceptance. A cell of a kind other than plain is na
 """
 from __future__ import annotations
 
-from runtime.grammar import StructuredOutput
-from runtime.sampler import SamplingParams
+from runtime.sample.grammar import StructuredOutput
+from runtime.sample.sampler import SamplingParams
 
 # A list of records whose minItems no request reaches: the grammar never completes, so each request
 # runs to max_tokens as the plain ones do, always inside the schema.

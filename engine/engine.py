@@ -19,16 +19,16 @@ from dataclasses import dataclass
 import torch
 
 from engine.verifier import SeqUpdate, Verifier, VerifyItem
-from runtime.attention import SeqChunk
-from runtime.config import ModelConfig
-from runtime.detokenizer import IncrementalDetokenizer
-from runtime.grammar import GrammarCompiler
-from runtime.model_runner import ModelRunner
-from runtime.prefix_cache import PrefixCache, root_key
-from runtime.sampler import RowSpec, SamplingParams, TokenLogprobs, prompt_token_logprobs, sample_rows
-from runtime.scheduler import Scheduled, Scheduler, SchedulerConfig
-from runtime.sequence import Sequence, SequenceStatus
-from runtime.tokenizer import Tokenizer
+from runtime.executor.attention import SeqChunk
+from runtime.model.config import ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from runtime.sample.grammar import GrammarCompiler
+from runtime.executor.runner import ModelRunner
+from engine.prefix_cache import PrefixCache, root_key
+from runtime.sample.sampler import RowSpec, SamplingParams, TokenLogprobs, prompt_token_logprobs, sample_rows
+from engine.scheduler import Scheduled, Scheduler, SchedulerConfig
+from engine.sequence import Sequence, SequenceStatus
+from engine.tokenizer import Tokenizer
 from speculative.depth import NO_DRAFTS, DepthPolicy, DraftPlan
 from speculative.metrics import AcceptanceMetrics
 from speculative.proposer import DraftProposer, Drafts, ProposerState, ProposeRequest

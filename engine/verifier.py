@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.attention import SeqChunk
-from runtime.sampler import TokenLogprobs, process_logits, sampling_probs, token_logprobs
-from runtime.scheduler import Scheduled
-from runtime.sequence import Sequence
+from runtime.executor.attention import SeqChunk
+from runtime.sample.sampler import TokenLogprobs, process_logits, sampling_probs, token_logprobs
+from engine.scheduler import Scheduled
+from engine.sequence import Sequence
 from speculative.proposer import Drafts
 from speculative.settings import SpecSettings
 from speculative.tree_shape import accepted_path, verify_rows
-from speculative.verify import chain_rows, committed_tokens, rejection_tokens, target_tokens, tree_rows
-from speculative.verify_key import verify_batch_order
-from speculative.verify_plan import SeqLayout, VerifyPlan, VerifyPlanCache
+from engine.verify import chain_rows, committed_tokens, rejection_tokens, target_tokens, tree_rows
+from engine.verify_key import verify_batch_order
+from engine.verify_plan import SeqLayout, VerifyPlan, VerifyPlanCache
 
 
 @dataclass(frozen=True, slots=True)

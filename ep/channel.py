@@ -22,11 +22,11 @@ from ep.protocol import (BATCH_INVARIANT_BIT, COMPILED_BIT, DTYPE_CODES, DTYPE_M
                          EP_CMD_SLOT_REWIND, HEADER_WORDS, NO_SLOT, PROTOCOL_VERSION, Command, ProtocolError,
                          bulk_len, encode, float_bits, parse_stop)
 from ep.topology import EPTopology
-from runtime.config import load_config
-from runtime.device import kv_tokens_for_memory
-from runtime.model import CausalLM
-from runtime.model_runner import ModelRunner, kv_bytes_per_token
-from runtime.weights import checkpoint_files, load_model
+from runtime.model.config import load_config
+from runtime.platform.device import kv_tokens_for_memory
+from runtime.model.causal_lm import CausalLM
+from runtime.executor.runner import ModelRunner, kv_bytes_per_token
+from runtime.model.weights import checkpoint_files, load_model
 
 MAX_BULK_WORDS = 1 << 24
 OP_CODES = {"reserve": EP_CMD_SLOT_RESERVE, "rewind": EP_CMD_SLOT_REWIND, "free": EP_CMD_SLOT_FREE,

@@ -11,8 +11,8 @@ from ep.channel import OP_CODES, send_command
 from ep.comm import Communicator
 from ep.protocol import (EP_CMD_LOGITS, EP_CMD_SHUTDOWN, NO_SLOT, Command, ForwardPayload, Observation, Op,
                          ProposePayload, forward_command, propose_command)
-from runtime.attention import SeqChunk
-from runtime.model_runner import ModelRunner
+from runtime.executor.attention import SeqChunk
+from runtime.executor.runner import ModelRunner
 from speculative.knobs import DrafterKnobs
 from speculative.mtp import MTPProposer
 from speculative.proposer import Drafts, ProposerState, ProposeRequest, cut_at_grammar

@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ep.topology import EPTopology
-from runtime.config import load_config
-from runtime.kv_cache import PagedKVCache
-from runtime.weights import load_model
+from runtime.model.config import load_config
+from runtime.executor.kv_cache import PagedKVCache
+from runtime.model.weights import load_model
 from speculative.knobs import DrafterKnobs
 from speculative.mtp import MTPProposer
 

@@ -6,7 +6,7 @@ token, N ranks, V vocab, Vr this rank's vocabulary slice.
 - Attention: query and key/value heads split across ranks (column-parallel q/k/v), output
   projection row-parallel followed by an all-reduce. KV heads are replicated when there are
   fewer of them than ranks.
-- Multi-head latent attention (runtime.mla): query heads split (q_proj or q_b_proj, and
+- Multi-head latent attention (runtime.model.mla): query heads split (q_proj or q_b_proj, and
   kv_b_proj, whose rows are per head, column-parallel; o_proj row-parallel). The latent path
   (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm) is replicated, and so is the latent
   cache: the latent is the one key/value "head" every query head reads, so splitting it would cost
@@ -28,13 +28,13 @@ from torch import nn
 
 from ep.comm import Communicator
 from ep.topology import EPTopology
-from runtime import batch_invariant as bi
-from runtime.step_context import step_model
-from runtime.config import ModelConfig
-from runtime.experts import RoutedExperts
-from runtime.layers import Linear, MoE, linear
-from runtime.mla import MLAttention
-from runtime.model import CausalLM
+from runtime.ops import batch_invariant as bi
+from runtime.executor.step_context import step_model
+from runtime.model.config import ModelConfig
+from runtime.model.experts import RoutedExperts
+from runtime.model.layers import Linear, MoE, linear
+from runtime.model.mla import MLAttention
+from runtime.model.causal_lm import CausalLM
 
 ShardSpecs = dict[str, tuple[int, int, int]]  # param name -> (dim, start, stop) in the checkpoint tensor
 
@@ -43,7 +43,7 @@ ShardSpecs = dict[str, tuple[int, int, int]]  # param name -> (dim, start, stop)
 # A compiled EP step calls its collectives through opaque ops (Dynamo cannot trace a process
 # group, and a graph broken at every collective would fuse otherwise than one rank's graph). An
 # op finds its layer by its index among the model's `ep_collectives`, through the forward
-# context of the model running (runtime.step_context.step_model): an index, unlike an object, is
+# context of the model running (runtime.executor.step_context.step_model): an index, unlike an object, is
 # the same in every process and model instance, so one rank's graph hits inductor's disk cache
 # when it restarts. The graph around the ops is the one a single rank compiles, so EP N runs the
 # same generated kernels as EP 1 (batch-invariant mode relies on it: EP 2 equals EP 1).
@@ -76,7 +76,7 @@ def all_reduce(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class RowParallelLinear(Linear):
     """A linear over this rank's slice of the input features; partial sums all-reduced, then the
     (replicated) bias added once. Batch-invariant at EP 2, each rank's slice is one of the two
-    halves one rank sums (`runtime.batch_invariant.split_linear`), so the all-reduce adds what
+    halves one rank sums (`runtime.ops.batch_invariant.split_linear`), so the all-reduce adds what
     EP 1 adds."""
 
     gemm_takes_bias = False   # the bias is added once, after the all-reduce
@@ -104,7 +104,7 @@ class VocabParallelHead(nn.Module):
     """This rank's rows of the output projection; `forward` gathers full logits on every rank."""
 
     batch_invariant = False
-    column_major_weights = True   # runtime.layers.pack_for_inference
+    column_major_weights = True   # runtime.model.layers.pack_for_inference
     packed_weights = {"packed": "weight"}   # and packs it for the few-row kernel
 
     def __init__(self, hidden: int, topo: EPTopology, comm: Communicator) -> None:

@@ -37,13 +37,13 @@ EP_CMD_HANDSHAKE = 0xFFFFFFFE     # version, world_size, fingerprint_lo, fingerp
 EP_CMD_FORWARD = 0xFFFFFFFD       # num_ops, num_chunks, num_tokens, bulk_len, num_obs, num_tree_words
 #                                   | bulk: ops, chunks (slot, start, num_tokens), tokens, obs, trees
 # A tree (a chunk with parents) travels as (chunk index, parent row of each of its rows), the root's
-# parent NO_PARENT; the rows' positions and mask follow from the parents (runtime.attention.SeqChunk).
+# parent NO_PARENT; the rows' positions and mask follow from the parents (runtime.executor.attention.SeqChunk).
 EP_CMD_LOGITS = 0xFFFFFFFC        # num_rows, bulk_len | bulk: row indices into the last forward's rows
 # KV-cache slot operations; they travel as (code, slot, length) triples in a FORWARD's or a propose's op list.
 EP_CMD_SLOT_RESERVE = 0xFFFFFFFB  # grow slot to `length` tokens
 EP_CMD_SLOT_REWIND = 0xFFFFFFFA   # shrink slot to `length` tokens
 EP_CMD_SLOT_FREE = 0xFFFFFFF9     # release slot (length: how many leading blocks stay cached once unheld)
-EP_CMD_SLOT_MOVE = 0xFFFFFFF8     # copy one row's keys/values back (length: runtime.kv_cache.pack_move(src, dst))
+EP_CMD_SLOT_MOVE = 0xFFFFFFF8     # copy one row's keys/values back (length: runtime.executor.kv_cache.pack_move(src, dst))
 EP_CMD_SLOT_ATTACH = 0xFFFFFFF7   # append the cached full block `length` to the slot's table (prefix cache)
 # EP_CMD_MTP_PROPOSE = 0xFFFFFFF5 (speculative.proposer): header slot = the drafting sequence; params
 #                                   last_token, position, num_drafts (exactly three words, no bulk).

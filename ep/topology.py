@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.config import ModelConfig
+from runtime.model.config import ModelConfig
 
 
 def even_split(n: int, parts: int, index: int) -> range:

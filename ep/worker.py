@@ -25,10 +25,10 @@ from ep.protocol import (EP_CMD_FORWARD, EP_CMD_LOGITS, EP_CMD_MTP_PROPOSE, EP_C
                          EP_CMD_SHUTDOWN, EP_CMD_SLOT_FREE, Command, ForwardPayload, Observation, Op,
                          ProposePayload, ProtocolError, decode, derive_propose, float_bits, parse_forward,
                          parse_logits, parse_propose, parse_propose_batch)
-from runtime.attention import SeqChunk
-from runtime.heap import freeze_heap
-from runtime.model import CausalLM
-from runtime.model_runner import ModelRunner
+from runtime.executor.attention import SeqChunk
+from runtime.platform.heap import freeze_heap
+from runtime.model.causal_lm import CausalLM
+from runtime.executor.runner import ModelRunner
 from speculative.mtp import MTPProposer
 from speculative.proposer import ProposerState
 
@@ -192,7 +192,7 @@ def check_command(worker: Worker, header: list[int], bulk: list[int]) -> tuple[H
 def worker_loop(runner: ModelRunner, comm: Communicator, confidence_stop: float | None = None) -> None:
     """Ranks above 0: execute rank 0's commands until SHUTDOWN. A refused command is skipped by
     every rank together; a broken link raises `CommError` and ends the worker. After its first
-    command and after each one that compiled graphs the rank freezes its heap (runtime.heap)."""
+    command and after each one that compiled graphs the rank freezes its heap (runtime.platform.heap)."""
     from torch._dynamo.utils import counters   # Dynamo's count of the graphs it compiled
     worker = Worker(runner, comm, confidence_stop)
     graphs = None
@@ -210,7 +210,7 @@ def worker_loop(runner: ModelRunner, comm: Communicator, confidence_stop: float 
             return
         if counters["stats"]["unique_graphs"] != graphs:
             # The first command, or one that compiled graphs (rank 0's warm-up): freeze the heap
-            # built so far, as rank 0 does after its warm-up (runtime.heap).
+            # built so far, as rank 0 does after its warm-up (runtime.platform.heap).
             graphs = counters["stats"]["unique_graphs"]
             freeze_heap()
 

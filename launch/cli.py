@@ -106,7 +106,7 @@ def model_defaults_help(model_dir: Path | None) -> tuple[str, str]:
         return ladder + see, cap + see
     if not (model_dir / "metrale.toml").is_file():
         return ladder, cap
-    from runtime.config import BEHAVIOR_DTYPES, ConfigError, load_behavior
+    from runtime.model.config import BEHAVIOR_DTYPES, ConfigError, load_behavior
     try:
         by_dtype = {d: load_behavior(model_dir, d) for d in (None, *BEHAVIOR_DTYPES)}
     except ConfigError:
@@ -272,7 +272,7 @@ def add_chat_args(s: argparse.ArgumentParser) -> None:
 def chat_parsers(model: str, tool: str | None, reasoning: str | None) -> tuple[str | None, str | None]:
     """The tool-call and reasoning parsers: those asked for, else the model family's (none when the
     folder has no config.json of a known family)."""
-    from runtime.families import family_of
+    from runtime.model.families import family_of
     from serving.reasoning import DEFAULT_PARSERS as REASONING
     from serving.tool_parsers import DEFAULT_PARSERS as TOOLS
     model_type = None
@@ -326,7 +326,7 @@ def parse_logit_bias(items: list[str] | None) -> dict[int, float] | None:
 
 def sampling_params(args: argparse.Namespace):
     """The generate flags -> SamplingParams; a bad value is a UsageError naming its flag."""
-    from runtime.sampler import SamplingParamError, SamplingParams
+    from runtime.sample.sampler import SamplingParamError, SamplingParams
     try:
         return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               max_tokens=args.max_tokens, min_tokens=args.min_tokens, seed=args.seed,
@@ -374,7 +374,7 @@ def resolve_dtype(dtype: str, model: str, device: str) -> str:
     float32. Any other value is kept."""
     if dtype != "auto":
         return dtype
-    from runtime.device import resolve_device
+    from runtime.platform.device import resolve_device
     if resolve_device(device).type != "cuda":
         return "float32"
     path = Path(model) / "config.json"
@@ -392,7 +392,7 @@ def make_llm(args: argparse.Namespace):
     torchrun worker ranks, which serve rank 0's commands until it shuts them down."""
     from launch import launcher_for
     from launch.torchrun import join, run_worker, torchrun_rank
-    from runtime.device import resolve_device
+    from runtime.platform.device import resolve_device
     from serving import LLM
 
     device = resolve_device(args.device)
@@ -430,7 +430,7 @@ def make_llm(args: argparse.Namespace):
                                  temp_dir=args.ray_temp_dir, usage_stats=args.ray_usage_stats)
         launcher = launcher_for(args.launcher, ray_options=ray_options)
     if ep > 1 and args.launcher == "mp":
-        from runtime.device import check_local_gpus
+        from runtime.platform.device import check_local_gpus
         check_local_gpus(device, ep)
     return LLM(model=args.model, ep=ep, launcher=launcher, max_restarts=args.max_restarts, device=str(device),
                warm_standby=args.warm_standby, **common)
@@ -522,7 +522,7 @@ def check_port(host: str, port: int) -> None:
 
 
 def quantized_weights(llm) -> str | None:
-    """How a quantized checkpoint's weights are served (runtime.quantization), None for a plain one."""
+    """How a quantized checkpoint's weights are served (runtime.model.quantization), None for a plain one."""
     fmt = getattr(llm.deployment.runner.model, "weight_format", "")
     return fmt if fmt.startswith("fp8") else None
 
@@ -604,8 +604,8 @@ def _run(args: argparse.Namespace) -> int:
     from engine.engine import RequestError
     from ep.channel import CommandRefused, HandshakeError
     from ep.comm import CommError
-    from runtime.config import ConfigError
-    from runtime.weights import CheckpointError
+    from runtime.model.config import ConfigError
+    from runtime.model.weights import CheckpointError
     from serving.deployment import GroupFailed, GroupStartError
     try:
         if getattr(args, "dtype", None) == "auto":

@@ -32,7 +32,7 @@ import torch
 from ep.channel import load_shard_model
 from ep.comm import START_TIMEOUT_S, Communicator
 from ep.worker import ignore_interrupts, serve_rank
-from runtime.device import check_local_gpus, rank_device
+from runtime.platform.device import check_local_gpus, rank_device
 from serving.deployment import GroupConfig, GroupStartError
 
 __all__ = ["GroupConfig", "MPGroup"]

@@ -12,7 +12,7 @@ import torch
 
 from ep.comm import Communicator
 from ep.worker import ignore_interrupts, serve_rank
-from runtime.device import rank_device
+from runtime.platform.device import rank_device
 
 
 def torchrun_rank() -> tuple[int, int] | None:

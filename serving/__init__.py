@@ -1,6 +1,6 @@
 """Serving: the `LLM` facade, the EP deployment and its supervised step, the async engine and the
 HTTP server. `from serving import LLM, SamplingParams` is the offline entry point."""
-from runtime.sampler import SamplingParams
+from runtime.sample.sampler import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 

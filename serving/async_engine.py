@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.engine import Engine
-from runtime.sampler import SamplingParams
-from runtime.sequence import Sequence
+from runtime.sample.sampler import SamplingParams
+from engine.sequence import Sequence
 from serving.deployment import Deployment
 
 log = logging.getLogger("metrale.async_engine")

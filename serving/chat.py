@@ -8,7 +8,7 @@ per-choice parsing of its output into reasoning_content, content and tool_calls 
   JSON that validates against the tools' schemas, as vLLM does it: a named function's output is its
   arguments object; "required" gives `[{"name": ..., "parameters": {...}}, ...]` (one item
   without parallel_tool_calls). The grammar goes through the structured-output path
-  (runtime.grammar), so the MTP drafter's rows are masked alike and output stays lossless.
+  (runtime.sample.grammar), so the MTP drafter's rows are masked alike and output stays lossless.
 - Reasoning (serving.reasoning): the think block becomes reasoning_content; include_reasoning
   false drops it. A budget (max_reasoning_tokens / thinking_budget) is a grammar too: the think
   block may hold at most that many tokens, then `</think>` is the only way on. Under a budget the
@@ -23,7 +23,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from runtime.grammar import JSON_OPTIONS, StructuredOutput
+from runtime.sample.grammar import JSON_OPTIONS, StructuredOutput
 from serving.chat_template import ChatTemplate, TemplateError
 from serving.openai_api import APIError, ChatOptions, bad
 from serving.reasoning import (

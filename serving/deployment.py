@@ -31,15 +31,15 @@ from ep.comm import CommError, Communicator
 from ep.driver import DriverRunner, ShardedMTPProposer
 from ep.protocol import MAX_SLOT
 from ep.local_drafter import load_local_drafter
-from runtime.device import capture_refusal
-from runtime.experts import uses_fused_experts
-from runtime.model import CausalLM
-from runtime.attention import SeqChunk
-from runtime.heap import freeze_heap, thaw_heap
-from runtime.model_runner import ModelRunner
-from runtime.sequence import Sequence
-from runtime.static_step import MIN_KEYS, ROW_BUCKETS, StaticShape, bucket
-from runtime.weights import load_model
+from runtime.platform.device import capture_refusal
+from runtime.model.experts import uses_fused_experts
+from runtime.model.causal_lm import CausalLM
+from runtime.executor.attention import SeqChunk
+from runtime.platform.heap import freeze_heap, thaw_heap
+from runtime.executor.runner import ModelRunner
+from engine.sequence import Sequence
+from runtime.executor.static_step import MIN_KEYS, ROW_BUCKETS, StaticShape, bucket
+from runtime.model.weights import load_model
 from speculative.ladder import ladder_drafts_from_steps
 from speculative.mtp import MTPProposer
 from speculative.ngram import NgramProposer
@@ -59,7 +59,7 @@ class GroupStartError(RuntimeError):
     """An EP group could not start: no room for its ranks, or a rank failed while joining."""
 
 
-DEFAULT_KV_BLOCK = 16   # tokens per KV block of every rank (runtime.kv_cache)
+DEFAULT_KV_BLOCK = 16   # tokens per KV block of every rank (runtime.executor.kv_cache)
 
 
 class GroupFailed(RuntimeError):
@@ -110,12 +110,12 @@ class DeploymentConfig:
     ep_timeout_s: float = 60.0
     max_restarts: int = DEFAULT_MAX_RESTARTS
     enforce_eager: bool = False   # no torch.compile of the target step (on any rank)
-    batch_invariant: bool | None = None   # batch-invariant kernels (runtime.batch_invariant); None: float64 only
+    batch_invariant: bool | None = None   # batch-invariant kernels (runtime.ops.batch_invariant); None: float64 only
     warm_standby: bool = True    # spare worker ranks with their shards loaded (only when restarts are allowed)
-    device: str = "cpu"                   # a resolved device (runtime.device.resolve_device): cpu, cuda:N
+    device: str = "cpu"                   # a resolved device (runtime.platform.device.resolve_device): cpu, cuda:N
     gpu_memory_utilization: float | None = None   # CUDA only: KV cache from free GPU memory
     kv_block_size: int = 16   # tokens per KV block; an EP group's ranks keep the default (checked in Deployment)
-    # Decode/verify steps padded to buckets (runtime.static_step), captured as CUDA graphs on CUDA
+    # Decode/verify steps padded to buckets (runtime.executor.static_step), captured as CUDA graphs on CUDA
     # unless enforce_eager. None: on for CUDA, off on the CPU (there it only adds padding).
     static_steps: bool | None = None
 
@@ -147,7 +147,7 @@ def local_rank_info(rank: int) -> dict:
 def _refuse_for_linear_attention(config: DeploymentConfig, spec: SpecSettings) -> None:
     """A family with linear-attention layers (Qwen3.5) runs on one process and speculates by
     chains only (MTP or n-gram): a tree row's state would follow its own ancestors."""
-    from runtime.config import load_config
+    from runtime.model.config import load_config
     cfg = load_config(config.model_dir)
     if not cfg.linear_layers:
         return
@@ -280,7 +280,7 @@ class Deployment:
         a terminal; `compile_report` says what compiled and in how many seconds. Inductor keeps
         its cache on disk (TORCHINDUCTOR_CACHE_DIR, by default under /tmp), so a restart or a
         restarted EP group compiles from it in seconds. Then, compiled or not, the heap built so
-        far is frozen out of the garbage collector's reach (runtime.heap): a full collection
+        far is frozen out of the garbage collector's reach (runtime.platform.heap): a full collection
         would otherwise stall some step by 130-260 ms."""
         if self.warm:
             return

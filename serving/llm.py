@@ -8,10 +8,10 @@ import torch
 
 from engine.engine import Engine, EngineConfig
 from ep.comm import Communicator
-from runtime.device import resolve_device
-from runtime.sampler import SamplingParams
-from runtime.sequence import RequestOutput, Sequence
-from runtime.tokenizer import Tokenizer
+from runtime.platform.device import resolve_device
+from runtime.sample.sampler import SamplingParams
+from engine.sequence import RequestOutput, Sequence
+from engine.tokenizer import Tokenizer
 from serving.deployment import DEFAULT_MAX_RESTARTS, Deployment, DeploymentConfig, Launcher
 from speculative.settings import SpecSettings, resolve_spec_settings
 
@@ -50,20 +50,20 @@ class LLM:
         (the reference mode) runs eager.
 
         `batch_invariant`: every operation whose per-row result could depend on the rows beside
-        it runs a batch-invariant kernel (`runtime.batch_invariant`), so a request's tokens do not
+        it runs a batch-invariant kernel (`runtime.ops.batch_invariant`), so a request's tokens do not
         depend on what else is in its steps: its width, speculation, other requests. None (the
         default) turns it on for float64 only. Compiled and eager steps are each invariant, but
         round otherwise than each other: EP 2 gives EP 1's tokens when both compile (the default)
         or both run eager (`enforce_eager`).
 
         `prefix_cache` (on by default): a prompt that starts with full KV blocks an earlier request
-        computed attaches them instead of computing them again (runtime.prefix_cache).
+        computed attaches them instead of computing them again (engine.prefix_cache).
 
         `device`: auto (CUDA when present), cpu, cuda or cuda:N; weights, cache, step tensors
         and the drafter live there, and each EP rank takes its own local GPU.
         `gpu_memory_utilization` (CUDA only, as vLLM's): the KV cache takes what is left of this
         share of the GPU's memory after the weights, instead of `kv_cache_tokens`.
-        `static_steps`: decode and verify steps padded to row buckets (runtime.static_step) and,
+        `static_steps`: decode and verify steps padded to row buckets (runtime.executor.static_step) and,
         on CUDA unless `enforce_eager`, captured as CUDA graphs; None: on for CUDA only.
         `kv_block_size`: tokens per KV block (the prefix cache's unit; vLLM's `block_size`), 16 by
         default; other sizes are served by one rank (an EP group keeps 16)."""

@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from runtime.grammar import StructuredOutput
-from runtime.sampler import MAX_LOGPROBS, SamplingParamError, SamplingParams
+from runtime.sample.grammar import StructuredOutput
+from runtime.sample.sampler import MAX_LOGPROBS, SamplingParamError, SamplingParams
 
 MAX_N = 128
 MAX_SEQS_PER_REQUEST = 256      # prompts x best_of

@@ -14,9 +14,9 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence as Seq
 
-from runtime.sampler import TokenLogprobs
-from runtime.sequence import Sequence
-from runtime.tokenizer import Tokenizer
+from runtime.sample.sampler import TokenLogprobs
+from engine.sequence import Sequence
+from engine.tokenizer import Tokenizer
 from serving.chat import ChatPlan, finish_reason
 
 

@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.engine import RequestError
-from runtime.sampler import SamplingParams, choice_seed
+from runtime.sample.sampler import SamplingParams, choice_seed
 from serving.async_engine import (
     SHUTDOWN,
     TIMEOUT,

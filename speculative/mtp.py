@@ -24,14 +24,14 @@ import struct
 
 import torch
 
-from runtime.experts import uses_fused_experts
-from runtime.attention import KVWrites, PagedAttention, SeqChunk, build_plan, chain_plans, last_row_plan
-from runtime.compiled import compile_step
-from runtime.grammar import GrammarMatcher
-from runtime.kv_cache import PagedKVCache
-from runtime.model import CausalLM, top_one
-from runtime.static_step import StepGraphs
-from runtime.step_context import CHAIN_ATTENTION, MAX_CHAIN, chains_natively, forward_context
+from runtime.model.experts import uses_fused_experts
+from runtime.executor.attention import KVWrites, PagedAttention, SeqChunk, build_plan, chain_plans, last_row_plan
+from runtime.executor.compiled import compile_step
+from runtime.sample.grammar import GrammarMatcher
+from runtime.executor.kv_cache import PagedKVCache
+from runtime.model.causal_lm import CausalLM, top_one
+from runtime.executor.static_step import StepGraphs
+from runtime.executor.step_context import CHAIN_ATTENTION, MAX_CHAIN, chains_natively, forward_context
 from speculative.draft_stop import chain_depth
 from speculative.fingerprint import hidden_fingerprint
 from speculative.knobs import DrafterKnobs
@@ -83,7 +83,7 @@ class MTPProposer(DraftProposer):
         """`confidence_stop`: TAU of the confidence stop (None: chains are never stopped early);
         `knobs`: the debugging knobs of docs/design.md §5.7, resolved once. `static_steps` /
         `cuda_graphs`: the drafter's short steps padded to buckets and, on CUDA, captured
-        (runtime.static_step), as the target's are. `compiled`: the drafter's forward runs
+        (runtime.executor.static_step), as the target's are. `compiled`: the drafter's forward runs
         through `torch.compile` (inductor, dynamic shapes) as the target's does (not in float64,
         not in batch-invariant mode, not with static steps): eager, its many small ops cost host
         time on every draft (tools/step_split.py measures it). It compiles at its first forward, or before serving in `warm_up`."""
@@ -94,7 +94,7 @@ class MTPProposer(DraftProposer):
         self.cache = cache
         self.knobs = knobs or DrafterKnobs()
         self.graphs: StepGraphs | None = None
-        sparse = model.sparse is not None   # sparse attention runs eager over padded plans (runtime.model_runner)
+        sparse = model.sparse is not None   # sparse attention runs eager over padded plans (runtime.executor.runner)
         if (static_steps or cuda_graphs) and not sparse:
             max_keys = min(model.config.max_position_embeddings, cache.capacity_tokens)
             self.graphs = StepGraphs(model.mtp_forward, cache, max_keys,

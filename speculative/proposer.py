@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.grammar import GrammarMatcher
+from runtime.sample.grammar import GrammarMatcher
 
 # The seed's propose command word (docs/design.md §4): header (slot, EP_CMD_MTP_PROPOSE), then exactly three
 # u32 words last_token, position, num_drafts. ep.protocol's table takes it from here.

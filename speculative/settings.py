@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.config import ConfigError, load_behavior
+from runtime.model.config import ConfigError, load_behavior
 from speculative import draft_stop
 from speculative import ladder as ladders
 from speculative.knobs import (DrafterKnobs, canonical_key_min_width, drafter_knobs, mtp_accept_debug,

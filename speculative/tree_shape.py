@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-from runtime.attention import NO_PARENT
+from runtime.executor.attention import NO_PARENT
 
 MAX_COUNT = 4
 MAX_NODES = 7

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without a GPU the Triton kernels (runtime/kernels) run under Triton's interpreter on CPU tensors;
+# Without a GPU the Triton kernels (runtime/ops/kernels) run under Triton's interpreter on CPU tensors;
 # it is chosen when triton is imported (torch.compile imports it), so before any test runs.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -68,7 +68,7 @@ def write_tokenizer(path: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    text = (ROOT / "runtime" / "model.py").read_text() + (ROOT / "runtime" / "layers.py").read_text()
+    text = (ROOT / "runtime" / "model" / "causal_lm.py").read_text() + (ROOT / "runtime" / "model" / "layers.py").read_text()
     tok.train_from_iterator([text] * 4, trainer=trainer)
     tok.save(str(path / "tokenizer.json"))
 
@@ -163,7 +163,7 @@ FAMILY_CASES = {
     "deepseek_v32": ("deepseek_v32", dict()),
 }
 # Qwen3.5 / Qwen3.6-MoE in its two layouts, 3 Gated DeltaNet layers and 1 full-attention layer
-# (tests/runtime/test_qwen3_5.py; apart from FAMILY_CASES, whose tests assume a KV cache in every layer).
+# (tests/runtime/model/test_qwen3_5.py; apart from FAMILY_CASES, whose tests assume a KV cache in every layer).
 QWEN35_CASES = {
     "qwen35_text": ("qwen3_5_moe_text", dict(num_hidden_layers=4)),
     "qwen35_vl": ("qwen3_5_moe", dict(num_hidden_layers=4)),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from serving.llm import LLM
-from runtime.sampler import SamplingParams
+from runtime.sample.sampler import SamplingParams
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-glm-moe"
 
@@ -64,7 +64,7 @@ def test_which_drafters_compile():
     """The deployment's switch (an LLM compiles nothing before its first step): a compiled float32
     target compiles its drafter; float64 and batch-invariant drafters, and those of an eager
     target, stay eager. That the compiled drafter accepts as the eager one does is checked with
-    the compiled target (tests/runtime/test_compiled.py), where its graphs are compiled anyway."""
+    the compiled target (tests/runtime/executor/test_compiled.py), where its graphs are compiled anyway."""
     assert LLM(MODEL, dtype="float32", kv_cache_tokens=1024, spec="mtp", enforce_eager=False).engine.proposer.compiles
     for llm in (LLM(MODEL, dtype="float64", kv_cache_tokens=1024, spec="mtp", enforce_eager=False),
                 LLM(MODEL, dtype="float32", kv_cache_tokens=1024, spec="mtp", batch_invariant=True, enforce_eager=False),

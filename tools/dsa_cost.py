@@ -1,4 +1,4 @@
-"""Per-layer cost of one decode row with DeepSeek sparse attention (runtime.sparse_attention)
+"""Per-layer cost of one decode row with DeepSeek sparse attention (runtime.model.sparse_attention)
 against dense MLA attention over the same latent cache, as the context grows.
 
     python tools/dsa_cost.py [--contexts 256,512,1024,2048,4096,8192] [--reps 15] [--threads 1]
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from runtime.attention import PagedAttention, SeqChunk, build_plan
-from runtime.config import ModelConfig
-from runtime.kv_cache import PagedKVCache
-from runtime.sparse_attention import DsaSelection, Indexer
+from runtime.executor.attention import PagedAttention, SeqChunk, build_plan
+from runtime.model.config import ModelConfig
+from runtime.executor.kv_cache import PagedKVCache
+from runtime.model.sparse_attention import DsaSelection, Indexer
 
 GLM5 = dict(architecture="GlmMoeDsaForCausalLM", vocab_size=1024, hidden_size=6144, intermediate_size=64,
             num_hidden_layers=1, num_attention_heads=64, num_key_value_heads=64, head_dim=64,

@@ -6,7 +6,7 @@ Both arms (`torch.compile`d steps and `enforce_eager`) decode the same `--width`
 together (greedy, `--max-tokens` each) in one process, the arms interleaved over `--rounds`. Per
 step: the wall, the target forward (its plan and then the compiled graph or the eager modules), the
 logits and the rest on the host (scheduling, sampling, commits), and, by the native kernel clock
-(`runtime.cpu_ops.kernel_clock`, in the same rounds), the time inside the compute kernels (linears,
+(`runtime.ops.cpu_ops.kernel_clock`, in the same rounds), the time inside the compute kernels (linears,
 paged attention, routed experts), which both arms call alike.
 
 With K the kernels, O the rest of the forward and logits (compiled: the graph's own fused kernels,
@@ -41,8 +41,8 @@ class Arm:
     def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
         """One round: every prompt added at once, stepped to the end. -> seconds (wall, forward,
         logits, inside the native kernels by their clock) and steps."""
-        from runtime import cpu_ops
-        from runtime.sampler import SamplingParams
+        from runtime.ops import cpu_ops
+        from runtime.sample.sampler import SamplingParams
         engine = self.llm.engine
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         self.bucket.clear()

@@ -25,8 +25,8 @@ def rank_main(rank: int, port: int, model: str, iters: int, out) -> None:
     from ep.comm import Communicator
     from ep.parallel import EPMoE
     from ep.topology import EPTopology
-    from runtime.config import load_config
-    from runtime.layers import MoE
+    from runtime.model.config import load_config
+    from runtime.model.layers import MoE
     torch.manual_seed(0)
     cfg = load_config(model)
     comm = Communicator(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=60, device="cpu")

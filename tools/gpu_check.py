@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                          "temporary folder, never inside --out-dir)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
-    from runtime.device import resolve_device
+    from runtime.platform.device import resolve_device
     device = resolve_device(args.device)
     if device.type != "cuda" and not args.smoke:
         ap.error(f"--device {device} measures nothing useful; use --smoke for the plumbing on the CPU")

@@ -54,10 +54,10 @@ def timed(fns: dict, device: torch.device, reps: int) -> dict:
 
 
 def attention_cells(device: torch.device, dtype: torch.dtype, sizes: dict, reps: int):
-    from runtime.attention import PagedAttention, SeqChunk
-    from runtime.kernels.paged_attention import paged_attention
-    from runtime.kv_cache import PagedKVCache
-    from runtime.static_step import StaticBuffers, static_shape
+    from runtime.executor.attention import PagedAttention, SeqChunk
+    from runtime.ops.kernels.paged_attention import paged_attention
+    from runtime.executor.kv_cache import PagedKVCache
+    from runtime.executor.static_step import StaticBuffers, static_shape
     nh, nkv, d = sizes["heads"]
     for keys in sizes["keys"]:
         for b in sizes["seqs"]:
@@ -88,8 +88,8 @@ def attention_cells(device: torch.device, dtype: torch.dtype, sizes: dict, reps:
 
 
 def expert_cells(device: torch.device, dtype: torch.dtype, sizes: dict, reps: int):
-    from runtime.experts import RoutedExperts
-    from runtime.kernels.fused_moe import fused_experts
+    from runtime.model.experts import RoutedExperts
+    from runtime.ops.kernels.fused_moe import fused_experts
     e, k, h, i = sizes["shape"]
     g = torch.Generator(device="cpu").manual_seed(0)
     m = RoutedExperts(e, h, i)
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--json-out", type=Path, default=None, help="append one JSON line per cell here")
     args = ap.parse_args(argv)
-    from runtime import kernels
+    from runtime.ops import kernels
     device = torch.device(args.device)
     if not kernels.available(device.type):
         print(f"kernel bench: the Triton kernels cannot run on {device} here (triton missing, or TRITON_INTERPRET "

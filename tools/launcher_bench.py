@@ -34,7 +34,7 @@ def measure(launcher: str, model: str, ep: int, max_tokens: int, kill_after: flo
             kill_at_token: int | None = None, enforce_eager: bool = False) -> dict:
     from launch import launcher_for
     from launch.ray_group import RayOptions
-    from runtime.sampler import SamplingParams
+    from runtime.sample.sampler import SamplingParams
     from serving.llm import LLM
 
     ray_options = RayOptions(temp_dir=tempfile.mkdtemp(prefix="mray", dir="/tmp")) if launcher == "ray" else None

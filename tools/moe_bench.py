@@ -21,8 +21,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from runtime.layers import MoE  # noqa: E402
-from runtime.weights import load_model  # noqa: E402
+from runtime.model.layers import MoE  # noqa: E402
+from runtime.model.weights import load_model  # noqa: E402
 
 
 def best_of(fn, repeats: int) -> float:

@@ -165,7 +165,7 @@ _NOT_FP8 = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight", 
 def quantize_checkpoint(path: Path, block: tuple[int, int] = (128, 128)) -> Path:
     """Rewrite the checkpoint in `path` as a block-scaled FP8 one (see the module docstring)."""
     from safetensors.torch import load_file, save_file
-    from runtime.quantization import SCALE_SUFFIX, quantize
+    from runtime.model.quantization import SCALE_SUFFIX, quantize
     tensors = load_file(str(path / "model.safetensors"))
     out: dict[str, torch.Tensor] = {}
     kept: list[str] = []

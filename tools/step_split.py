@@ -36,7 +36,7 @@ def measure(model: str, k: int, prompts: list[str], max_tokens: int, enforce_eag
     """`chained` False: the compiled drafter runs each draft as a step of its own, not one sequence's
     drafts as one chained graph (speculative.mtp.MTPProposer._chain), to measure what chaining saves."""
     from serving.llm import LLM
-    from runtime.sampler import SamplingParams
+    from runtime.sample.sampler import SamplingParams
     llm = LLM(model, dtype=dtype, spec="mtp" if k else "none", num_drafts=max(k, 1), draft_policy="fixed",
               kv_cache_tokens=8192, enforce_eager=enforce_eager)
     engine = llm.engine

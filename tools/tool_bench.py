@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.grammar import StructuredOutput  # noqa: E402
-from runtime.sampler import SamplingParams  # noqa: E402
+from runtime.sample.grammar import StructuredOutput  # noqa: E402
+from runtime.sample.sampler import SamplingParams  # noqa: E402
 from serving.chat import required_schema  # noqa: E402
 from serving.chat_template import load_chat_template  # noqa: E402
 from serving.llm import LLM  # noqa: E402

@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runtime.attention import CausalAttention  # noqa: E402
-from runtime.config import ModelConfig  # noqa: E402
+from runtime.executor.attention import CausalAttention  # noqa: E402
+from runtime.model.config import ModelConfig  # noqa: E402
 from bench.corpus import corpus_files, heldout_prompts, read_source as read  # noqa: E402
-from runtime.layers import Router  # noqa: E402
-from runtime.model import CausalLM  # noqa: E402
-from runtime.weights import iter_hf_state  # noqa: E402
+from runtime.model.layers import Router  # noqa: E402
+from runtime.model.causal_lm import CausalLM  # noqa: E402
+from runtime.model.weights import iter_hf_state  # noqa: E402
 
 EOS = "<|endoftext|>"
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from engine.verifier import Verifier, VerifyItem
-from runtime.grammar import GrammarCompiler, StructuredOutput
-from runtime.sampler import SamplingParams
-from runtime.sequence import Sequence
-from runtime.tokenizer import Tokenizer
+from runtime.sample.grammar import GrammarCompiler, StructuredOutput
+from runtime.sample.sampler import SamplingParams
+from engine.sequence import Sequence
+from engine.tokenizer import Tokenizer
 from speculative.proposer import Drafts
 from speculative.settings import SpecSettings
 from speculative.tree_shape import TreeShape
-from speculative.verify_plan import layout
+from engine.verify_plan import layout
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
 V = 4096

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.sampler import SamplingParams
+from runtime.sample.sampler import SamplingParams
 from serving.llm import LLM
 
 SHARED = [(i * 37) % 300 + 1 for i in range(40)]

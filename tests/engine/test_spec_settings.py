@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.config import ConfigError
-from runtime.sampler import SamplingParams
+from runtime.model.config import ConfigError
+from runtime.sample.sampler import SamplingParams
 from serving.llm import LLM
 from speculative.depth import DepthPolicy, DraftPlan
 from speculative.settings import SpecSettings, resolve_spec_settings

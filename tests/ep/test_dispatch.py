@@ -12,8 +12,8 @@ H, E = 8, 4
 
 
 def make_moe(dtype=torch.float64):
-    from runtime.config import ModelConfig
-    from runtime.layers import MoE
+    from runtime.model.config import ModelConfig
+    from runtime.model.layers import MoE
     cfg = ModelConfig(vocab_size=16, hidden_size=H, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=4, moe_intermediate_size=6, num_experts_per_tok=1,
                       n_routed_experts=E, n_shared_experts=1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from launch.mp import MPGroup
-from runtime.sampler import SamplingParams
+from runtime.sample.sampler import SamplingParams
 from serving.llm import LLM
 
 PROMPTS = [[5, 17, 200, 3], [9, 9, 9, 100, 250, 31, 7, 64, 12], [300]]

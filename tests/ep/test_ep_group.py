@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from ep.parallel import EPMoE
-from runtime.attention import SeqChunk
-from runtime.grammar import StructuredOutput
+from runtime.executor.attention import SeqChunk
+from runtime.sample.grammar import StructuredOutput
 from launch.mp import MPGroup
 from serving.llm import LLM
-from runtime.sampler import SamplingParams
+from runtime.sample.sampler import SamplingParams
 from tests.conftest import make_checkpoint, metrale_cmd, run_env
 
 PROMPTS = [[5, 17, 200, 3], [9, 9, 9, 100, 250, 31, 7, 64, 12], [300]]

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from launch.mp import MPGroup
-from runtime.sampler import SamplingParams
-from runtime.sequence import RequestOutput
+from runtime.sample.sampler import SamplingParams
+from engine.sequence import RequestOutput
 from serving.llm import LLM
 
 SHORT, BATCH = "MTP_PROPOSE", "MTP_PROPOSE_BATCH"
@@ -114,8 +114,8 @@ def test_width_two_sends_only_the_batched_form_and_equals_one_rank(ckpt_mtp):
 # --- a worker's checks, in process (no group needed: a refusal happens before any collective) ---
 @pytest.fixture(scope="module")
 def mtp_runner(ckpt_mtp):
-    from runtime.model_runner import ModelRunner
-    from runtime.weights import load_model
+    from runtime.executor.runner import ModelRunner
+    from runtime.model.weights import load_model
     return ModelRunner(load_model(ckpt_mtp, "float64", device="cpu"), kv_cache_tokens=256)
 
 

@@ -103,7 +103,7 @@ def test_propose_batch_round_trip_and_refusals():
 
 def test_forward_carries_tree_parents_and_row_moves():
     from ep.protocol import EP_CMD_SLOT_MOVE
-    from runtime.kv_cache import pack_move, unpack_move
+    from runtime.executor.kv_cache import pack_move, unpack_move
     ops = [(EP_CMD_SLOT_MOVE, 3, pack_move(14, 11)), (EP_CMD_SLOT_REWIND, 3, 12)]
     cmd = forward_command(ops, [(3, 10, 6), (7, 0, 2)], [1, 2, 3, 4, 5, 6, 7, 8],
                           trees={0: [-1, 0, 1, 2, 1, 2]})

@@ -12,7 +12,7 @@ import pytest
 
 from ep.protocol import EP_CMD_LOGITS, NO_SLOT, Command
 from launch.mp import MPGroup
-from runtime.sampler import SamplingParams
+from runtime.sample.sampler import SamplingParams
 from serving.llm import LLM
 
 PROMPTS = [[5, 17, 200, 3], [9, 9, 9, 100]]

@@ -98,8 +98,8 @@ def test_decode_gives_a_command_or_a_protocol_error(words):
 @pytest.fixture(scope="module")
 def worker(ckpt_mtp):
     """A worker's command checks over a real shard (one rank: a check runs no collective)."""
-    from runtime.model_runner import ModelRunner
-    from runtime.weights import load_model
+    from runtime.executor.runner import ModelRunner
+    from runtime.model.weights import load_model
     runner = ModelRunner(load_model(ckpt_mtp, "float64", device="cpu"), kv_cache_tokens=256)
     w = Worker(runner, None, confidence_stop=None)
     # A last forward to read observations, logits rows and three-word proposes off.

@@ -228,13 +228,13 @@ def test_every_option_has_help_with_its_default_and_bench_lists_every_arm():
 def test_dtype_auto_is_the_config_dtype_on_a_gpu_and_float32_on_a_cpu(monkeypatch):
     import torch
 
-    import runtime.device
+    import runtime.platform.device
     from launch.cli import build_parser, resolve_dtype
     for command in ("generate", "serve", "bench"):
         assert subparsers(build_parser([]))[command].get_default("dtype") == "auto"
     assert resolve_dtype("auto", str(EMBEDDED), "cpu") == "float32"
     assert resolve_dtype("bfloat16", str(EMBEDDED), "cpu") == "bfloat16"
-    monkeypatch.setattr(runtime.device, "resolve_device", lambda text: torch.device("cuda", 0))
+    monkeypatch.setattr(runtime.platform.device, "resolve_device", lambda text: torch.device("cuda", 0))
     assert resolve_dtype("auto", str(EMBEDDED), "auto") == "bfloat16"   # config.json: "dtype": "bfloat16"
 
 

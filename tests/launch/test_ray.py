@@ -125,7 +125,7 @@ def test_ranks_placed_one_per_node(ckpt_plain, ray_tmp, monkeypatch):
 
     from launch import launcher_for
     from launch.ray_group import RayOptions
-    from runtime.sampler import SamplingParams
+    from runtime.sample.sampler import SamplingParams
     from serving.llm import LLM
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "temp_dir": f"{ray_tmp}/ray",

@@ -12,7 +12,7 @@ from serving.async_engine import AsyncEngine
 from serving.deployment import WrongThread
 from serving.llm import LLM
 from serving.responses import TokenText
-from runtime.sampler import SamplingParams
+from runtime.sample.sampler import SamplingParams
 from tests.conftest import ROOT
 from tests.launch.test_server import API_KEY, MODEL, http, start_server, stop_server
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.attention import SeqChunk
-from runtime.model_runner import ModelRunner
-from runtime.sampler import SamplingParams
-from runtime.weights import load_model
+from runtime.executor.attention import SeqChunk
+from runtime.executor.runner import ModelRunner
+from runtime.sample.sampler import SamplingParams
+from runtime.model.weights import load_model
 from serving.llm import LLM
 from serving.responses import TokenText
 from tests.launch.test_server import MODEL, openai_client, start_server, stop_server

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.sampler import SamplingParams
+from runtime.sample.sampler import SamplingParams
 from serving.llm import LLM
 
 EMBEDDED = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
@@ -105,8 +105,8 @@ def verify_one(spec, drafts, logits: list[list[float]], params: SamplingParams):
     import torch
 
     from engine.verifier import Verifier, VerifyItem
-    from runtime.sequence import Sequence
-    from speculative.verify_plan import layout
+    from engine.sequence import Sequence
+    from engine.verify_plan import layout
     seq = Sequence(seq_id=0, prompt_len=1, token_ids=[1, 0], params=params, seed=1, num_computed=1)
     verifier = Verifier(spec)
     item = VerifyItem(seq, drafts, 0, layout(len(drafts.tokens), spec.tree_shape))

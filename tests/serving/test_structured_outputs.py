@@ -11,8 +11,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from runtime.grammar import StructuredOutput
-from runtime.sampler import SamplingParams
+from runtime.sample.grammar import StructuredOutput
+from runtime.sample.sampler import SamplingParams
 from serving.llm import LLM
 from tests.launch.test_server import MODEL, openai_client, start_server, stop_server
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from runtime.grammar import StructuredOutput
-from runtime.sampler import SamplingParams
-from runtime.tokenizer import Tokenizer
+from runtime.sample.grammar import StructuredOutput
+from runtime.sample.sampler import SamplingParams
+from engine.tokenizer import Tokenizer
 from serving.chat import budget_grammar, plan_chat, required_schema
 from serving.chat_template import ChatTemplate, load_chat_template
 from serving.llm import LLM

@@ -178,7 +178,7 @@ def test_a_prefill_unsettles_the_run():
 
 def test_engine_auto_policy_is_lossless(ckpt_mtp):
     from serving.llm import LLM
-    from runtime.sampler import SamplingParams
+    from runtime.sample.sampler import SamplingParams
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = [[5, 17, 200, 3], [9, 9, 9, 100], [300, 4]]
     plain = [o.token_ids for o in LLM(ckpt_mtp, dtype="float64").generate(prompts, params)]

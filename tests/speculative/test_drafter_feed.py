@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import engine.engine as engine_module
-from runtime.attention import KVWrites, PagedAttention, SeqChunk, build_plan, last_row_plan
-from runtime.batch_invariant import set_batch_invariant
-from runtime.sampler import SamplingParams
+from runtime.executor.attention import KVWrites, PagedAttention, SeqChunk, build_plan, last_row_plan
+from runtime.ops.batch_invariant import set_batch_invariant
+from runtime.sample.sampler import SamplingParams
 from serving.llm import LLM
 
 

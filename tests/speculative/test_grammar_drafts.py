@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from bench.request_kinds import SCHEMA
-from runtime.grammar import GrammarCompiler, StructuredOutput
-from runtime.sampler import SamplingParams
-from runtime.tokenizer import Tokenizer
+from runtime.sample.grammar import GrammarCompiler, StructuredOutput
+from runtime.sample.sampler import SamplingParams
+from engine.tokenizer import Tokenizer
 from serving.llm import LLM
 from speculative.mtp import MTPProposer, grammar_masked
 from speculative.ngram import NgramProposer

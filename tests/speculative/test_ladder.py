@@ -89,7 +89,7 @@ def test_publish_once():
 
 def test_above_the_width_cap_no_drafter_forward_runs(ckpt_mtp):
     from serving.llm import LLM
-    from runtime.sampler import SamplingParams
+    from runtime.sample.sampler import SamplingParams
     from speculative.mtp import MTPProposer
     calls = []
     llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, mtp_max_seqs=2, draft_policy="fixed")
@@ -142,7 +142,7 @@ def test_llm_takes_the_model_folders_width_cap(ckpt_mtp, tmp_path):
 def test_the_model_folders_ladder_sits_below_the_argument_the_cli_and_the_environment(ckpt_mtp, tmp_path):
     import shutil
 
-    from runtime.config import ConfigError
+    from runtime.model.config import ConfigError
     from speculative.settings import resolve_spec_settings
     model = tmp_path / "m"
     shutil.copytree(ckpt_mtp, model)

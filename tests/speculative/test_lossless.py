@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from serving.llm import LLM
-from runtime.sampler import SamplingParams
-from speculative.verify import accepted_prefix, committed_tokens
+from runtime.sample.sampler import SamplingParams
+from engine.verify import accepted_prefix, committed_tokens
 
 PROMPTS = [[5, 17, 200, 3, 5, 17, 200], [9, 9, 9, 100, 250, 31, 7, 64, 12, 13, 14], [300], [41, 42, 41, 42, 41]]
 PARAMS = [SamplingParams(max_tokens=24, ignore_eos=True),

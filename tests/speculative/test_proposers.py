@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from serving.llm import LLM
-from runtime.sampler import SamplingParams
+from runtime.sample.sampler import SamplingParams
 from speculative import DraftProposer, Drafts, ProposeRequest, hidden_fingerprint
 from speculative.ngram import NgramProposer
 from speculative.proposer import ProposerState

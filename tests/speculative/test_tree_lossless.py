@@ -6,8 +6,8 @@ import pytest
 
 from launch.mp import MPGroup
 from serving.llm import LLM
-from runtime.sampler import SamplingParams
-from speculative.verify_key import verify_graph_key_has_slot
+from runtime.sample.sampler import SamplingParams
+from engine.verify_key import verify_graph_key_has_slot
 
 PROMPTS = [[5, 17, 200, 3, 5, 17, 200], [9, 9, 9, 100, 250, 31, 7, 64, 12, 13, 14], [300], [41, 42, 41, 42, 41]]
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)

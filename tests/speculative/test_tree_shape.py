@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.attention import SeqChunk, ancestor_mask, build_plan, row_depths
-from runtime.kv_cache import PagedKVCache
+from runtime.executor.attention import SeqChunk, ancestor_mask, build_plan, row_depths
+from runtime.executor.kv_cache import PagedKVCache
 from speculative.tree_shape import TreeShape, accepted_path, verify_rows
 
 

@@ -1,0 +1,423 @@
+"""Attention contexts: one batched paged-KV forward over many sequences, and plain causal attention.
+
+Shapes: T step tokens (sequence-major), B sequences, Q = longest chunk in the step, K = longest
+context, nh query heads, nkv kv heads, D head dim, Dv value dim (D, or the latent of runtime.model.mla).
+
+`StepPlan` is everything the attention of one step needs besides q/k/v: where to write this
+step's keys, which cache cells each sequence reads, and which of them each row may see. It is
+built once per step and shared by every layer (and by the MTP layer, on its own cache plane).
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from runtime.ops import cpu_ops
+from runtime.ops import invariant_attention as ia
+from runtime.executor.kv_cache import PagedKVCache
+
+
+NO_PARENT = -1
+
+
+def row_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each row of a tree from its parent list (row 0 alone is the root, parent -1;
+    every parent comes before its child). Raises ValueError on any other list."""
+    depths: list[int] = []
+    for i, p in enumerate(parents):
+        if (i == 0) != (p == NO_PARENT) or p >= i:
+            raise ValueError(f"parent list {list(parents)}: row {i} has parent {p}; row 0 alone is the root "
+                             "and every parent comes before its child")
+        depths.append(0 if p == NO_PARENT else depths[p] + 1)
+    return depths
+
+
+def ancestor_mask(parents: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """[n, n] bool on `device`: row i may see row j when j is i or one of its ancestors."""
+    row_depths(parents)  # checks the list
+    n = len(parents)
+    rows = [[False] * n for _ in range(n)]
+    for i in range(n):
+        j = i
+        while j != NO_PARENT:
+            rows[i][j] = True
+            j = parents[j]
+    return torch.tensor(rows, dtype=torch.bool, device=device)
+
+
+@dataclass(frozen=True, slots=True)
+class SeqChunk:
+    """One sequence's rows in a step: cache rows start..start+num_tokens-1.
+
+    `parents`, when given, makes the rows a tree (tree verification): the parent row of each row
+    (the root's -1). A tree row sits at position start + its depth and sees the committed context
+    (positions 0..start-1) plus its ancestors, while its keys/values still go to cache row
+    start + its index. None means a causal chunk at positions start..end-1.
+    """
+    seq_id: int
+    start: int
+    num_tokens: int
+    parents: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.parents is not None and len(self.parents) != self.num_tokens:
+            raise ValueError(f"sequence {self.seq_id}: {len(self.parents)} parents for {self.num_tokens} rows")
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    def positions(self, device: torch.device | str) -> torch.Tensor:
+        """[num_tokens] the rotary position of each row, on `device`."""
+        if self.parents is None:
+            return torch.arange(self.start, self.end, device=device)
+        return torch.tensor([self.start + d for d in row_depths(self.parents)], dtype=torch.long, device=device)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelRows:
+    """What the paged-attention kernel reads besides q and the cache: each sequence's block table
+    [B, NB], and per row [T] its sequence, its first own position (the committed context ends
+    there), one past its sequence's last row, and the bits of the own rows it sees."""
+    block_table: torch.Tensor
+    block_size: int
+    row_seq: torch.Tensor
+    row_start: torch.Tensor
+    row_end: torch.Tensor
+    row_anc: torch.Tensor
+    max_keys: int
+    kernel: object   # runtime.ops.kernels.paged_attention.paged_attention, imported once
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    positions: torch.Tensor      # [T] absolute positions
+    cell_mapping: torch.Tensor   # [T] cache cell each row's k/v is written to
+    # The padded batch's fields (None in a batch-invariant plan, whose `tiles` replace them; one
+    # causal chunk has no q_index or valid, and a mask only in mode "explicit"):
+    gather: torch.Tensor | None     # [B, K] cache cells of each sequence's context (padding: 0)
+    q_index: torch.Tensor | None    # [B, Q] row of the step for each (sequence, query) (padding: 0)
+    valid: torch.Tensor | None      # [B, Q] bool, real query rows
+    mask: torch.Tensor | None       # [B, 1, Q, K] bool, True = may attend
+    last_rows: torch.Tensor      # [B] index of each sequence's last row in the step
+    # One sequence with a plain causal mask: SDPA runs unmasked (one row) or with is_causal
+    # (a chunk from position 0), the faster kernels, and the ones transformers itself picks.
+    # "padded" (runtime.executor.static_step): every sequence has Q rows, row b*Q + q is (b, q), the mask
+    # is explicit and nothing about the layout is read back on the host.
+    mask_mode: str = "explicit"  # "explicit" | "none" | "causal" | "padded"
+    # Batch-invariant attention (runtime.ops.invariant_attention): the step's rows in fixed tiles, each
+    # with its own key list; None runs SDPA over the padded batch.
+    tiles: ia.AttentionTiles | None = None
+    # The paged-attention kernel's rows (runtime/ops/kernels/paged_attention.py), where the step runs
+    # it: a static step's plan on CUDA (`runtime.executor.static_step`, chosen when its graphs are built).
+    rows: KernelRows | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+# Rows per sequence up to which a step's attention takes the paged kernel where the cache has one
+# (a decode row, a chain or tree verify); longer chunks (prefills) keep SDPA's flash kernels.
+KERNEL_MAX_ROWS = 8
+
+
+def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: bool = False) -> StepPlan:
+    """Plan one step; every chunk's positions must already be reserved in `cache`.
+
+    `batch_invariant`: attention runs in fixed tiles whose per-row result does not depend on the
+    other rows of the step (`runtime.ops.invariant_attention.attention`). Where the cache carries the
+    paged-attention kernel (`PagedKVCache.attention_kernel`, chosen at start) and every chunk has
+    at most `KERNEL_MAX_ROWS` rows, the plan also carries the kernel's rows (`KernelRows`), which
+    its attention then runs."""
+    plan = _build_plan(cache, chunks, batch_invariant=batch_invariant)
+    kernel = cache.attention_kernel
+    if kernel is None or batch_invariant or max(c.num_tokens for c in chunks) > KERNEL_MAX_ROWS:
+        return plan
+    return replace(plan, rows=kernel_rows(cache, chunks, kernel))
+
+
+def kernel_rows(cache: PagedKVCache, chunks: list[SeqChunk], kernel) -> KernelRows:
+    """The kernel's rows of a step laid out as `build_plan` lays it (sequence-major), from the
+    host's block tables: one host-to-device copy."""
+    from runtime.ops.kernels.paged_attention import own_row_bits
+    bs = cache.block_size
+    nb = max(-(-c.end // bs) for c in chunks)
+    b, t = len(chunks), sum(c.num_tokens for c in chunks)
+    blocks = [0] * (b * nb)
+    meta = [0] * (4 * t)
+    row = 0
+    for i, c in enumerate(chunks):
+        table = cache.block_table(c.seq_id)[:-(-c.end // bs)]
+        blocks[i * nb:i * nb + len(table)] = table
+        for bits in own_row_bits(c.num_tokens, c.parents):
+            meta[row], meta[t + row], meta[2 * t + row], meta[3 * t + row] = i, c.start, c.end, bits
+            row += 1
+    staged = torch.tensor(blocks + meta, dtype=torch.long, device="cpu").to(cache.device, non_blocking=True)
+    table_t, meta_t = staged.split([b * nb, 4 * t])
+    meta_t = meta_t.view(4, t)
+    return KernelRows(block_table=table_t.view(b, nb), block_size=bs, row_seq=meta_t[0], row_start=meta_t[1],
+                      row_end=meta_t[2], row_anc=meta_t[3], max_keys=max(c.end for c in chunks), kernel=kernel)
+
+
+def _build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: bool = False) -> StepPlan:
+    if not chunks:
+        raise ValueError("a step needs at least one sequence")
+    b = len(chunks)
+    q_max = max(c.num_tokens for c in chunks)
+    k_max = max(c.end for c in chunks)
+    if any(c.num_tokens < 1 for c in chunks):
+        raise ValueError(f"sequence {next(c.seq_id for c in chunks if c.num_tokens < 1)} has an empty chunk")
+    device = cache.device
+    if b > 1 and not batch_invariant and all(c.parents is None for c in chunks):
+        # Several causal chunks: the padded batch's fields from host lists, a few tensor ops in all.
+        gather = cache.context_cells([c.seq_id for c in chunks], [c.end for c in chunks])
+        return _causal_batch_plan(chunks, gather, q_max, k_max, device)
+    ctxs = [cache.cells(c.seq_id, 0, c.end) for c in chunks]
+    if b == 1:
+        positions = chunks[0].positions(device)
+        cell_mapping = ctxs[0][chunks[0].start:]
+        last_rows = torch.tensor([chunks[0].num_tokens - 1], device=device)
+    elif batch_invariant or any(c.parents is not None for c in chunks):
+        positions = torch.cat([c.positions(device) for c in chunks])
+        cell_mapping = torch.cat([ctx[c.start:] for ctx, c in zip(ctxs, chunks)])
+        last_rows = torch.tensor(list(itertools.accumulate(c.num_tokens for c in chunks)), device=device) - 1
+    if batch_invariant:   # the tiles replace the padded batch's fields
+        firsts = [0]
+        for c in chunks[:-1]:
+            firsts.append(firsts[-1] + c.num_tokens)   # from the host lists: no device sync
+        tiles = ia.attention_tiles(ctxs, [c.start for c in chunks], [c.num_tokens for c in chunks],
+                                   [c.parents for c in chunks], firsts)
+        return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=None, q_index=None, valid=None,
+                        mask=None, last_rows=last_rows, tiles=tiles)
+    if b == 1 and chunks[0].parents is None:
+        return _single_plan(chunks[0], positions, cell_mapping, ctxs[0], last_rows)
+    counts = torch.tensor([c.num_tokens for c in chunks], device=device)
+    ends = torch.tensor([c.end for c in chunks], device=device)
+    if b == 1:   # one tree
+        gather = ctxs[0][None]
+        q_index = torch.arange(q_max, device=device)[None]
+        valid = torch.ones(1, q_max, dtype=torch.bool, device=device)
+    else:
+        gather = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)          # [B, K], padding 0
+        offs = torch.arange(q_max, device=device)[None, :]
+        valid = offs < counts[:, None]                                              # [B, Q]
+        q_index = torch.where(valid, (last_rows - counts + 1)[:, None] + offs, 0)
+    # Row r of a chunk sits at position start + r and sees keys at positions <= it (causal);
+    # padding rows see key 0 only, so softmax never meets an all-masked row.
+    starts = ends - counts
+    row_pos = torch.where(valid, starts[:, None] + torch.arange(q_max, device=device)[None, :], 0)  # [B, Q]
+    mask = (torch.arange(k_max, device=device)[None, None, :] <= row_pos[:, :, None])[:, None]      # [B, 1, Q, K]
+    for i, c in enumerate(chunks):
+        if c.parents is not None:  # the committed context stays visible; the rows see their ancestors only
+            mask[i, 0, :c.num_tokens, c.start:c.end] = ancestor_mask(c.parents, device)
+    return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=gather, q_index=q_index, valid=valid,
+                    mask=mask, last_rows=last_rows)
+
+
+def _causal_batch_plan(chunks: list[SeqChunk], gather: torch.Tensor, q_max: int, k_max: int,
+                       device: torch.device) -> StepPlan:
+    """`build_plan`'s padded batch for several causal chunks (no tree), its fields as the general
+    path builds them: positions, first rows and last rows come from host lists, and each row's
+    cell is read off the padded context (`gather[b, position]`), ~10 tensor ops whatever the
+    number of sequences (a decode step of 16 sequences made ~60 before, ~210 us)."""
+    b = len(chunks)
+    counts = [c.num_tokens for c in chunks]
+    firsts = [0, *itertools.accumulate(counts)][:-1]
+    if q_max == 1:   # one row a sequence (decode, or one draft each)
+        pos = [c.start for c in chunks]
+        positions = torch.tensor(pos, device=device)
+        cell_mapping = gather[torch.arange(b, device=device), positions]
+        q_index = torch.arange(b, device=device)[:, None]
+        valid = torch.ones(b, 1, dtype=torch.bool, device=device)
+        row_pos = positions[:, None]
+        last_rows = q_index[:, 0]
+    else:
+        pos, seq = [], []
+        for i, c in enumerate(chunks):
+            pos.extend(range(c.start, c.end))
+            seq.extend([i] * c.num_tokens)
+        positions = torch.tensor(pos, device=device)
+        cell_mapping = gather[torch.tensor(seq, device=device), positions]
+        offs = torch.arange(q_max, device=device)[None, :]
+        valid = offs < torch.tensor(counts, device=device)[:, None]                        # [B, Q]
+        q_index = torch.where(valid, torch.tensor(firsts, device=device)[:, None] + offs, 0)
+        # Padding rows see key 0 only, so softmax never meets an all-masked row.
+        row_pos = torch.where(valid, torch.tensor([c.start for c in chunks], device=device)[:, None] + offs, 0)
+        last_rows = torch.tensor([f + n - 1 for f, n in zip(firsts, counts)], device=device)
+    mask = (torch.arange(k_max, device=device)[None, None, :] <= row_pos[:, :, None])[:, None]  # [B, 1, Q, K]
+    return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=gather, q_index=q_index, valid=valid,
+                    mask=mask, last_rows=last_rows)
+
+
+def _single_plan(chunk: SeqChunk, positions: torch.Tensor, cell_mapping: torch.Tensor, ctx: torch.Tensor,
+                 last_rows: torch.Tensor) -> StepPlan:
+    """The plan of one causal chunk (a decode row, a chain verify, a prefill): no padded batch, so
+    no query index or validity, and a mask only for rows that start past position 0 (a chunk from
+    0 runs SDPA with is_causal, a single row unmasked). A decode step or a draft step builds this
+    plan every time: each tensor op skipped is 5-30 us of host time on the CPU."""
+    mode = "none" if chunk.num_tokens == 1 else ("causal" if chunk.start == 0 else "explicit")
+    mask = None
+    if mode == "explicit":   # row r (position start + r) sees keys 0 .. start + r
+        mask = (torch.arange(chunk.end, device=positions.device)[None, :] <= positions[:, None])[None, None]
+    return StepPlan(positions=positions, cell_mapping=cell_mapping, gather=ctx[None], q_index=None, valid=None,
+                    mask=mask, last_rows=last_rows, mask_mode=mode)
+
+
+def last_row_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
+    """The query plan of each chunk's last row alone (one row at position end - 1, seeing its
+    whole context), for a step whose other rows only write their keys and values
+    (`PagedAttention(queries=...)`)."""
+    return build_plan(cache, [SeqChunk(c.seq_id, c.end - 1, 1) for c in chunks])
+
+
+def chain_plans(cache: PagedKVCache, seq_ids: list[int], positions: list[int], steps: int) -> list[StepPlan]:
+    """The plans of steps 1 .. steps-1 of a chain of one-row steps (a drafter's drafts): at step s
+    sequence `seq_ids[b]` has one row at position `positions[b] + s` (every such position reserved),
+    seeing its whole context, as `build_plan` plans `[SeqChunk(seq_ids[b], positions[b] + s, 1)]`
+    (the same cells, context and mask, so the same attention) from one context read and a few tensor
+    ops a step."""
+    device = cache.device
+    b = len(seq_ids)
+    last = [p + steps - 1 for p in positions]
+    ctxs = [cache.cells(sid, 0, end + 1) for sid, end in zip(seq_ids, last)]
+    plans = []
+    if b == 1:
+        ctx = ctxs[0]
+        for s in range(1, steps):
+            p = positions[0] + s
+            plans.append(StepPlan(positions=ctx.new_full((1,), p), cell_mapping=ctx[p:p + 1], gather=ctx[None, :p + 1],
+                                  q_index=None, valid=None, mask=None, last_rows=ctx.new_zeros(1), mask_mode="none"))
+        return plans
+    gather = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)              # [B, K at the last step]
+    base = torch.tensor(positions, device=device)
+    seqs = torch.arange(b, device=device)
+    q_index = seqs[:, None]
+    valid = torch.ones(b, 1, dtype=torch.bool, device=device)
+    keys = torch.arange(gather.shape[1], device=device)
+    for s in range(1, steps):
+        pos = base + s
+        k_max = max(positions) + s + 1
+        mask = (keys[None, None, :k_max] <= pos[:, None, None])[:, None]             # [B, 1, 1, K]
+        plans.append(StepPlan(positions=pos, cell_mapping=gather[seqs, pos], gather=gather[:, :k_max], q_index=q_index,
+                              valid=valid, mask=mask, last_rows=seqs))
+    return plans
+
+
+class KVWrites:
+    """The context of a forward that only writes keys and values (`CausalLM.mtp_write`): the rows
+    of `chunks` (causal, every position reserved) go to their cache cells, and nothing attends.
+    Its plan is their positions and cells alone, without the padded batch `build_plan` builds."""
+
+    def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
+        if not chunks or any(c.parents is not None or c.num_tokens < 1 for c in chunks):
+            raise ValueError("key/value writes take causal, non-empty chunks")
+        device = cache.device
+        self.cache = cache
+        self.positions = torch.cat([c.positions(device) for c in chunks])
+        self.cells = torch.cat([cache.cells(c.seq_id, 0, c.end)[c.start:] for c in chunks])
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [T, nkv, D] of every row into the cache layer `layer_idx`."""
+        self.cache.write(layer_idx, self.cells, k, v)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        raise RuntimeError("KVWrites only writes keys and values; a forward that attends needs PagedAttention")
+
+
+class PagedAttention:
+    """`AttentionContext` over a paged cache: writes this step's k/v, then attends over the context.
+
+    `queries`, when given, is the plan of the query rows (`last_row_plan`): the k/v of every row
+    of `plan` are written, and q holds only those rows (the layer computes nothing else for the
+    others: a drafter's fed rows need only their keys and values)."""
+
+    def __init__(self, cache: PagedKVCache, plan: StepPlan, queries: StepPlan | None = None) -> None:
+        if queries is not None and (plan.tiles is not None or queries.tiles is not None):
+            raise ValueError("batch-invariant attention has no separate query rows")
+        self.cache = cache
+        self.plan = plan
+        self.queries = queries
+        # A hybrid model's step: its chunks' recurrent states (runtime.model.linear_attention.StepStates).
+        self.states = None
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        writes = self.plan
+        p = self.queries if self.queries is not None else writes
+        if p.rows is not None:   # the kernel reads each row's keys in place through the block table
+            self.cache.write(layer_idx, writes.cell_mapping, k, v)
+            r = p.rows
+            return r.kernel(q, self.cache.k[layer_idx], self.cache.v[layer_idx], r.block_table, r.block_size,
+                            r.row_seq, r.row_start, r.row_end, r.row_anc, scale, r.max_keys)
+        if p.tiles is None and q.device.type == "cpu" and cpu_ops.load():   # the same calls, natively
+            cache = self.cache
+            return torch.ops.metrale_cpu.paged_attention(
+                q, k, v, cache.k[layer_idx], cache.v[layer_idx], cache.latent_dim is None, writes.cell_mapping,
+                p.gather, p.q_index, p.valid, p.mask, p.mask_mode, scale)
+        self.cache.write(layer_idx, writes.cell_mapping, k, v)
+        if p.tiles is not None:
+            return ia.attention(q, self.cache.k[layer_idx], self.cache.v[layer_idx], p.tiles, scale)
+        keys = self.cache.gather(self.cache.k[layer_idx], p.gather).transpose(1, 2)    # [B, nkv, K, D]
+        values = self.cache.gather(self.cache.v[layer_idx], p.gather).transpose(1, 2)
+        if p.mask_mode == "padded":
+            queries = q[p.q_index].transpose(1, 2)                  # [B, nh, Q, D]
+            out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=p.mask,
+                                                 scale=scale, enable_gqa=keys.shape[1] != queries.shape[1])
+            return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], out.shape[-1])   # [T, nh, Dv]
+        single = p.gather.shape[0] == 1
+        queries = (q.transpose(0, 1)[None] if single else q[p.q_index].transpose(1, 2))  # [B, nh, Q, D]
+        out = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
+                                             attn_mask=p.mask if p.mask_mode == "explicit" else None,
+                                             is_causal=p.mask_mode == "causal", scale=scale,
+                                             enable_gqa=keys.shape[1] != queries.shape[1])
+        if single:
+            return out[0].transpose(0, 1)                           # [T, nh, Dv]
+        return out.transpose(1, 2)[p.valid]                          # [T, nh, Dv]
+
+    def visible_keys(self, layer_idx: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sparse attention's view of this step (runtime.model.sparse_attention.SparseContext): write k
+        [T, 1, W] (a latent cache's whole cell), then the layer's context keys per sequence
+        [B, K, W], each query row's sequence [R] and the keys each row may see [R, K], read off the
+        padded plan's mask (a plan without batch-invariant tiles or static-step padding)."""
+        writes = self.plan
+        p = self.queries if self.queries is not None else writes
+        if p.tiles is not None or p.mask_mode == "padded":
+            raise ValueError("sparse attention reads a padded-batch plan, not batch-invariant tiles or a static step")
+        self.cache.write(layer_idx, writes.cell_mapping, k, k)       # a latent cache keeps k alone
+        keys = self.cache.gather(self.cache.k[layer_idx], p.gather)[:, :, 0]          # [B, K, W]
+        k_len = p.gather.shape[1]
+        if p.q_index is None:    # one sequence: a single row, a causal chunk from 0, or an explicit mask
+            rows = int(p.positions.shape[0])
+            seq = torch.zeros(rows, dtype=torch.long, device=keys.device)
+            if p.mask_mode == "none":
+                visible = torch.ones(rows, k_len, dtype=torch.bool, device=keys.device)
+            elif p.mask_mode == "causal":
+                visible = torch.ones(rows, k_len, dtype=torch.bool, device=keys.device).tril()
+            else:
+                visible = p.mask[0, 0]
+            return keys, seq, visible
+        seq, col = p.valid.nonzero(as_tuple=True)                   # sequence-major: the step's row order
+        return keys, seq, p.mask[seq, 0, col]
+
+
+class CausalAttention:
+    """`AttentionContext` for training: T = batch * seq_len rows, causal within each sequence, no cache."""
+
+    def __init__(self, batch: int, seq_len: int) -> None:
+        self.batch, self.seq_len = batch, seq_len
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        b, s = self.batch, self.seq_len
+        qq = q.view(b, s, *q.shape[1:]).transpose(1, 2)
+        kk = k.view(b, s, *k.shape[1:]).transpose(1, 2)
+        vv = v.view(b, s, *v.shape[1:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale,
+                                             enable_gqa=kk.shape[1] != qq.shape[1])
+        return out.transpose(1, 2).reshape(b * s, *q.shape[1:])

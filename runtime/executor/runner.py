@@ -1,0 +1,160 @@
+"""Runs the model over one step's chunks on a paged KV cache (single process).
+
+Shapes: T step tokens, B sequences, H hidden, V vocab.
+"""
+from __future__ import annotations
+
+import torch
+
+from runtime.ops import kernels
+from runtime.executor.attention import PagedAttention, SeqChunk, StepPlan, build_plan
+from runtime.executor.step_context import forward_context
+from runtime.ops.batch_invariant import set_batch_invariant
+from runtime.executor.compiled import compile_step
+from runtime.platform.device import kv_tokens_for_memory, use_device
+from runtime.executor.kv_cache import PagedKVCache
+from runtime.model.experts import uses_fused_experts
+from runtime.model.layers import Linear
+from runtime.model.linear_attention import RecurrentStates
+from runtime.model.causal_lm import CausalLM, RowTwice
+from runtime.executor.static_step import StepGraphs
+
+
+
+def cache_layers(model: CausalLM) -> int:
+    """Cache layers the model needs: its target layers, plus one for the MTP layer."""
+    cfg = model.config
+    return cfg.num_cache_layers if model.mtp is not None else cfg.num_attention_layers
+
+
+def kv_bytes_per_token(model: CausalLM) -> int:
+    """KV cache bytes one token takes over every cache layer of this model (this rank's heads)."""
+    layout = model.cache_layout()
+    planes = 1 if layout["latent_dim"] is not None else 2
+    return cache_layers(model) * layout["num_kv_heads"] * layout["head_dim"] * planes * model.dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, *, kv_cache_tokens: int, block_size: int = 16,
+                 compiled: bool = False, batch_invariant: bool | None = None,
+                 gpu_memory_utilization: float | None = None, static_steps: bool = False,
+                 cuda_graphs: bool = False, attention_kernel: bool | None = None) -> None:
+        """The cache and every step tensor live on the model's device.
+
+        `gpu_memory_utilization` (CUDA only): size the cache from the GPU's free memory after the
+        weights (`runtime.platform.device.kv_tokens_for_memory`) instead of `kv_cache_tokens`.
+
+        `static_steps`: decode and verify steps run padded to buckets (runtime.executor.static_step);
+        `cuda_graphs` (CUDA, bfloat16 on sm90/sm100, implies static steps): each bucket's forward is
+        captured once and replayed; elsewhere a ValueError says why (`runtime.platform.device.capture_refusal`). Neither applies to batch-invariant steps, whose tiles change
+        with the step.
+
+        `compiled`: the target forward runs through `torch.compile` (inductor, dynamic shapes),
+        with paged attention and the routed experts (and in batch-invariant mode every GEMM) as
+        opaque ops; float64 always runs eager.
+        `batch_invariant`: every row's result is independent of the other rows of its step
+        (runtime.ops.batch_invariant); None: on for float64 only.
+        `attention_kernel`: decode and verify steps (static or not) attend through the Triton
+        paged-attention kernel, reading keys and values in place; None: on CUDA where triton is
+        installed (float32/bfloat16). Chosen here, once."""
+        cfg = model.config
+        self.model = model
+        self.batch_invariant = model.dtype == torch.float64 if batch_invariant is None else batch_invariant
+        set_batch_invariant(model, self.batch_invariant)
+        if model.mtp is not None:
+            # The MTP drafter keeps the default kernels: its drafts decide which tokens are
+            # checked, never which are committed (the target's rows, batch-invariant, decide).
+            set_batch_invariant(model.mtp, False)
+        # A compiled batch-invariant step: its GEMMs, experts and attention are opaque ops whose
+        # row count never becomes a guard, so one graph (one set of generated kernels) serves
+        # every row count; a one-row step runs as two copies of its row (`forward`), so no graph
+        # is specialised to one row. It rounds otherwise than the eager step (both invariant), so
+        # every EP rank compiles or none does (the handshake's COMPILED_BIT).
+        # Sparse attention (runtime.model.sparse_attention) runs eager over the padded plan: no compiled
+        # step, no batch-invariant tiles, no static steps (it reads each row's visible keys itself).
+        # Linear-attention layers (runtime.model.linear_attention) run eager over a recurrent state per
+        # sequence: no compiled, static or captured step for them.
+        sparse = model.sparse is not None
+        hybrid = bool(cfg.linear_layers)
+        self.plan_tiles = self.batch_invariant and not sparse
+        self.compiled = compiled and model.dtype != torch.float64 and not sparse and not hybrid
+        # The step's graphs and guards are this model's own (runtime.executor.compiled). No size and stride
+        # asserts around every extern kernel: 111 of them per step, 4% of its CPU time.
+        options = {"size_asserts": False}
+        if self.batch_invariant:
+            # Fused kernels keep 16-bit intermediates in float32 unless told to round them as
+            # eager does; then a sum two ranks all-reduce in bfloat16 (the output projection's
+            # halves) would round otherwise on one rank than across two.
+            options["emulate_precision_casts"] = True
+            # A GEMM the graph calls itself (`bi.linear`'s rows) must stay that call: the
+            # pattern matcher would fold a residual add into it (addmm, which rounds otherwise).
+            options["pattern_matcher"] = False
+        self._compiled_forward = compile_step(model.forward, options) if self.compiled else None
+        # The final norm and the head as one graph too (a fused norm kernel instead of ~6 eager ops,
+        # ~40 us of a one-row step), where the head is this process's own linear: not a batch-
+        # invariant one, nor an EP rank's vocabulary shard with its gather.
+        plain_head = type(model.lm_head) is Linear and not self.batch_invariant
+        self._compiled_logits = compile_step(model.compute_logits, options) if self.compiled and plain_head else None
+        self.config = cfg
+        self.device = model.device
+        use_device(self.device)   # streams, graphs and kernels that name no device go to the model's GPU
+        if gpu_memory_utilization is not None:
+            kv_cache_tokens = kv_tokens_for_memory(self.device, gpu_memory_utilization, kv_bytes_per_token(model))
+        num_blocks = max(1, kv_cache_tokens // block_size)
+        self.cache = PagedKVCache(num_layers=cache_layers(model), num_blocks=num_blocks, block_size=block_size,
+                                  dtype=model.dtype, device=self.device, **model.cache_layout())
+        if attention_kernel is None:
+            attention_kernel = (self.device.type == "cuda" and kernels.available("cuda")
+                                and model.dtype != torch.float64)
+        if attention_kernel:
+            if not kernels.available(self.device.type):
+                raise ValueError(f"the Triton attention kernel cannot run on {self.device} here (triton missing, "
+                                 "or TRITON_INTERPRET not 1 for CPU tensors)")
+            from runtime.ops.kernels.paged_attention import paged_attention
+            self.cache.attention_kernel = paged_attention
+        # The conv and recurrent states of the linear-attention layers, freed with each sequence's blocks.
+        self.states = RecurrentStates(cfg, dtype=model.dtype, device=self.device) if hybrid else None
+        self.cache.states = self.states
+        self.graphs: StepGraphs | None = None
+        if (static_steps or cuda_graphs) and not self.batch_invariant and not sparse and not hybrid:
+            max_keys = min(cfg.max_position_embeddings, self.cache.capacity_tokens)
+            capture = cuda_graphs and model.dtype != torch.float64   # float64 experts sync with the host
+            self.graphs = StepGraphs(model.forward, self.cache, max_keys, capture,
+                                     attention_kernel=bool(attention_kernel), sync_free_experts=uses_fused_experts(model))
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], chunks: list[SeqChunk]) -> tuple[torch.Tensor, StepPlan]:
+        """Run the target over the step's rows (sequence-major, matching `chunks`).
+
+        Returns the pre-norm hidden states [T, H] and the step plan.
+        """
+        shape = self.graphs.shape_of(chunks) if self.graphs is not None else None
+        if shape is not None:
+            return self.graphs.run(tokens, chunks, shape)
+        plan = build_plan(self.cache, chunks, batch_invariant=self.plan_tiles)
+        token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        paged = PagedAttention(self.cache, plan)
+        if self.states is not None:
+            paged.states = self.states.step(chunks)
+        if self._compiled_forward is None:
+            return self.model(token_tensor, plan.positions, paged), plan
+        if self.batch_invariant and len(tokens) == 1:
+            # Dynamo specialises a graph to one row (its kernels might round otherwise): the row
+            # runs twice, the copy reusing its attention (runtime.model.causal_lm.RowTwice).
+            with forward_context(RowTwice(paged), self.model) as ctx:
+                hidden = self._compiled_forward(token_tensor.repeat(2), plan.positions.repeat(2), ctx)
+            return hidden[:1], plan
+        with forward_context(paged, self.model) as ctx:
+            return self._compiled_forward(token_tensor, plan.positions, ctx), plan
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Logits of `rows` of a forward's pre-norm hidden [T, H] -> float32 (or float64) [N, V]."""
+        first = rows[0] if rows else 0
+        if rows == list(range(first, first + len(rows))):   # consecutive (a decode step's): a view, no gather
+            picked = hidden[first:first + len(rows)]
+        else:
+            picked = hidden[rows]
+        out = (self.model.compute_logits(picked) if self._compiled_logits is None
+               else self._compiled_logits(picked))
+        return out if out.dtype == torch.float64 else out.float()

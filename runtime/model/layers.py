@@ -1,0 +1,360 @@
+"""Building blocks shared by every MoE family (runtime.model.families), single device, no collectives.
+
+Shapes: T tokens (flattened over sequences), H hidden, nh query heads, nkv key/value heads,
+D head dim, E routed experts, k experts per token, I expert intermediate size.
+
+Numerics follow transformers: RMSNorm statistics and the router run in float32 (in float64 when
+the model runs in float64: that dtype is the reference mode, float64 throughout); rotary
+embeddings are runtime.model.rotary, multi-head latent attention runtime.model.mla.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.ops import batch_invariant as bi
+from runtime.ops import cpu_ops
+from runtime.model.config import ModelConfig
+from runtime.model.experts import RoutedExperts
+from runtime.model.rotary import apply_rotary
+
+
+class AttentionContext(Protocol):
+    """Where keys and values live for one forward: a paged KV cache, or plain causal attention."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """q [T, nh, D], k [T, nkv, D], v [T, nkv, Dv] of this step's tokens -> attention output
+        [T, nh, Dv]. A latent cache (runtime.model.mla) keeps only k; its values are k's first Dv channels."""
+        ...
+
+
+class KVWriter(Protocol):
+    """Where a forward that only writes keys and values puts them (`runtime.executor.attention.KVWrites`):
+    the positions [T] of its rows, and their cache writes."""
+
+    positions: torch.Tensor
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k [T, nkv, D], v [T, nkv, Dv] of every row of the forward into cache layer `layer_idx`."""
+        ...
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Precision of norm statistics and routing: float32, or float64 for a float64 model."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`; on the CPU, float32 and bfloat16 GEMMs of few rows run through the native
+    few-row kernel (`runtime.ops.cpu_ops.few_rows_max`: a stream of the column-major weights, each
+    row's result its own), called straight from a compiled step (`cpu_ops.load` registers its
+    fake); from `packed` (`cpu_ops.pack` of `weight`) where one is kept, the same bits."""
+    if x.device.type != "cpu":   # the native library is the CPU's alone: never built for a GPU run
+        return F.linear(x, weight, bias)
+    if cpu_ops.LOADED is None and not torch.compiler.is_compiling():
+        cpu_ops.load()
+    if not cpu_ops.LOADED or x.dtype not in cpu_ops.FEW_ROWS or (
+            torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):   # training: autograd's
+        return F.linear(x, weight, bias)
+    if packed is not None and x.dtype == packed.dtype:   # the op picks: no guard on the rows in a compiled step
+        return torch.ops.metrale_cpu.linear(x, weight, bias, cpu_ops.few_rows_max(x.dtype), packed)
+    return torch.ops.metrale_cpu.linear(x, weight, bias, cpu_ops.few_rows_max(x.dtype))
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` with a batch-invariant path (`runtime.ops.batch_invariant.linear`) when switched on;
+    `in_parts` > 1 sums that path over equal slices of the input features (an attention output
+    projection's two halves of its heads: `runtime.ops.batch_invariant.split_linear`)."""
+
+    batch_invariant = False
+    packed_weights = {"packed": "weight"}   # buffer: weight it packs (`pack_for_inference`)
+    in_parts = 1
+    bi_rows: tuple[int, int] | None = None   # its GEMM plan (`bi.set_batch_invariant`)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("packed", None, persistent=False)   # `pack_for_inference`: cpu_ops.pack(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.batch_invariant:
+            return linear(x, self.weight, self.bias, self.packed)
+        if self.in_parts == 1:
+            return bi.linear(x, self.weight, self.bias, self.bi_rows)
+        out = bi.split_linear(x, self.weight, self.in_parts, self.bi_rows)
+        return out if self.bias is None else out + self.bias
+
+
+class FusedProjection(nn.Module):
+    """Linears that read the same input (an attention's q/k/v, an MLP's gate/up) as one GEMM: the
+    weights concatenated along the outputs, each linear's weight left as a view of its rows (so
+    loading and saving, which keep the separate linears, share the memory). One GEMM instead of
+    several saves the per-call cost that dominates small steps: about 4 us per fused call in
+    float32, 30-50 in bfloat16 (one CPU thread, design §3.2)."""
+
+    batch_invariant = False
+    packed_weights = {"packed": "weight"}   # buffer: weight it packs (`pack_for_inference`)
+    bi_rows: tuple[int, int] | None = None   # its GEMM plan (`bi.set_batch_invariant`)
+
+    def __init__(self, linears: list[Linear]) -> None:
+        super().__init__()
+        weights = [lin.weight for lin in linears]
+        if len({w.shape[1] for w in weights}) != 1 or len({w.device for w in weights}) != 1:
+            raise ValueError("fused linears must share their input features and device")
+        self.sizes = [w.shape[0] for w in weights]
+        cpu = weights[0].device.type == "cpu"
+        with torch.no_grad():
+            fused = (torch.cat([w.t() for w in weights], dim=1).contiguous().t() if cpu   # GEMM-friendly layout
+                     else torch.cat(weights, dim=0))
+        self.register_buffer("weight", fused, persistent=False)
+        biases = [lin.bias for lin in linears]
+        self.register_buffer("bias", None if biases[0] is None else torch.cat(biases), persistent=False)
+        self.register_buffer("packed", None, persistent=False)   # `pack_for_inference`: cpu_ops.pack(weight)
+        start = 0
+        for lin, n in zip(linears, self.sizes):
+            lin.weight.data = fused[start:start + n]
+            if lin.bias is not None:
+                lin.bias.data = self.bias[start:start + n]
+            start += n
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.batch_invariant:
+            return bi.linear(x, self.weight, self.bias, self.bi_rows).split(self.sizes, dim=-1)
+        return linear(x, self.weight, self.bias, self.packed).split(self.sizes, dim=-1)
+
+
+def pack_for_inference(model: nn.Module) -> None:
+    """Once a model's weights are loaded: fuse the projections that share an input, and on the CPU
+    store every linear and expert weight column-major (its transpose contiguous), which MKL's
+    GEMM runs up to 1.7x faster for the few rows of a decode or verify step (float32: 8.0 -> 4.9 us
+    for one row of 256 x 512, 34.8 -> 20.2 us for 16; design §3.2). Values are unchanged;
+    shapes and names too. Modules that name `packed_weights` (buffer: weight) also get a packed
+    copy of each bfloat16 and float32 CPU weight, which the few-row kernel reads instead
+    (`cpu_ops.pack`, the same bits; a non-persistent buffer, not in the state dict): the weights
+    must not change after."""
+    if any(p.device.type == "cpu" for p in model.parameters()):
+        cpu_ops.load()   # before any step is compiled: `linear` reads its answer as a constant
+    for mod in model.modules():
+        if isinstance(mod, Attention) and type(mod.q_proj) is Linear and mod.qkv is None:
+            mod.qkv = FusedProjection([mod.q_proj, mod.k_proj, mod.v_proj])
+        elif isinstance(mod, MLP) and mod.gate_up is None:
+            mod.gate_up = FusedProjection([mod.gate_proj, mod.up_proj])
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    fused = {id(lin) for m in model.modules() if isinstance(m, Attention) and m.qkv is not None
+             for lin in (m.q_proj, m.k_proj, m.v_proj)}
+    fused |= {id(lin) for m in model.modules() if isinstance(m, MLP) and m.gate_up is not None
+              for lin in (m.gate_proj, m.up_proj)}
+    for mod in model.modules():
+        if isinstance(mod, FusedProjection) or id(mod) in fused:   # views of a fused weight: laid out there
+            continue
+        for name, p in mod.named_parameters(recurse=False):
+            if p.device.type != "cpu" or id(p) in tied or p.dim() < 2 or p.shape[-2] == 1:
+                continue
+            if (isinstance(mod, nn.Linear) or getattr(mod, "column_major_weights", False)) \
+                    and not p.data.transpose(-1, -2).is_contiguous():
+                p.data = p.data.transpose(-1, -2).contiguous().transpose(-1, -2)
+    for mod in model.modules():   # packed copies for the few-row bfloat16 kernel (`cpu_ops.pack`)
+        if id(mod) in fused:   # its weight is a view of a fused projection's, which is packed
+            continue
+        for name, weight in getattr(mod, "packed_weights", {}).items():
+            w = getattr(mod, weight)
+            if getattr(mod, name) is None and cpu_ops.packs(w):
+                setattr(mod, name, cpu_ops.pack(w))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.to(stats_dtype(dtype))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """RMSNorm scaling by (1 + weight), in the statistics' dtype (Gemma-style; Qwen3.5)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = stats_dtype(x.dtype)
+        xf = x.to(dt)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.to(dt))).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+    """The RMSNorm of this family: (1 + weight) where `norm_unit_offset`, weight otherwise."""
+    return (OffsetRMSNorm if cfg.norm_unit_offset else RMSNorm)(dim, cfg.rms_norm_eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.interleaved = cfg.rope_interleave
+        h, d = cfg.hidden_size, cfg.head_dim
+        # With an output gate (Qwen3.5) the q projection gives each head's query then its gate.
+        self.output_gate = cfg.attn_output_gate
+        self.q_proj = Linear(h, self.num_heads * d * (2 if self.output_gate else 1), bias=cfg.attention_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=cfg.o_proj_bias)
+        self.o_proj.in_parts = bi.halves(self.num_heads)
+        self.q_norm = make_norm(cfg, d) if cfg.use_qk_norm else None
+        self.k_norm = make_norm(cfg, d) if cfg.use_qk_norm else None
+        self.qkv: FusedProjection | None = None   # set by `pack_for_inference`
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                ctx: AttentionContext, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; with `rows` [B], every row's keys and values but only those rows'
+        queries and output [B, H] (`ctx` attends for them alone)."""
+        t = x.shape[0]
+        if self.qkv is not None:
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(t, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(t, -1)
+        q = q.reshape(t, -1, self.head_dim)  # [T, nh, D]
+        k = k.view(t, -1, self.head_dim)  # [T, nkv, D]
+        v = v.view(t, -1, self.head_dim)
+        cos, sin = rope
+        if rows is not None:
+            q, q_cos, q_sin = q[rows], cos[rows], sin[rows]
+            gate = None if gate is None else gate[rows]
+        else:
+            q_cos, q_sin = cos, sin
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, q_cos, q_sin, self.interleaved), apply_rotary(k, cos, sin, self.interleaved)
+        out = ctx.attend(self.layer_idx, q, k, v, self.scale).reshape(q.shape[0], -1)  # [T or B, nh * D]
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def write_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: KVWriter) -> None:
+        """x [T, H]: every row's keys and values into `ctx`, and nothing else. The projection is
+        the one `forward` runs (the fused q/k/v GEMM over the same rows), so the cache gets the
+        same keys and values bit for bit; only what follows it is skipped."""
+        t = x.shape[0]
+        if self.qkv is not None:
+            _, k, v = self.qkv(x)
+        else:
+            k, v = self.k_proj(x), self.v_proj(x)
+        k = k.view(t, -1, self.head_dim)
+        v = v.view(t, -1, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        ctx.write(self.layer_idx, apply_rotary(k, *rope, self.interleaved), v)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.gate_up: FusedProjection | None = None   # set by `pack_for_inference`
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Router(nn.Module):
+    """Top-k routing in float32 (float64 for a float64 model), in one of two scorings.
+
+    sigmoid (GLM, DeepSeek): sigmoid scores plus `e_score_correction_bias` choose, grouped top-k
+    keeps the best `topk_group` of `n_group` groups, the chosen scores are the weights. softmax
+    (Qwen3-MoE): the top-k of the softmax over all experts. Both optionally renormalise the k
+    weights (`norm_topk_prob`) and scale them (`routed_scaling_factor`).
+    """
+
+    batch_invariant = False
+    column_major_weights = True   # `pack_for_inference` lays the router matrix out for the CPU GEMM
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.num_experts = cfg.n_routed_experts
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.is_softmax = cfg.router_scoring == "softmax"
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = (None if self.is_softmax else nn.Parameter(
+            torch.zeros(cfg.n_routed_experts, dtype=torch.float32), requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (scores [T, E], weights [T, k], expert ids [T, k]); scores and weights in
+        `stats_dtype(x.dtype)`."""
+        dt = stats_dtype(x.dtype)
+        if self.is_softmax:
+            # transformers keeps this router in the model dtype: logits there, softmax in float32.
+            mm = bi.linear if self.batch_invariant else F.linear
+            scores = torch.softmax(mm(x, self.weight.to(x.dtype)).to(dt), dim=-1)
+            weights, ids = scores.topk(self.top_k, dim=-1)
+        else:
+            if self.batch_invariant:
+                scores = bi.rowwise(torch.sigmoid, bi.linear(x.to(dt), self.weight.to(dt)))
+            else:
+                scores = F.linear(x.to(dt), self.weight.to(dt)).sigmoid()
+            ids = self._grouped_top_k(scores + self.e_score_correction_bias.to(dt))
+            weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (0.0 if self.is_softmax else 1e-20))
+        return scores, weights * self.routed_scaling_factor, ids
+
+    def _grouped_top_k(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice [T, E] -> ids [T, k] of the best experts inside the best `topk_group` groups."""
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
+            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+            keep = group_mask[:, :, None].expand_as(grouped).reshape(-1, self.num_experts)
+            choice = choice.masked_fill(keep == 0, float("-inf"))
+        return choice.topk(self.top_k, dim=-1, sorted=False)[1]
+
+
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size
+                                   or cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts > 0 else None)
+        # Qwen3.5: the shared expert's output times sigmoid(a 1-wide linear of the input).
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_experts(x)
+        elif self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
