@@ -151,7 +151,7 @@ def test_run_main_prints_the_same_text_in_every_arm():
     assert [int(r[0]) for r in rows.values()] == [4 * 4] * 4  # four prompts, four tokens each
     assert rows["no speculation"][3] == rows["no speculation"][4] == rows["no speculation"][5] == "-"
     assert all(1.0 <= float(rows[arm][3]) <= 4.0 for arm in list(rows)[1:])
-    assert "default depth policy: ladder 4:3,8:1 (from models/tiny-glm-moe/metrale.toml [behavior])" in stdout
+    assert f"default depth policy: ladder 4:3,8:1 (from {MODEL}/metrale.toml [behavior])" in stdout
     why = stdout.strip().splitlines()[-1]
     assert why.startswith("why: MTP default "), why
 
