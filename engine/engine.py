@@ -37,9 +37,8 @@ from speculative.settings import SpecSettings
 log = logging.getLogger("metrale.engine")
 NO_DRAFT = Drafts([], [])
 # Unfed rows of sequences that do not draft (with a complete block among them) that make a
-# feed-only call worth its fixed cost (`Engine.feed_only`): on the embedded model one call of
-# 256 rows costs ~3.2 ms, of 20 rows ~1.2 ms (keys and values alone, `MTPLayer.write`); 512 saved
-# ~0.04 ms a step at 32 sequences, within the noise.
+# feed-only call worth its fixed cost (`Engine.feed_only`, keys and values alone: `MTPLayer.write`); the
+# cost of a call by its rows is in docs/design.md §3, "Fed rows stop at their keys and values".
 FEED_BATCH_ROWS = 256
 
 
@@ -230,7 +229,7 @@ class Engine:
             return {}
         depth = self.depth.step_depth(len(running))
         self.depth.step_depth_taken = depth
-        if depth == 0:   # above the width cap nobody drafts: no plan a sequence (~19 us a step at 16)
+        if depth == 0:   # above the width cap nobody drafts: no plan a sequence
             return {}
         plans = {}
         for s in decoding:

@@ -155,7 +155,7 @@ class EPMoE(nn.Module):
 
     def dispatch_mode(self) -> str:
         """The mode this layer runs. `auto`: all-reduce (every rank holds the step's rows anyway,
-        so one collective a layer replaces the exchange's five: 1.6-1.7x the EP 2 step on 2 cores),
+        so one collective a layer replaces the exchange's five; docs/design.md §4 has the record),
         except batch-invariant with more than two choices a row. There the exchange, whose combine
         adds a row's choices in choice order on one rank as EP 1 does; an all-reduce adds each
         rank's partial sum, which for three or more choices is another order (for two, a + b on

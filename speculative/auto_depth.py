@@ -10,7 +10,7 @@ less noisy than tokens per step:
   A probe is a short run of steps at its depth, and only a run's later steps are measured (the
   current depth's too, after a probe): the first steps after a change of depth run slower on caches
   the other depth filled, and would make every depth but the current one look dear.
-  The host's speed drifts (1.5x within minutes on a shared CPU), and a ratio of neighbouring steps
+  The host's speed drifts within minutes on a shared CPU, and a ratio of neighbouring steps
   cancels that drift where costs measured minutes apart would not. Each depth keeps the median of
   its last few ratios, so one outlier (a first step that compiles a shape) does not stick.
 The expected committed tokens per sequence at depth d are 1 + sum_{i<=d} prod_{j<=i} a_j, and the
@@ -85,10 +85,9 @@ class AutoDepthController:
                  settle: int = 2) -> None:
         """`start_depth(n_active)`: a new band's first depth (the static ladder's; max_depth when None).
         `probe_run`: steps of one probe; `settle`: the first steps of each run of one depth that are
-        not measured (a step right after a change of depth runs on caches the other depth filled:
-        on the embedded model in bfloat16 a one-row step after drafting steps costs 1.06-1.4 ms, the
-        next 0.95, the third on 0.87, against 2.5 ms for a three-draft step, so single-step probes
-        made no speculation look 20-60% dearer than it is and kept a losing depth)."""
+        not measured (a step right after a change of depth runs on caches the other depth filled,
+        so single-step probes made no speculation look dearer than it is and kept a losing depth;
+        the figures are in docs/design.md §5.3)."""
         if max_depth < 0:
             raise ValueError(f"max_depth={max_depth} must be non-negative")
         if not 0 <= settle < probe_run:
@@ -114,8 +113,8 @@ class AutoDepthController:
         """A new band's first depth: the static ladder's, or less where the nearest narrower band
         has measured every depth and chose less (a wider step's verify costs more, so speculation
         pays no more there). A band that starts where the others learned need not gather, between
-        prefills, the samples to leave a depth that a narrower band already found losing (in
-        bfloat16 here: plain decoding leads at 1-8 sequences, the ladder drafts 3 up to 4)."""
+        prefills, the samples to leave a depth that a narrower band already found losing
+        (docs/design.md §5.3)."""
         start = self.start_depth(n_active)
         settled = [w for w, b in self.bands.items() if w < key and b.recent and all(
             len(b.levels.get(d, ())) >= self.min_samples for d in self._eligible(b))]
@@ -188,8 +187,7 @@ class AutoDepthController:
         (a plateau is walked along). Past a clearly worse neighbour nothing further is probed: a
         depth's rate rises to one peak and falls (its expected tokens grow by ever smaller steps,
         its cost by about a verify row's), and a probe of a far, costly depth costs its steps the
-        difference (float32, 8 sequences: three drafts ran at 0.69 of one draft's tok/s, and
-        probing them kept auto at 0.92 of the ladder). Recomputed when the current depth or a
+        difference (docs/design.md §5.3 has the record). Recomputed when the current depth or a
         ratio changes."""
         key = (band.current, band.ratios, len(band.recent) > 0)
         if band.eligible_key == key:
@@ -227,7 +225,7 @@ class AutoDepthController:
         if not others:
             return band.current
         # Each round of probes that leaves the current depth in place doubles the interval (up to
-        # `max_doublings` times): a settled band spends ~2-4% of its steps probing, not 6-18%.
+        # `max_doublings` times), so a settled band spends few of its steps probing (docs/design.md §5.3).
         interval = max(self.min_interval, self.probe_every << min(band.quiet // len(others), self.max_doublings))
         if band.steps % interval:
             return band.current

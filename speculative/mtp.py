@@ -86,9 +86,9 @@ class MTPProposer(DraftProposer):
         `cuda_graphs`: the drafter's short steps padded to buckets and, on CUDA, captured
         (runtime.executor.static_step), as the target's are. `compiled`: the drafter's forward runs
         through `torch.compile` (inductor, dynamic shapes) as the target's does (not in float64,
-        not for a batch-invariant drafter, not with static steps): eager, its ~70 small ops cost ~1 ms
-        of host time a draft, a third of the compiled target step (tools/step_split.py). It
-        compiles at its first forward, or before serving in `warm_up`."""
+        not for a batch-invariant drafter, not with static steps): eager, its many small ops cost host
+        time on every draft (tools/step_split.py measures it). It compiles at its first
+        forward, or before serving in `warm_up`."""
         if model.mtp is None:
             raise ValueError("this checkpoint has no MTP layer (no model.layers.{num_hidden_layers}.* tensors): "
                              "MTP speculation needs one")
@@ -244,9 +244,8 @@ class MTPProposer(DraftProposer):
         (`_chain`), else None: a compiled drafter, one sequence drafting a chain, or a tree, whose
         shape was compiled (`warm_up_chain`), and nothing that looks at a depth's distribution
         before the next depth runs: no confidence stop, grammar or shadow log. (Several sequences
-        would chain too, at 1.01x-1.03x for 16 sequences against 1.04x-1.12x for one, in the
-        embedded model, and their graphs would double the chain's compile time; they run step by
-        step.)"""
+        would chain too, but gained little there and their graphs would double the chain's compile
+        time, docs/design.md §3 "Chained drafts"; they run step by step.)"""
         if not self._compile or self.knobs.shadow_topk or stop is not None or len(keep) != 1:
             return None
         if grammars is not None and any(g is not None for g in grammars):

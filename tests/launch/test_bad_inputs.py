@@ -4,7 +4,7 @@ one-line `metrale <command>: error: ...`, a one-line warning for a variable that
 documented fallback), and the server answers /health with 200 after every HTTP one.
 
 The EP command channel's refusals (bad words on the wire) are covered by the tests in tests/ep.
-README.md, section "Reliability", lists this table.
+docs/reliability.md, section "Bad input", lists this table.
 """
 from __future__ import annotations
 

@@ -124,22 +124,69 @@ def test_random_checkpoint_writes_a_model_the_runtime_serves(tmp_path):
 
 
 def arm_rows(stdout: str) -> dict[str, list[str]]:
-    """The final table of tools/run_main.py: {arm label: [tokens, seconds, tok/s, accept_len, vs none]}."""
+    """The final table of tools/run_main.py: {arm label: [tokens, seconds, tok/s, accept_len, accepted,
+    step_cost, vs none]}."""
     lines = stdout.splitlines()
-    table = lines[next(i for i, line in enumerate(lines) if line.startswith("arm ")) + 1:]
-    return {line[:20].strip(): line[20:].split() for line in table}
+    start = next(i for i, line in enumerate(lines) if line.startswith("arm ")) + 1
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("("))
+    width = lines[start - 1].index("tokens") - 1
+    return {line[:width].strip(): line[width:].split() for line in lines[start:end]}
+
+
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_run_main_prints_the_same_text_in_every_arm():
-    stdout = ok(run_tool("run_main.py", "--model", MODEL, "--max-tokens", 4, "--ep", 2, "--launcher", "mp",
-                             "--enforce-eager"))
-    assert stdout.count("same text as without speculation") == 2  # MTP at EP 1 and at EP 2
+    stdout = ok(run_tool("run_main.py", "--model", MODEL, "--max-tokens", 4, "--depths", 2, "--ep", 2,
+                         "--launcher", "mp", "--enforce-eager", timeout=240))
+    assert stdout.count("same text as without speculation") == 3  # k2, the default policy, EP 2
     assert "warning" not in stdout
     rows = arm_rows(stdout)
-    assert list(rows) == ["no speculation", "MTP, 3 drafts", "EP 2 (mp), MTP 3"]
-    assert [int(r[0]) for r in rows.values()] == [4 * 4] * 3  # four prompts, four tokens each
-    assert rows["no speculation"][3] == "None"
-    assert all(1.0 <= float(rows[arm][3]) <= 4.0 for arm in ("MTP, 3 drafts", "EP 2 (mp), MTP 3"))
+    assert list(rows) == ["no speculation", "MTP k2 (fixed)", "MTP default", "EP 2 (mp), default"]
+    assert [int(r[0]) for r in rows.values()] == [4 * 4] * 4  # four prompts, four tokens each
+    assert rows["no speculation"][3] == rows["no speculation"][4] == rows["no speculation"][5] == "-"
+    assert all(1.0 <= float(rows[arm][3]) <= 4.0 for arm in list(rows)[1:])
+    assert f"default depth policy: ladder 4:3,8:1 (from {MODEL}/metrale.toml [behavior])" in stdout
+    why = stdout.strip().splitlines()[-1]
+    assert why.startswith("why: MTP default "), why
+
+
+def test_run_main_why_line_is_computed_from_the_run():
+    """The why line's verdict and figures follow from the figures it is given: a drafting step that
+    costs less than the tokens it commits pays, one that costs more does not."""
+    why_line = load_tool("run_main").why_line
+    # 3 drafts a verify, 2 of 3 accepted: 3.0 tokens a step; at 2.0x a plain step's cost it pays 1.5x
+    pays = why_line("MTP default", 4, 0.002, 0.004, verifies=10, drafted=30, accepted=20)
+    assert "67% of its 3.0 drafts a step accepted (3.00 tokens a step)" in pays
+    assert "; at 4 sequences a drafting step cost 2.00x a plain decode step (4.0 ms against 2.0)" in pays
+    assert "so drafting breaks even at 33% of drafts accepted and pays on this machine (1.50x expected)" in pays
+    # the same acceptance at 3.5x the cost: break-even (3.5 - 1) / 3 = 83%, 3.0 / 3.5 = 0.86x
+    loses = why_line("MTP default", 2, 0.002, 0.007, verifies=10, drafted=30, accepted=20)
+    assert "breaks even at 83% of drafts accepted and does not pay on this machine (0.86x expected)" in loses
+    # one draft a step can never pay a step that costs more than two plain ones
+    never = why_line("MTP default", 1, 0.001, 0.0025, verifies=4, drafted=4, accepted=4)
+    assert "breaks even beyond any acceptance and does not pay" in never
+    # a drafting step no dearer than a plain one pays whatever is accepted
+    cheap = why_line("MTP default", 4, 0.004, 0.004, verifies=5, drafted=15, accepted=0)
+    assert "breaks even at any acceptance and does not pay" in cheap   # 1.00 tokens at 1.00x: a tie
+    cheap = why_line("MTP default", 4, 0.004, 0.003, verifies=5, drafted=15, accepted=1)
+    assert "breaks even at any acceptance and pays on this machine (1.60x expected)" in cheap
+    with pytest.raises(ValueError, match="needs drafts"):
+        why_line("MTP default", 1, 0.001, 0.002, verifies=0, drafted=0, accepted=0)
+
+
+def test_run_main_compares_arms_at_the_width_both_ran_most():
+    run_main = load_tool("run_main")
+    plain = run_main.ArmRun("no speculation", [], 8, 1.0, 0, 0, 0, {4: [0.01] * 6, 2: [0.02] * 9})
+    spec = run_main.ArmRun("MTP default", [], 8, 1.0, 4, 12, 6, {4: [0.03, 0.05, 0.04], 2: [0.1]})
+    assert run_main.compared_width(plain, spec) == 4
+    assert spec.step_s(4) == 0.04 and spec.accept_len == 2.5 and spec.accept_rate == 0.5
+    assert run_main.compared_width(plain, run_main.ArmRun("x", [], 0, 1.0, 0, 0, 0, {})) is None
 
 
 def test_run_main_refuses_a_missing_model_folder(tmp_path):
