@@ -53,7 +53,7 @@ FULL = {"embedded": ({"none-eager": 25, "none": 60, "k1": 35, "k3": 30, "ladder"
 SMOKE = {"embedded": ({"none-eager": 100, "k1-eager": 100, "hf": 100}, "1", 6, 2),
          "big": ({"none-eager": 100}, "1", 6, 2)}
 TESTS_S = {False: 110, True: 60}        # the cuda tests (smoke: they skip)
-KERNELS_S = {False: 40, True: 100}      # tools/kernel_bench.py (smoke: under the Triton interpreter)
+KERNELS_S = {False: 40, True: 100}      # tools/kernels/kernel_bench.py (smoke: under the Triton interpreter)
 CHECKPOINT_S = {False: 50, True: 40}    # writing the random checkpoint
 # About 1.1e9 parameters: hidden 1024, 10 layers (1 dense), 64 routed experts, an MTP layer.
 BIG = {"hidden": 1024, "layers": 10, "experts": 64}
@@ -239,11 +239,11 @@ def run_tests(budget: Budget, limit_s: float, out: Out) -> dict:
 
 
 def run_kernels(device: torch.device, smoke: bool, budget: Budget, limit_s: float, out: Out) -> list[dict]:
-    """tools/kernel_bench.py: each Triton kernel against the path it replaces; its cells (each
+    """tools/kernels/kernel_bench.py: each Triton kernel against the path it replaces; its cells (each
     already in cells.jsonl when the stage ends, whatever stopped it)."""
     lines = out.folder / "kernel_cells.tmp"
     lines.unlink(missing_ok=True)
-    cmd = [sys.executable, "tools/kernel_bench.py", "--device", str(device), "--json-out", str(lines)]
+    cmd = [sys.executable, "tools/kernels/kernel_bench.py", "--device", str(device), "--json-out", str(lines)]
     rc, text = run("kernel bench", cmd + (["--smoke"] if smoke else []), budget, limit_s, out)
     cells = [json.loads(x) for x in lines.read_text().splitlines()] if lines.is_file() else []
     lines.unlink(missing_ok=True)

@@ -1,4 +1,4 @@
-"""tools/ep_sim.py and tools/ep_balance.py: the decode simulator's terms, its layouts, EPLB's placement,
+"""tools/ep/ep_sim.py and tools/ep/ep_balance.py: the decode simulator's terms, its layouts, EPLB's placement,
 the published figure it is held against, and its command line."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ MODELS, HARDWARE = sim.MODELS, sim.HARDWARE
 
 
 def run_cli(*args: object) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "ep_sim.py"), *map(str, args)], cwd=ROOT,
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "ep" / "ep_sim.py"), *map(str, args)], cwd=ROOT,
                           env=run_env(), capture_output=True, text=True, timeout=120, check=False)
 
 
@@ -171,7 +171,7 @@ def test_cli_prints_a_row_writes_json_and_a_plot(tmp_path):
 def test_record_writes_the_embedded_models_decode_routing(tmp_path):
     import json
     out = tmp_path / "trace.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "ep_balance.py"), "record", "--prompts", "2",
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "ep" / "ep_balance.py"), "record", "--prompts", "2",
                            "--max-tokens", "4", "--out", str(out)],
                           cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -42,7 +42,7 @@ def refused(proc: subprocess.CompletedProcess, code: int = 2) -> str:
 
 
 def test_ep_comm_bench_prints_layer_and_raw_comm_per_mode_and_size():
-    rows = json_lines(ok(run_tool("ep_comm_bench.py", "--model", MODEL, "--iters", 3, timeout=120)))
+    rows = json_lines(ok(run_tool("ep/ep_comm_bench.py", "--model", MODEL, "--iters", 3, timeout=120)))
     assert [(r["mode"], r["tokens"]) for r in rows] == [(m, t) for m in ("allreduce", "alltoall") for t in (1, 16, 64)]
     for r in rows:
         assert r["raw_comm_ms"] > 0 and r["layer_comm_ms"] > 0, r
@@ -87,7 +87,7 @@ def test_load_serve_completes_every_request_in_both_arms(tmp_path):
 
 def test_moe_bench_times_both_expert_paths_per_dtype_and_row_count(tmp_path):
     out = tmp_path / "nested" / "moe.json"
-    stdout = ok(run_tool("moe_bench.py", "--model", MODEL, "--rows", "1,4", "--dtypes", "float32,bfloat16",
+    stdout = ok(run_tool("kernels/moe_bench.py", "--model", MODEL, "--rows", "1,4", "--dtypes", "float32,bfloat16",
                          "--repeats", 2, "--json-out", out, timeout=120))
     record = json.loads(out.read_text())  # exit 0 also says the two paths gave equal outputs
     assert record["model"] == str(MODEL) and record["threads"] >= 1
@@ -102,7 +102,7 @@ def test_moe_bench_times_both_expert_paths_per_dtype_and_row_count(tmp_path):
 
 
 def test_moe_bench_refuses_a_zero_row_count():
-    assert "must be at least 1" in refused(run_tool("moe_bench.py", "--rows", "0,4", timeout=60))
+    assert "must be at least 1" in refused(run_tool("kernels/moe_bench.py", "--rows", "0,4", timeout=60))
 
 
 def test_random_checkpoint_writes_a_model_the_runtime_serves(tmp_path):

@@ -1,11 +1,11 @@
 """Predicts the decode step time and output tokens/s per node of a MoE model served with expert
 parallelism, for a model (DeepSeek-V3, GLM-5, Qwen3.5-397B-A17B), a GPU (H100, H200, B200) and a
-layout, from roofline terms (`tools/ep_cost.py`) and a routing trace (`tools/ep_balance.py`).
+layout, from roofline terms (`tools/ep/ep_cost.py`) and a routing trace (`tools/ep/ep_balance.py`).
 
-    python tools/ep_sim.py --model deepseek-v3 --hw h100 --ep 72 --dp-attention --eplb 32 --overlap \\
+    python tools/ep/ep_sim.py --model deepseek-v3 --hw h100 --ep 72 --dp-attention --eplb 32 --overlap \\
         --mtp 1 --accept 0.85 [--batch 256] [--context 2000] [--sweep 8,16,...] [--json-out F] [--plot F]
-    python tools/ep_sim.py --reproduce-sglang   # SGLang's 96-H100 decode figure, DeepSeek's profile, EP 8 today
-    python tools/ep_sim.py --grid --json-out F.json --plot F.png   # the measurements of docs/design.md §4.1
+    python tools/ep/ep_sim.py --reproduce-sglang   # SGLang's 96-H100 decode figure, DeepSeek's profile, EP 8 today
+    python tools/ep/ep_sim.py --grid --json-out F.json --plot F.png   # the measurements of docs/design.md §4.1
 
 `--dp-attention`: data-parallel attention with the all-to-all expert exchange (otherwise today's
 tensor-parallel attention over all EP ranks); `--eplb R`: EPLB with R redundant experts;
@@ -28,7 +28,7 @@ from ep_cost import (COLLECTIVE_FLOOR_S, EFFICIENCY, Layout, alltoall_bytes, all
                      expert_load, memory_per_rank, run, simulate)
 from ep_models import HARDWARE, MODELS  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 SGLANG_96_H100 = dict(
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak", action="store_true", help="bare roofline: no published efficiency fractions")
     ap.add_argument("--load", type=float, default=None, help="max/mean rank load of the routed experts "
                     "(instead of the one measured on --trace): a what-if for a measured production imbalance")
-    ap.add_argument("--trace", type=Path, default=ep_balance.DEFAULT_TRACE, help="routing trace (tools/ep_balance.py)")
+    ap.add_argument("--trace", type=Path, default=ep_balance.DEFAULT_TRACE, help="routing trace (tools/ep/ep_balance.py)")
     ap.add_argument("--sweep", default="", help="comma list of batches per GPU: a table and a plot over them")
     ap.add_argument("--plot", type=Path, default=None, help="PNG of tokens/s per node against batch (with --sweep)")
     ap.add_argument("--json-out", type=Path, default=None)

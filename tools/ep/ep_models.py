@@ -1,4 +1,4 @@
-"""Published shapes and GPU figures for `tools/ep_sim.py`, each with its source.
+"""Published shapes and GPU figures for `tools/ep/ep_sim.py`, each with its source.
 
 Models: the fields of each release's config.json that the cost of a decode step depends on.
 GPUs: the vendor datasheet's dense (not 2:4 sparse) FLOP/s, HBM bandwidth and capacity, NVLink

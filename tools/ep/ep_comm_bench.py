@@ -6,7 +6,7 @@ both dispatch modes at several token counts, and time (a) the layer's time insid
 `alltoall` the same sequence of calls on dummy tensors of the layer's sizes. Prints a JSON line per
 (mode, tokens) with the ratio layer-comm / raw.
 
-    python tools/ep_comm_bench.py --model models/tiny-glm-moe --iters 200
+    python tools/ep/ep_comm_bench.py --model models/tiny-glm-moe --iters 200
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def rank_main(rank: int, port: int, model: str, iters: int, out) -> None:

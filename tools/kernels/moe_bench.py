@@ -1,6 +1,6 @@
 """The routed-expert layer's two paths side by side, per row count and dtype, in one run.
 
-    python tools/moe_bench.py --model models/tiny-glm-moe --json-out bench/records/moe_paths.json
+    python tools/kernels/moe_bench.py --model models/tiny-glm-moe --json-out bench/records/moe_paths.json
 
 For each row count T (a decode step of T sequences, a verify of T rows, a prefill chunk) and each
 dtype, the reference loop over experts (host synchronisation, one pair of matmuls per touched
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from runtime.model.layers import MoE  # noqa: E402

@@ -1,8 +1,8 @@
-"""Expert-load imbalance for `tools/ep_sim.py`: routing traces, DeepSeek's hierarchical EPLB
+"""Expert-load imbalance for `tools/ep/ep_sim.py`: routing traces, DeepSeek's hierarchical EPLB
 placement, and the max/mean rank load a placement gives.
 
-    python tools/ep_balance.py record [--model models/tiny-glm-moe] [--out F.json]
-    python tools/ep_balance.py imbalance [--trace F.json] --experts 256 --ep 72 --eplb 32 [--groups 8] [--rows 256]
+    python tools/ep/ep_balance.py record [--model models/tiny-glm-moe] [--out F.json]
+    python tools/ep/ep_balance.py imbalance [--trace F.json] --experts 256 --ep 72 --eplb 32 [--groups 8] [--rows 256]
 
 A trace is per MoE layer and per decode step the number of rows routed to each expert (recorded
 from the embedded model through the project's loader and engine, or written by any other
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = ROOT / "bench" / "records" / "routing_trace_tiny_glm_moe.json"
 
 

@@ -1,4 +1,4 @@
-"""The cost model of `tools/ep_sim.py`: one decode step of a MoE model on the busiest rank of an
+"""The cost model of `tools/ep/ep_sim.py`: one decode step of a MoE model on the busiest rank of an
 expert-parallel group, from roofline terms.
 
 Per rank and per layer each GEMM (attention projections, the absorbed latent attention over the
@@ -14,7 +14,7 @@ and RDMA (other nodes). Layouts:
   vocabulary-parallel LM head with gathered logits, and an all-reduce of every row's hidden after
   attention and after the experts.
 Routed-expert compute and the exchange scale with the max/mean rank load measured on a routing
-trace (`tools/ep_balance.py`), with EPLB's placement when `Layout.eplb` is set. Two-batch overlap
+trace (`tools/ep/ep_balance.py`), with EPLB's placement when `Layout.eplb` is set. Two-batch overlap
 runs two half batches, each reading the weights, and hides min(compute, communication) inside each
 layer. With MTP a step verifies K drafts a sequence and runs K drafter passes (one decoder layer and
 the LM head); tokens a step = 1 + the sum of the running products of per-position acceptance.

@@ -1,7 +1,7 @@
 """Per-layer cost of one decode row with DeepSeek sparse attention (runtime.model.sparse_attention)
 against dense MLA attention over the same latent cache, as the context grows.
 
-    python tools/dsa_cost.py [--contexts 256,512,1024,2048,4096,8192] [--reps 15] [--threads 1]
+    python tools/kernels/dsa_cost.py [--contexts 256,512,1024,2048,4096,8192] [--reps 15] [--threads 1]
                              [--out bench/records/dsa_cost.json]
 
 One layer at GLM-5's published attention shapes (64 query heads, kv_lora_rank 512, qk_rope 64,

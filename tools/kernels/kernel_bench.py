@@ -1,7 +1,7 @@
 """The Triton kernels against the paths they replace, one JSON line per cell (`make gpu-check` runs it).
 
-    python tools/kernel_bench.py --device cuda            # on a GPU: bfloat16, the served shapes
-    python tools/kernel_bench.py --device cpu --smoke     # tiny shapes, under TRITON_INTERPRET=1
+    python tools/kernels/kernel_bench.py --device cuda            # on a GPU: bfloat16, the served shapes
+    python tools/kernels/kernel_bench.py --device cpu --smoke     # tiny shapes, under TRITON_INTERPRET=1
 
 attention: a static step's attention of one layer (`PagedAttention.attend` over a `StaticBuffers`
 plan) through the paged kernel against the context copy + padded SDPA, for decode steps of B
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
