@@ -12,11 +12,11 @@ import pytest
 
 from tests.conftest import ROOT, run_env
 
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools" / "ep"))
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / "ep" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module            # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
