@@ -246,8 +246,10 @@ class AsyncEngine:
         for handle in [h for h in self._open.values() if h.deadline is not None and h.deadline <= now]:
             self._end(handle, TIMEOUT)
 
-    def _step(self) -> bool:
-        """One step and its updates; returns whether a sequence ended (or the group restarted)."""
+    def _step(self) -> tuple[bool, list]:
+        """One step; returns whether a sequence ended (or the group restarted) and the updates to
+        deliver (`_notify_all`), which the loop sends after the metrics of a step that ended a
+        sequence are observed, so a client that heard its request end reads them in /metrics."""
         outcome = self.deployment.step(self.engine)
         if outcome.recovered:
             # A restart: tell every request where it stands (a step that failed half way may
@@ -272,9 +274,7 @@ class AsyncEngine:
                 updates = [u for u in updates if u.finished]
             if updates:
                 out.append((handle, sorted(updates, key=lambda u: u.index)))
-        if out:
-            self._notify_all(out)
-        return outcome.recovered or any(seq.is_finished for seq in done)
+        return outcome.recovered or any(seq.is_finished for seq in done), out
 
     def run(self) -> None:
         """Step until `shutdown`, on the calling thread, which must be the one that built the
@@ -287,7 +287,7 @@ class AsyncEngine:
                 while not self._stop.is_set():
                     self._drain(block=not self.engine.has_unfinished())
                     self._expire()
-                    ended = self._step()  # also after aborts, which change the batch without a step
+                    ended, out = self._step()  # also after aborts, which change the batch without a step
                     with self._lock:
                         self._num_waiting = len(self.engine.scheduler.waiting)
                     if self.on_step is not None:
@@ -295,6 +295,8 @@ class AsyncEngine:
                         if ended or now - observed >= ON_STEP_INTERVAL_S or not self.engine.has_unfinished():
                             self.on_step(self.engine)
                             observed = now
+                    if out:
+                        self._notify_all(out)
         except BaseException as exc:  # a broken engine fails every waiting request, loudly
             log.exception("engine loop failed")
             self.error = exc
