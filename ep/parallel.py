@@ -15,7 +15,9 @@ token, N ranks, V vocab, Vr this rank's vocabulary slice.
 - LM head (and the MTP head when it has its own): vocabulary-parallel; logits are gathered.
 - Routed experts: each rank owns a contiguous range; dispatch `alltoall` or `allreduce` (`auto`
   picks per layer: `EPMoE.dispatch_mode`).
-- Embeddings, norms, routers and shared experts: replicated.
+- Embeddings, norms, routers and shared experts (and a shared expert's sigmoid gate): replicated.
+- Gated DeltaNet linear attention (Qwen3.5): replicated, with its per-sequence recurrent state
+  (docs/design.md §3 says why).
 
 `parallelize` runs on the meta device before weights exist and returns, for every sharded
 parameter, which slice of the checkpoint tensor it holds, so each rank reads only that slice.
@@ -144,6 +146,7 @@ class EPMoE(nn.Module):
             raise ValueError(f"--moe-a2a {mode!r}: expected {', '.join(MOE_MODES)}")
         self.gate = moe.gate
         self.shared_experts = moe.shared_experts
+        self.shared_expert_gate = moe.shared_expert_gate   # Qwen3.5's sigmoid gate on the shared expert
         mine = topo.expert_range()
         hidden = moe.experts.gate_up_proj.shape[2]
         inter = moe.experts.down_proj.shape[2]
@@ -177,7 +180,9 @@ class EPMoE(nn.Module):
                 out = torch.ops.metrale.ep_moe_exchange(x, weights, ids, self.handle)
             else:
                 out = self.exchange(x, weights, ids)
-        if self.shared_experts is not None:
+        if self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_experts(x)
+        elif self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
@@ -234,7 +239,9 @@ def parallelize(model: CausalLM, topo: EPTopology, comm: Communicator, moe_mode:
     if model.mtp is not None:
         blocks.append(("mtp.block", model.mtp.block))
     for name, block in blocks:
-        if isinstance(block.self_attn, MLAttention):
+        if hasattr(block, "linear_attn"):
+            pass   # Gated DeltaNet (Qwen3.5): replicated with its recurrent state, docs/design.md §3
+        elif isinstance(block.self_attn, MLAttention):
             specs |= _split_latent_attention(block.self_attn, f"{name}.self_attn", cfg, topo, comm)
         else:
             specs |= _split_attention(block.self_attn, f"{name}.self_attn", cfg, topo, comm)
@@ -258,16 +265,18 @@ def _split_attention(attn: nn.Module, name: str, cfg: ModelConfig, topo: EPTopol
     d, h = cfg.head_dim, cfg.hidden_size
     h0, h1 = topo.head_range.start, topo.head_range.stop
     k0, k1 = topo.kv_head_range.start, topo.kv_head_range.stop
-    attn.q_proj = Linear(h, (h1 - h0) * d, bias=cfg.attention_bias)
+    # With an output gate (Qwen3.5) each head's q rows are its query then its gate: 2 * d a head.
+    qd = d * (2 if cfg.attn_output_gate else 1)
+    attn.q_proj = Linear(h, (h1 - h0) * qd, bias=cfg.attention_bias)
     attn.k_proj = Linear(h, (k1 - k0) * d, bias=cfg.attention_bias)
     attn.v_proj = Linear(h, (k1 - k0) * d, bias=cfg.attention_bias)
     attn.o_proj = RowParallelLinear((h1 - h0) * d, h, comm, bias=cfg.o_proj_bias)
     attn.num_heads, attn.num_kv_heads = h1 - h0, k1 - k0
     specs: ShardSpecs = {}
-    for proj, (a, b) in (("q_proj", (h0, h1)), ("k_proj", (k0, k1)), ("v_proj", (k0, k1))):
-        specs[f"{name}.{proj}.weight"] = (0, a * d, b * d)
+    for proj, (a, b), w in (("q_proj", (h0, h1), qd), ("k_proj", (k0, k1), d), ("v_proj", (k0, k1), d)):
+        specs[f"{name}.{proj}.weight"] = (0, a * w, b * w)
         if cfg.attention_bias:
-            specs[f"{name}.{proj}.bias"] = (0, a * d, b * d)
+            specs[f"{name}.{proj}.bias"] = (0, a * w, b * w)
     specs[f"{name}.o_proj.weight"] = (1, h0 * d, h1 * d)
     return specs
 

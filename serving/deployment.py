@@ -144,21 +144,6 @@ def local_rank_info(rank: int) -> dict:
     return {"rank": rank, "pid": os.getpid(), "host": host, "node": host}
 
 
-def _refuse_for_linear_attention(config: DeploymentConfig, spec: SpecSettings) -> None:
-    """A family with linear-attention layers (Qwen3.5) runs on one process and speculates by
-    chains only (MTP or n-gram): a tree row's state would follow its own ancestors."""
-    from runtime.model.config import load_config
-    cfg = load_config(config.model_dir)
-    if not cfg.linear_layers:
-        return
-    if config.ep > 1:
-        raise ValueError(f"--ep {config.ep}: {cfg.architecture} has linear-attention layers; expert parallelism "
-                         "is not supported for this family (use --ep 1)")
-    if spec.tree_shape is not None:
-        raise ValueError(f"--tree-shape {spec.tree_shape.text}: {cfg.architecture} has linear-attention layers; "
-                         "draft trees over their recurrent state are not supported (use chains)")
-
-
 class Deployment:
     """One model's ranks, runner and proposer; see the module docstring."""
 
@@ -168,7 +153,6 @@ class Deployment:
         joined already, e.g. by torchrun; then there are no restarts)."""
         if not config.model_dir.is_dir():
             raise FileNotFoundError(f"model folder {str(config.model_dir)!r} does not exist")
-        _refuse_for_linear_attention(config, spec)
         if config.ep > 1 and launcher is None and comm is None:
             raise ValueError(f"ep={config.ep} needs a launcher (launch.mp.MPGroup, launch.ray_group.RayGroup) "
                              "or a joined communicator")

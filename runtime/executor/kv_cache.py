@@ -246,6 +246,8 @@ class PagedKVCache:
         self.k[:, d] = self.k[:, s]
         if self.latent_dim is None:
             self.v[:, d] = self.v[:, s]
+        if self.states is not None:
+            self.states.move(seq_id, src, dst)
 
     def free(self, seq_id: int, keep: int = 0) -> None:
         """Drop `seq_id`. Its first `keep` blocks, once nobody else holds them, wait at the free

@@ -7,7 +7,11 @@ cache of the full-attention layers, allocated when a sequence's first chunk runs
 it (`PagedKVCache.free` and `rewind` call `free` and `rewind` here). A state cannot be taken
 back, so a short chunk that continues a sequence (a verify step's rows) keeps the state after
 each row, and a rewind to an accepted length takes that row's state without recomputing the rows;
-other rewinds keep every token or none (prefix caching is off for these families).
+other rewinds keep every token or none (prefix caching is off for these families). A draft tree's
+rows (a chunk with parents) each continue their parent row's state, not the row before: a row's
+conv window is the inputs along its own ancestors, and its recurrent state its parent's updated
+by the row. A taken hedge's `move` to its depth's place (as its keys/values move) makes its
+state the one a rewind to that length takes.
 
 A step's chunks reach the layers through `StepStates` (the runner sets it on the step's
 `PagedAttention` as `.states`): each chunk continues its sequence's state (start == the tokens it
@@ -53,6 +57,38 @@ def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         if every is not None:
             every.append(state)
     return out, state
+
+
+def tree_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, parents: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`recurrent_delta_rule` over a draft tree's rows: row r continues the state after its parent
+    row (the root, parent -1, `state`) -> (out [n, nv, dv], the state before the rows and after
+    each row: entry r + 1 is row r's)."""
+    out = torch.empty_like(v)
+    every = [state]
+    for i, p in enumerate(parents):
+        o, after = recurrent_delta_rule(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], every[p + 1])
+        out[i] = o[0]
+        every.append(after)
+    return out, every
+
+
+def tree_conv_columns(parents: tuple[int, ...], width: int) -> torch.Tensor:
+    """The conv inputs of each tree row, oldest first, as columns of its window (the `width`
+    columns of conv state, then one per row): row r's own column `width + r`, before it its
+    parent's, ..., into the conv state past the root -> [n, width + 1] (long)."""
+    cols = []
+    for r in range(len(parents)):
+        at, own = width + r, []
+        for _ in range(width + 1):
+            own.append(at)
+            if at > width:
+                p = parents[at - width]
+                at = width - 1 if p < 0 else width + p
+            else:
+                at -= 1
+        cols.append(own[::-1])
+    return torch.tensor(cols, dtype=torch.long)
 
 
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -113,8 +149,11 @@ class RecurrentStates:
         self.rec: dict[int, torch.Tensor] = {}
         self.lengths: dict[int, int] = {}
         # The last step's snapshots of a sequence whose chunk kept them: (its start, per state row
-        # the conv window [C, K-1+n] and the recurrent state before and after each row).
-        self.snapshots: dict[int, tuple[int, dict[int, tuple[torch.Tensor, list[torch.Tensor]]]]] = {}
+        # the conv window [C, K-1+n], the columns of its conv state before and after each row
+        # [n+1, K-1] and the recurrent state before and after each row; then which entry each
+        # length takes: a moved hedge's).
+        self.snapshots: dict[int, tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]],
+                                        dict[int, int]]] = {}
 
     @property
     def bytes_per_sequence(self) -> int:
@@ -145,17 +184,28 @@ class RecurrentStates:
             return
         if new_length == self.length(seq_id) or seq_id not in self.lengths:
             return
-        start, rows = self.snapshots.get(seq_id, (None, {}))
+        start, rows, moved = self.snapshots.get(seq_id, (None, {}, {}))
         if start is None or not start <= new_length < self.length(seq_id):
             raise ValueError(f"cannot rewind the recurrent state of sequence {seq_id} from "
                              f"{self.length(seq_id)} to {new_length} tokens: it keeps no state there")
-        at = new_length - start   # rows of the chunk kept
-        width = self.conv_shape[2]
-        for slot, (window, every) in rows.items():
-            self.conv[seq_id][slot] = window[:, at:at + width]
-            self.rec[seq_id][slot] = every[at]
+        at = moved.get(new_length - start, new_length - start)   # rows of the chunk kept (or a moved hedge's)
+        with torch.inference_mode():   # the states are the steps' inference tensors (an EP worker replays outside)
+            for slot, (window, cols, every) in rows.items():
+                self.conv[seq_id][slot] = window[:, cols[at]]
+                self.rec[seq_id][slot] = every[at]
         self.lengths[seq_id] = new_length
         del self.snapshots[seq_id]
+
+    def move(self, seq_id: int, src: int, dst: int) -> None:
+        """Position `dst` of `seq_id` now holds what `src` held (a taken hedge goes to its depth's
+        place, `PagedKVCache.move`): a rewind to dst + 1 tokens takes the state after `src`."""
+        if seq_id not in self.lengths:
+            return
+        start, _, moved = self.snapshots.get(seq_id, (None, {}, {}))
+        if start is None or not start <= min(src, dst) or max(src, dst) >= self.length(seq_id):
+            raise ValueError(f"cannot move position {src} of sequence {seq_id} to {dst}: its recurrent state "
+                             "keeps no snapshot there")
+        moved[dst + 1 - start] = moved.get(src + 1 - start, src + 1 - start)
 
     def step(self, chunks) -> StepStates:
         """The states of one step's chunks (runtime.executor.attention.SeqChunk, sequence-major rows)."""
@@ -169,11 +219,13 @@ class StepStates:
         self.states = states
         self.spans: list[tuple[int, int, int]] = []   # (seq_id, first row, rows)
         self.keeps: set[int] = set()   # sequences whose chunk keeps a state per row
+        self.parents: dict[int, tuple[int, ...]] = {}   # a tree chunk's parent rows
         row = 0
         for c in chunks:
             states.snapshots.pop(c.seq_id, None)
-            if c.parents is not None:
-                raise ValueError("tree rows over a recurrent state are not supported")
+            if c.parents is not None and (c.start == 0 or c.num_tokens > SNAPSHOT_ROWS):
+                raise ValueError(f"sequence {c.seq_id}: tree rows continue a recurrent state, at most "
+                                 f"{SNAPSHOT_ROWS} of them (got {c.num_tokens} from position {c.start})")
             if c.start == 0:
                 states.start(c.seq_id)
             elif c.start != states.length(c.seq_id) or c.seq_id not in states.lengths:
@@ -181,9 +233,11 @@ class StepStates:
                                  f"recurrent state of {states.length(c.seq_id)} tokens")
             if c.start > 0 and c.num_tokens <= SNAPSHOT_ROWS:
                 self.keeps.add(c.seq_id)
-                states.snapshots[c.seq_id] = (c.start, {})
+                states.snapshots[c.seq_id] = (c.start, {}, {})
             states.lengths[c.seq_id] = c.end
             self.spans.append((c.seq_id, row, c.num_tokens))
+            if c.parents is not None:
+                self.parents[c.seq_id] = tuple(c.parents)
             row += c.num_tokens
 
 
@@ -233,10 +287,20 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight                                    # [C, 1, K]
         for seq_id, first, n in step.spans:
             conv_state = step.states.conv[seq_id][slot]                # [C, K-1]
+            width = conv_state.shape[1]
             window = torch.cat((conv_state, qkv[first:first + n].t().to(conv_state.dtype)), dim=1)
-            conv_state.copy_(window[:, -conv_state.shape[1]:])
-            # The depthwise conv as K multiply-adds over a sliding view (F.conv1d is far slower in float64).
-            mixed = F.silu((window.to(weight.dtype).unfold(1, weight.shape[2], 1) * weight).sum(-1)).t()
+            parents = step.parents.get(seq_id)
+            if parents is None:
+                # The depthwise conv as K multiply-adds over a sliding view (F.conv1d is far slower in float64).
+                taps = window.to(weight.dtype).unfold(1, weight.shape[2], 1)      # [C, n, K]
+                conv_state.copy_(window[:, -width:])
+            else:   # each row's inputs along its own ancestors
+                along = tree_conv_columns(parents, width).to(window.device)       # [n, K]
+                taps = window.to(weight.dtype)[:, along]
+                # The conv state before the rows and after each row: columns of the window [n + 1, K-1].
+                cols = torch.cat((torch.arange(width, device=window.device)[None], along[:, 1:]))
+                conv_state.copy_(window[:, cols[-1]])
+            mixed = F.silu((taps * weight).sum(-1)).t()
             q, k, v = mixed.to(dt).split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
             q, k = q.reshape(n, self.nk, self.dk), k.reshape(n, self.nk, self.dk)
             if self.nv != self.nk:
@@ -245,10 +309,15 @@ class GatedDeltaNet(nn.Module):
             q, k = _l2norm(q) * self.dk ** -0.5, _l2norm(k)
             args = (q, k, v.reshape(n, self.nv, self.dv), g[first:first + n].to(dt), beta[first:first + n].to(dt),
                     step.states.rec[seq_id][slot])
-            if seq_id in step.keeps:   # the state before and after each row, for a rewind
+            if parents is not None:
+                o, every = tree_delta_rule(*args, parents)
+                state = every[-1]
+                step.states.snapshots[seq_id][1][slot] = (window, cols, every)
+            elif seq_id in step.keeps:   # the state before and after each row, for a rewind
                 every = [args[-1]]
                 o, state = recurrent_delta_rule(*args, every=every)
-                step.states.snapshots[seq_id][1][slot] = (window, every)
+                cols = torch.arange(n + 1, device=window.device)[:, None] + torch.arange(width, device=window.device)
+                step.states.snapshots[seq_id][1][slot] = (window, cols, every)
             else:
                 o, state = (recurrent_delta_rule if n == 1 else chunked_delta_rule)(*args)
             step.states.rec[seq_id][slot] = state

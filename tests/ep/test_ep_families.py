@@ -1,6 +1,7 @@
 """EP 2 equals EP 1 on every family (float64, greedy and seeded; gloo ranks started by the mp
 launcher): routed experts split across the ranks, query heads split, and for multi-head latent
-attention the latent projections and cache replicated; the MTP families draft at EP 2 too."""
+attention the latent projections and cache replicated, Qwen3.5's Gated DeltaNet layers replicated
+with their recurrent states; the MTP families draft at EP 2 too (Qwen3.5 from `mtp.*`)."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,8 @@ PARAMS = [SamplingParams(max_tokens=10, ignore_eos=True),
           SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=5)]
 CASES = [("qwen_norm", "alltoall", {}), ("deepseek_yarn", "allreduce", dict(spec="mtp", num_drafts=2)),
          ("glm_lite", "alltoall", dict(spec="mtp", num_drafts=2)),
-         ("glm5", "alltoall", dict(spec="mtp", num_drafts=2)), ("deepseek_v32", "allreduce", {})]
+         ("glm5", "alltoall", dict(spec="mtp", num_drafts=2)), ("deepseek_v32", "allreduce", {}),
+         ("qwen35_vl", "alltoall", dict(spec="mtp", num_drafts=2))]
 
 
 @pytest.mark.parametrize("case, mode, spec", CASES, ids=[c for c, _, _ in CASES])
