@@ -113,6 +113,14 @@ class MTPProposer(DraftProposer):
         # Rounded to float32: the value EP workers receive on the wire, so every rank decides alike.
         self.confidence_stop = None if tau is None else struct.unpack("<f", struct.pack("<f", tau))[0]
 
+    def observe_target(self, state: ProposerState, hidden: torch.Tensor, rows: range, start: int) -> None:
+        """As `DraftProposer.observe_target`, the rows as the MTP layer is fed them
+        (`MTPLayer.target_hidden`: after the target's final norm for Qwen3.5)."""
+        if self.model.mtp.normed:
+            with torch.inference_mode():
+                hidden, rows = self.model.mtp.target_hidden(hidden[rows.start:rows.stop]), range(len(rows))
+        super().observe_target(state, hidden, rows, start)
+
     def propose(self, req: ProposeRequest) -> Drafts:
         return self.propose_batch([req])[0]
 

@@ -181,6 +181,13 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def mtp_normed_hidden(self) -> bool:
+        """Whether the MTP layer reads hiddens after a final norm (Qwen3.5's `mtp.*`, as vLLM and
+        SGLang run Qwen3-Next / Qwen3.5 MTP): the target's after `norm`, its own after `mtp.norm`;
+        else the pre-norm hiddens (the other families)."""
+        return bool(self.layer_types)
+
+    @property
     def linear_layers(self) -> tuple[int, ...]:
         """The linear-attention layers (a recurrent state per sequence, no KV cache)."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")

@@ -35,6 +35,10 @@ class MTPLayer(bi.InvariantSwitch, nn.Module):
     Draft step: x = eh_proj(concat(enorm(embed(token)), hnorm(hidden))), then a decoder layer with
     its own KV plane (cache layer index `num_hidden_layers`), then `shared_head.norm` and the head.
     Embedding and head fall back to the target model's when the checkpoint does not carry them.
+    `hidden` is pre-norm (the target's, or the previous draft step's output before
+    `shared_head.norm`), except where `normed` (Qwen3.5, `ModelConfig.mtp_normed_hidden`): there
+    it is the target's after its final norm (`target_hidden`) or the previous step's after
+    `shared_head.norm`, which is also what the head reads.
     """
 
     one_row_twice = False   # as its target's, where its own kernels are batch-invariant too (`_switched`)
@@ -52,6 +56,12 @@ class MTPLayer(bi.InvariantSwitch, nn.Module):
         self.eh_proj = Linear(2 * h, h, bias=False)
         self.block = DecoderLayer(cfg, cfg.num_hidden_layers, sparse)
         self.shared_head = SharedHead(cfg, own_head)
+        self.normed = cfg.mtp_normed_hidden
+
+    def target_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's pre-norm hidden rows [T, H] -> what this layer is fed for them (`hidden`, or
+        after the target's final norm where `normed`)."""
+        return self.target.norm(hidden) if self.normed else hidden
 
     def _switched(self, on: bool) -> None:
         self.one_row_twice = on and self.target.one_row_twice
@@ -59,13 +69,15 @@ class MTPLayer(bi.InvariantSwitch, nn.Module):
     def forward(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
                     ctx: AttentionContext, rows: torch.Tensor | None = None) -> torch.Tensor:
         """One MTP step: tokens [T] at `positions`, the previous position's hidden [T, H] ->
-        the MTP layer's pre-norm output [T, H] (the input hidden of the next draft step). With
+        the MTP layer's output [T, H] (the input hidden of the next draft step; pre-norm, or
+        after `shared_head.norm` where `normed`). With
         `rows` [B] (and `ctx` attending for those rows alone), the output of those rows [B, H]:
         every row's keys and values are still written, and nothing else is computed for the rest."""
         if self.one_row_twice and tokens.shape[0] == 1:   # one row: `rows` can only be [0]
             return self.forward(tokens.expand(2), prev_hidden.expand(2, -1), positions.expand(2), RowTwice(ctx))[:1]
         x = self._input(tokens, prev_hidden)
-        return self.block(x, self.target.rotary(positions, x.dtype), ctx, rows)
+        out = self.block(x, self.target.rotary(positions, x.dtype), ctx, rows)
+        return self.shared_head.norm(out) if self.normed else out
 
     def _input(self, tokens: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
         """The MTP layer's input [T, H]: eh_proj(concat(enorm(embed(token)), hnorm(hidden)))."""
@@ -116,7 +128,7 @@ class MTPLayer(bi.InvariantSwitch, nn.Module):
         return (*out, torch.stack(best, dim=1)) if width > 1 else out
 
     def logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
-        """MTP pre-norm output [N, H] -> draft logits [N, V]."""
+        """MTP output [N, H] (`forward`'s) -> draft logits [N, V]."""
         head = self.shared_head
         lm = head.head if head.head is not None else self.target.lm_head
-        return lm(head.norm(mtp_hidden))
+        return lm(mtp_hidden if self.normed else head.norm(mtp_hidden))

@@ -389,3 +389,61 @@ def test_tree_rows_follow_their_ancestors_and_the_path_keeps_its_state(family_ck
         assert b.abs().max() > 0 and (a - b).abs().max().item() < 1e-12
     nxt = 77   # and the next step goes on from there as plain decoding does
     assert (_run_step(model, cache, 0, [nxt]) - _run_step(model, ref, 0, [nxt])).abs().max().item() < 1e-9
+
+
+def test_mtp_is_fed_the_normed_hiddens_as_vllm_runs_qwen35_mtp(family_ckpt):
+    """The `mtp.*` drafter's logits equal a reference written from vLLM's Qwen3-Next / Qwen3.5 MTP
+    (`Qwen3NextMultiTokenPredictor.forward`): fc(concat(pre_fc_norm_embedding(embed(token)),
+    pre_fc_norm_hidden(h))), the decoder layer, `mtp.norm`, the head; h is the target's hidden after
+    its final norm, then the previous step's after `mtp.norm`. The norms' weights are made
+    non-zero here (the random checkpoint's (1 + w) norms are unit, where pre-norm and normed
+    hiddens give the same drafts), and the pre-norm reading is checked to differ."""
+    llm = LLM(family_ckpt("qwen35_vl"), dtype="float64", kv_cache_tokens=1024, spec="mtp", num_drafts=2,
+              draft_policy="fixed")
+    model, g = llm.model, torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for norm in (model.norm, model.mtp.shared_head.norm):
+            norm.weight.copy_(torch.randn(norm.weight.shape, generator=g, dtype=norm.weight.dtype) * 0.5)
+    seen = []
+    drafter_logits = model.mtp.logits
+    model.mtp.logits = lambda h: seen.append(drafter_logits(h)) or seen[-1]
+    prompt = IDS[:9]
+    first = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids[0]
+    assert len(seen) >= 2
+
+    cfg, mtp = model.config, model.mtp
+    cache = PagedKVCache(num_layers=cfg.num_cache_layers, num_blocks=16, block_size=4, dtype=model.dtype,
+                         device=model.device, **model.cache_layout())
+    cache.states = RecurrentStates(cfg, dtype=model.dtype, device=model.device)
+
+    def step(toks, start, run):
+        cache.reserve(0, start + len(toks))
+        chunk = SeqChunk(0, start, len(toks))
+        plan = build_plan(cache, [chunk], batch_invariant=True)
+        paged = PagedAttention(cache, plan)
+        paged.states = cache.states.step([chunk])
+        with torch.no_grad():
+            return run(paged, plan.positions)
+
+    target = step(prompt, 0, lambda paged, pos: model(torch.tensor(prompt), pos, paged))          # [n, H] pre-norm
+    n, tokens = len(prompt), torch.tensor(prompt[1:] + [first])
+
+    def drafts(hidden_norm, out_norm):
+        def layer(toks, hidden, paged, pos):
+            x = mtp.eh_proj(torch.cat((mtp.enorm(model.embed_tokens(toks)), mtp.hnorm(hidden)), dim=-1))
+            return mtp.block(x, model.rotary(pos, x.dtype), paged, None)
+        cache.rewind(0, n)
+        out = step(list(tokens), 0, lambda paged, pos: layer(tokens, hidden_norm(target), paged, pos))
+        with torch.no_grad():
+            first_logits = model.lm_head(mtp.shared_head.norm(out[-1:]))
+            d1 = first_logits.argmax(-1)
+        out2 = step([int(d1)], n, lambda paged, pos: layer(d1, out_norm(out[-1:]), paged, pos))
+        with torch.no_grad():
+            return first_logits, model.lm_head(mtp.shared_head.norm(out2))
+
+    with torch.no_grad():
+        want = drafts(model.norm, mtp.shared_head.norm)                         # vLLM's reading
+        prenorm = drafts(lambda h: h, lambda h: h)                              # the pre-norm reading
+    for got, ref, other in zip(seen[:2], want, prenorm):
+        assert (got - ref).abs().max().item() < 1e-9
+        assert (other - ref).abs().max().item() > 1e-3
