@@ -450,16 +450,25 @@ def progress(arm: str, concurrency: int, runs: list[dict]) -> None:
 
 
 def kv_cache_bytes(config: BenchConfig) -> dict:
-    """KV bytes per token of the model (target layers) in the bench dtype, and what an uncompressed
-    cache would take: they differ for multi-head latent attention (runtime.model.mla)."""
+    """KV bytes per token of the model (its attention layers) in the bench dtype, and what an
+    uncompressed cache in every target layer would take: they differ for multi-head latent
+    attention (runtime.model.mla) and for linear-attention layers, which keep instead a state per
+    sequence (`state_bytes_per_sequence`, runtime.model.linear_attention)."""
     from runtime.model.config import load_config
+    from runtime.model.linear_attention import RecurrentStates
     from runtime.model.weights import DTYPES
     cfg = load_config(config.model)
-    size = DTYPES[config.dtype].itemsize * cfg.num_hidden_layers
-    out = {"architecture": cfg.architecture, "bytes_per_token": cfg.kv_values_per_token() * size,
-           "uncompressed_bytes_per_token": cfg.kv_values_per_token(compressed=False) * size}
+    dtype = DTYPES[config.dtype]
+    out = {"architecture": cfg.architecture,
+           "bytes_per_token": cfg.kv_values_per_token() * dtype.itemsize * cfg.num_attention_layers,
+           "uncompressed_bytes_per_token": cfg.kv_values_per_token(compressed=False) * dtype.itemsize
+           * cfg.num_hidden_layers}
+    if cfg.linear_layers:
+        out["state_bytes_per_sequence"] = RecurrentStates(cfg, dtype=dtype, device="meta").bytes_per_sequence
     print(f"bench: {cfg.architecture}, KV cache {out['bytes_per_token']} bytes per token "
-          f"(uncompressed {out['uncompressed_bytes_per_token']})", flush=True)
+          f"(uncompressed {out['uncompressed_bytes_per_token']})"
+          + (f", recurrent state {out['state_bytes_per_sequence']} bytes per sequence"
+             if cfg.linear_layers else ""), flush=True)
     return out
 
 
