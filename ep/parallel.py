@@ -16,8 +16,10 @@ token, N ranks, V vocab, Vr this rank's vocabulary slice.
 - Routed experts: each rank owns a contiguous range; dispatch `alltoall` or `allreduce` (`auto`
   picks per layer: `EPMoE.dispatch_mode`).
 - Embeddings, norms, routers and shared experts (and a shared expert's sigmoid gate): replicated.
-- Gated DeltaNet linear attention (Qwen3.5): replicated, with its per-sequence recurrent state
-  (docs/design.md §3 says why).
+- Gated DeltaNet linear attention (Qwen3.5): key and value heads split across ranks where both
+  counts divide by the ranks (each rank's query, key and value channels of the projection and the
+  conv, its value heads' gates and decays; out_proj row-parallel), with each rank's recurrent state
+  of its own heads; replicated otherwise (docs/design.md §3).
 
 `parallelize` runs on the meta device before weights exist and returns, for every sharded
 parameter, which slice of the checkpoint tensor it holds, so each rank reads only that slice.
@@ -38,7 +40,9 @@ from runtime.model.layers import Linear, MoE, linear
 from runtime.model.mla import MLAttention
 from runtime.model.causal_lm import CausalLM
 
-ShardSpecs = dict[str, tuple[int, int, int]]  # param name -> (dim, start, stop) in the checkpoint tensor
+# param name -> (dim, start, stop) in the checkpoint tensor, or (dim, start0, stop0, start1, stop1, ...):
+# several windows along dim, joined in order (runtime.model.weights.load_model)
+ShardSpecs = dict[str, tuple[int, ...]]
 
 
 # --- collectives inside a compiled step ----------------------------------------------------
@@ -240,7 +244,7 @@ def parallelize(model: CausalLM, topo: EPTopology, comm: Communicator, moe_mode:
         blocks.append(("mtp.block", model.mtp.block))
     for name, block in blocks:
         if hasattr(block, "linear_attn"):
-            pass   # Gated DeltaNet (Qwen3.5): replicated with its recurrent state, docs/design.md §3
+            specs |= _split_linear_attention(block.linear_attn, f"{name}.linear_attn", cfg, topo, comm)
         elif isinstance(block.self_attn, MLAttention):
             specs |= _split_latent_attention(block.self_attn, f"{name}.self_attn", cfg, topo, comm)
         else:
@@ -294,3 +298,33 @@ def _split_latent_attention(attn: MLAttention, name: str, cfg: ModelConfig, topo
     attn.num_heads = h1 - h0
     return {f"{name}.{q_name}.weight": (0, h0 * qk, h1 * qk), f"{name}.kv_b_proj.weight": (0, h0 * kv, h1 * kv),
             f"{name}.o_proj.weight": (1, h0 * attn.v_dim, h1 * attn.v_dim)}
+
+
+def _split_linear_attention(la: nn.Module, name: str, cfg: ModelConfig, topo: EPTopology,
+                            comm: Communicator) -> ShardSpecs:
+    """Gated DeltaNet: this rank's key heads and the value heads that read them, where both head
+    counts divide by the ranks (each value head reads key head v // (nv / nk), so a rank's
+    contiguous value heads read its contiguous key heads); else the layer stays whole."""
+    n, r = topo.ep_size, topo.ep_rank
+    if la.nk % n or la.nv % n:
+        return {}
+    nk, nv, dk, dv, h = la.nk // n, la.nv // n, la.dk, la.dv, cfg.hidden_size
+    k0, v0 = r * nk, r * nv
+    # in_proj_qkv's rows and the conv's channels: every query, then every key, then every value channel.
+    qkv = (k0 * dk, (k0 + nk) * dk, la.key_dim + k0 * dk, la.key_dim + (k0 + nk) * dk,
+           2 * la.key_dim + v0 * dv, 2 * la.key_dim + (v0 + nv) * dv)
+    kernel = la.conv1d.kernel_size[0]
+    la.nk, la.nv = nk, nv
+    la.key_dim, la.value_dim = nk * dk, nv * dv
+    conv = 2 * la.key_dim + la.value_dim
+    la.conv1d = nn.Conv1d(conv, conv, kernel, groups=conv, bias=False, padding=kernel - 1)
+    la.in_proj_qkv = Linear(h, conv, bias=False)
+    la.in_proj_z = Linear(h, nv * dv, bias=False)
+    la.in_proj_b, la.in_proj_a = Linear(h, nv, bias=False), Linear(h, nv, bias=False)
+    la.dt_bias, la.A_log = nn.Parameter(torch.ones(nv)), nn.Parameter(torch.zeros(nv))
+    la.out_proj = RowParallelLinear(nv * dv, h, comm)
+    heads = (0, v0, v0 + nv)
+    return {f"{name}.in_proj_qkv.weight": (0, *qkv), f"{name}.conv1d.weight": (0, *qkv),
+            f"{name}.in_proj_z.weight": (0, v0 * dv, (v0 + nv) * dv), f"{name}.in_proj_b.weight": heads,
+            f"{name}.in_proj_a.weight": heads, f"{name}.dt_bias": heads, f"{name}.A_log": heads,
+            f"{name}.out_proj.weight": (1, v0 * dv, (v0 + nv) * dv)}

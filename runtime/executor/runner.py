@@ -152,7 +152,7 @@ class ModelRunner:
         # How every step's rows are drawn (the engine's and the verifier's), chosen here once.
         self.sampler = choose_sampler(self.device, sampling_kernel)
         # The conv and recurrent states of the linear-attention layers, freed with each sequence's blocks.
-        self.states = RecurrentStates(cfg, dtype=model.dtype, device=self.device) if hybrid else None
+        self.states = RecurrentStates.for_model(model, dtype=model.dtype, device=self.device) if hybrid else None
         self.cache.states = self.states
         self.graphs: StepGraphs | None = None
         if (static_steps or cuda_graphs) and not self.batch_invariant and not sparse and not hybrid:

@@ -138,11 +138,15 @@ class GatedRMSNorm(nn.Module):
 class RecurrentStates:
     """The conv and recurrent states of every linear-attention layer, one pair per sequence."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str,
+                 heads: tuple[int, int] | None = None) -> None:
+        """`heads`: the (key, value) heads each layer holds where not the config's (an EP rank's
+        share, `for_model`)."""
+        nk, nv = heads if heads is not None else (cfg.linear_num_key_heads, cfg.linear_num_value_heads)
         self.layers = {layer: i for i, layer in enumerate(cfg.linear_layers)}   # model layer -> state row
-        self.conv_shape = (len(self.layers), cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1)
-        self.rec_shape = (len(self.layers), cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                          cfg.linear_value_head_dim)
+        self.conv_shape = (len(self.layers), 2 * nk * cfg.linear_key_head_dim + nv * cfg.linear_value_head_dim,
+                           cfg.linear_conv_kernel_dim - 1)
+        self.rec_shape = (len(self.layers), nv, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
         self.dtype, self.state_dtype = dtype, stats_dtype(dtype)
         self.device = torch.device(device)
         self.conv: dict[int, torch.Tensor] = {}
@@ -154,6 +158,13 @@ class RecurrentStates:
         # length takes: a moved hedge's).
         self.snapshots: dict[int, tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]],
                                         dict[int, int]]] = {}
+
+    @classmethod
+    def for_model(cls, model: nn.Module, *, dtype: torch.dtype, device: torch.device | str) -> RecurrentStates:
+        """The states of `model`'s linear-attention layers, with the heads they hold (an EP rank's
+        share where they are split, ep.parallel)."""
+        la = next(m for m in model.modules() if isinstance(m, GatedDeltaNet))
+        return cls(model.config, dtype=dtype, device=device, heads=(la.nk, la.nv))
 
     @property
     def bytes_per_sequence(self) -> int:

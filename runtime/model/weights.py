@@ -142,7 +142,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
     `expert_range` restricts the routed experts read (global ids, the same for every layer);
     None reads all. `transform` runs on the meta-device model before any weight exists (the EP
     step that swaps layers for parallel ones) and says which slice of each sharded tensor this
-    process holds; only that slice is read from the memory-mapped file. A tensor the model needs that the checkpoint lacks, or one it carries that
+    process holds (`(dim, start, stop)`, or several windows along `dim` read and joined in order:
+    `(dim, start0, stop0, start1, stop1, ...)`); only that slice is read from the memory-mapped file. A tensor the model needs that the checkpoint lacks, or one it carries that
     the model has no place for, is a `CheckpointError` naming it. An MTP layer announced in
     config.json but wholly absent from the checkpoint loads as no MTP layer.
     """
@@ -221,24 +222,29 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
             src_slice = handles[path].get_slice(hf_name)
             shape = list(src_slice.get_shape())
             spec = specs.get(target.param)
+            windows = [] if spec is None else [(spec[0], a, b) for a, b in zip(spec[1::2], spec[2::2])]
             if spec is not None:
-                dim, start, stop = spec
-                if stop > shape[dim]:
+                dim = spec[0]
+                if max(b for _, _, b in windows) > shape[dim]:
                     raise CheckpointError(f"tensor {hf_name!r} has {shape[dim]} rows on dim {dim}, "
-                                          f"this rank needs {start}..{stop}")
-                shape[dim] = stop - start
+                                          f"this rank needs {', '.join(f'{a}..{b}' for _, a, b in windows)}")
+                shape[dim] = sum(b - a for _, a, b in windows)
             if tuple(shape) != tuple(want):
                 raise CheckpointError(f"tensor {hf_name!r} has shape {tuple(src_slice.get_shape())}, "
                                       f"expected {tuple(want)}")
             if spec is None:
                 src = handles[path].get_tensor(hf_name)
-            elif spec[0] == 0:
-                src = src_slice[spec[1]:spec[2]]
+                if hf_name in scales:
+                    src = _dequantized(src, hf_name, handles[scales[hf_name]], scheme, None, dtype)
             else:
-                src = src_slice[:, spec[1]:spec[2]]
-            if hf_name in scales:
-                src = _dequantized(src, hf_name, handles[scales[hf_name]], scheme, spec, dtype)
-            elif src.dtype == FP8:
+                parts = []
+                for window in windows:
+                    part = src_slice[window[1]:window[2]] if window[0] == 0 else src_slice[:, window[1]:window[2]]
+                    if hf_name in scales:
+                        part = _dequantized(part, hf_name, handles[scales[hf_name]], scheme, window, dtype)
+                    parts.append(part)
+                src = parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec[0])
+            if hf_name not in scales and src.dtype == FP8:
                 raise CheckpointError(f"tensor {hf_name!r} is FP8 but the checkpoint has no {hf_name + SCALE_SUFFIX!r}")
             with torch.no_grad():
                 dest.copy_(src)

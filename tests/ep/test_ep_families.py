@@ -1,7 +1,7 @@
 """EP 2 equals EP 1 on every family (float64, greedy and seeded; gloo ranks started by the mp
 launcher): routed experts split across the ranks, query heads split, and for multi-head latent
-attention the latent projections and cache replicated, Qwen3.5's Gated DeltaNet layers replicated
-with their recurrent states; the MTP families draft at EP 2 too (Qwen3.5 from `mtp.*`)."""
+attention the latent projections and cache replicated, Qwen3.5's Gated DeltaNet heads split with
+their recurrent states; the MTP families draft at EP 2 too (Qwen3.5 from `mtp.*`)."""
 from __future__ import annotations
 
 import pytest
@@ -32,5 +32,8 @@ def test_ep2_tokens_equal_one_rank_in_float64(family_ckpt, case, mode, spec):
         assert max(llm.rank_weight_bytes) < sum(p.numel() * p.element_size() for p in single.model.parameters())
         if spec:
             assert llm.engine.metrics.drafted_tokens > 0
+        cfg = single.model.config
+        if cfg.linear_layers:   # DeltaNet heads split: rank 0 keeps the state of half the value heads
+            assert 2 * llm.engine.runner.cache.states.rec_shape[1] == cfg.linear_num_value_heads
     finally:
         llm.shutdown()

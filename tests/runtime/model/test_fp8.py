@@ -101,12 +101,19 @@ def test_fp8_checkpoint_gives_the_dequantized_models_logits(request, family_ckpt
     assert fp8_bytes / bf16_bytes < 0.56
 
 
-def test_ep_shards_of_an_fp8_checkpoint_equal_the_dequantized_ones(ckpt_mtp, tmp_path):
+@pytest.mark.parametrize("case", ["glm", "qwen35_text"])
+def test_ep_shards_of_an_fp8_checkpoint_equal_the_dequantized_ones(request, case, tmp_path):
     """Each rank reads only its rows or columns of a weight, and the scale blocks that cover them,
-    including windows that start inside a block."""
+    including windows that start inside a block; Qwen3.5's Gated DeltaNet projection and conv
+    read three windows each (the rank's query, key and value channels)."""
     from ep.channel import load_shard_model
     from ep.comm import Communicator
-    fp8, deq = _fp8_pair(ckpt_mtp, tmp_path)
+    if case == "glm":
+        src = request.getfixturevalue("ckpt_mtp")
+    else:
+        pytest.importorskip("transformers.models.qwen3_5_moe", reason="transformers without Qwen3.5-MoE")
+        src = request.getfixturevalue("family_ckpt")(case)
+    fp8, deq = _fp8_pair(src, tmp_path)
     threads = torch.get_num_threads()
     try:
         for rank in range(2):
@@ -115,6 +122,9 @@ def test_ep_shards_of_an_fp8_checkpoint_equal_the_dequantized_ones(ckpt_mtp, tmp
             b = load_shard_model(deq, "float32", comm, "allreduce")
             sa, sb = a.state_dict(), b.state_dict()
             assert sa.keys() == sb.keys()
+            if case != "glm":   # its DeltaNet heads split: half the key and value heads on each rank
+                la = a.layers[0].linear_attn
+                assert (2 * la.nk, 2 * la.nv) == (a.config.linear_num_key_heads, a.config.linear_num_value_heads)
             for name in sa:
                 assert torch.equal(sa[name], sb[name]), (rank, name)
     finally:
