@@ -3,6 +3,7 @@ transformers' own implementation, on small random checkpoints it wrote in both l
 and multimodal with a vision tower): 3 linear-attention layers and 1 full-attention layer."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -286,7 +287,7 @@ class HedgingProposer(ScriptedProposer):
 def test_tree_speculation_lossless(family_ckpt, name):
     """Draft trees over the recurrent state (float64, greedy and seeded, width 4 and width 1): the
     `mtp.*` drafter's trees, and scripted trees that take hedges, give plain decoding's tokens."""
-    path, params = family_ckpt("qwen35_vl"), SPEC_PARAMS[name]
+    path, params = family_ckpt("qwen35_vl"), dataclasses.replace(SPEC_PARAMS[name], max_tokens=10)
     want = [o.token_ids for o in LLM(path, dtype="float64", kv_cache_tokens=1024).generate(SPEC_PROMPTS, params)]
     tree = dict(dtype="float64", kv_cache_tokens=1024, spec="mtp", num_drafts=3, tree_shape="1,2,2",
                 draft_policy="fixed")
