@@ -37,3 +37,21 @@ def test_ep2_tokens_equal_one_rank_in_float64(family_ckpt, case, mode, spec):
             assert 2 * llm.engine.runner.cache.states.rec_shape[1] == cfg.linear_num_value_heads
     finally:
         llm.shutdown()
+
+
+def test_qwen35_draft_trees_at_ep2_equal_plain_decoding(family_ckpt):
+    """Draft trees over the split DeltaNet states at EP 2 (float64, greedy): the `mtp.*` drafter's
+    trees, then scripted trees that take hedges, whose moves every rank replays on its states."""
+    pytest.importorskip("transformers.models.qwen3_5_moe", reason="transformers without Qwen3.5-MoE")
+    from tests.runtime.model.test_qwen3_5 import SPEC_PROMPTS, HedgingProposer
+    path, params = family_ckpt("qwen35_vl"), SamplingParams(max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in LLM(path, dtype="float64", kv_cache_tokens=1024).generate(SPEC_PROMPTS, params)]
+    llm = LLM(path, dtype="float64", kv_cache_tokens=1024, ep=2, ep_timeout_s=60, launcher=MPGroup, spec="mtp",
+              num_drafts=3, tree_shape="1,2,2", draft_policy="fixed")
+    try:
+        assert [o.token_ids for o in llm.generate(SPEC_PROMPTS, params)] == want
+        llm.engine.proposer = HedgingProposer({tuple(p): w for p, w in zip(SPEC_PROMPTS, want)}, {})
+        assert [o.token_ids for o in llm.generate(SPEC_PROMPTS, params)] == want
+        assert llm.engine.metrics.hedges_taken > 0 and llm.deployment.restarts == 0
+    finally:
+        llm.shutdown()
