@@ -55,3 +55,30 @@ def test_qwen35_draft_trees_at_ep2_equal_plain_decoding(family_ckpt):
         assert llm.engine.metrics.hedges_taken > 0 and llm.deployment.restarts == 0
     finally:
         llm.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_qwen35_ep2_restart_recomputes_the_states_from_the_tokens(family_ckpt):
+    """A killed worker mid-generation: the group restarts and every sequence's recurrent states
+    (and KV) are recomputed from its tokens; the output is an undisturbed run's (float64)."""
+    pytest.importorskip("transformers.models.qwen3_5_moe", reason="transformers without Qwen3.5-MoE")
+    import os
+    import signal
+    import threading
+    import time
+    path = family_ckpt("qwen35_text")
+    prompts, params = PROMPTS[:2], SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in LLM(path, dtype="float64", kv_cache_tokens=1024).generate(prompts, params)]
+    llm = LLM(path, dtype="float64", kv_cache_tokens=1024, ep=2, launcher=MPGroup, ep_timeout_s=30, max_restarts=2)
+    try:
+        seqs = [llm.engine.add_request(p, params) for p in prompts]
+        runner = threading.Thread(target=lambda: [llm.step() for _ in iter(llm.engine.has_unfinished, False)])
+        runner.start()
+        while seqs[0].num_output < 6 and runner.is_alive():
+            time.sleep(0.005)
+        os.kill(llm.deployment.group.pids[0], signal.SIGKILL)
+        runner.join(timeout=240)
+        assert not runner.is_alive()
+        assert [s.output_ids for s in seqs] == want and llm.deployment.restarts == 1
+    finally:
+        llm.shutdown()
