@@ -27,6 +27,7 @@ import torch
 from runtime.model.experts import uses_fused_experts
 from runtime.executor.attention import KVWrites, PagedAttention, SeqChunk, chain_plans, drafter_attention, last_row_plan
 from runtime.executor.compiled import compile_step
+from runtime.executor.step import choose_step_mode
 from runtime.sample.grammar import GrammarMatcher
 from runtime.executor.kv_cache import PagedKVCache
 from runtime.model.causal_lm import CausalLM
@@ -86,9 +87,9 @@ class MTPProposer(DraftProposer):
         `cuda_graphs`: the drafter's short steps padded to buckets and, on CUDA, captured
         (runtime.executor.static_step), as the target's are. `compiled`: the drafter's forward runs
         through `torch.compile` (inductor, dynamic shapes) as the target's does (not in float64,
-        not for a batch-invariant drafter, not with static steps): eager, its many small ops cost host
-        time on every draft (tools/step_split.py measures it). It compiles at its first
-        forward, or before serving in `warm_up`."""
+        not for a batch-invariant drafter; with static steps their buckets run it compiled too):
+        eager, its many small ops cost host time on every draft (tools/step_split.py measures it).
+        It compiles at its first forward, or before serving in `warm_up`."""
         if model.mtp is None:
             raise ValueError("this checkpoint has no MTP layer (no model.layers.{num_hidden_layers}.* tensors): "
                              "MTP speculation needs one")
@@ -96,19 +97,21 @@ class MTPProposer(DraftProposer):
         self.cache = cache
         self.attention = drafter_attention(cache)   # chosen with the runner's, once
         self.knobs = knobs or DrafterKnobs()
-        self.graphs: StepGraphs | None = None
         sparse = model.sparse is not None   # sparse attention runs eager over padded plans (runtime.executor.runner)
+        self._compile = compiled and not sparse and model.dtype != torch.float64 and not (
+            model.mtp is not None and getattr(model.mtp, "batch_invariant", False))
+        # How the drafter's steps run, chosen here once with the target's classes (runtime.executor.step):
+        # a step and its distribution as one function (`MTPLayer.draft`), eager or compiled.
+        self.mode = choose_step_mode(model.mtp.draft, model, compiled=self._compile)
+        self.graphs: StepGraphs | None = None
         if (static_steps or cuda_graphs) and not sparse:
             max_keys = min(model.config.max_position_embeddings, cache.capacity_tokens)
-            self.graphs = StepGraphs(model.mtp.forward, cache, max_keys,
-                                     capture=cuda_graphs and model.dtype != torch.float64,
+            self.graphs = StepGraphs(choose_step_mode(model.mtp.forward, model, compiled=self._compile), cache,
+                                     max_keys, capture=cuda_graphs and model.dtype != torch.float64,
                                      hidden=(model.config.hidden_size, model.dtype),
                                      sync_free_experts=uses_fused_experts(model))
-        self._compiled_forward = None
         self._compiled_chain = None    # the chained drafts' graphs (`_chain`)
         self._chain_shapes: set[tuple[int, int]] = set()   # (depth, width) chains compiled (`warm_up_chain`)
-        self._compile = compiled and not sparse and self.graphs is None and model.dtype != torch.float64 and not (
-            model.mtp is not None and getattr(model.mtp, "batch_invariant", False))
         tau = confidence_stop
         # Rounded to float32: the value EP workers receive on the wire, so every rank decides alike.
         self.confidence_stop = None if tau is None else struct.unpack("<f", struct.pack("<f", tau))[0]
@@ -203,9 +206,7 @@ class MTPProposer(DraftProposer):
         active = [live[j] for j in keep]
         positions = [chunks[j].end - 1 for j in keep]
         for _ in range(max(num_drafts)):
-            # The logits [B, V], their arg-max and its probability: from the compiled step's
-            # graph, or computed here.
-            logits, top_t, top_p = dist if dist is not None else self._distribution(hidden)
+            logits, top_t, top_p = dist   # the logits [B, V], their arg-max and its probability
             masked = logits if grammars is None else grammar_masked(
                 logits, [grammars[i] for i in active], [out[i].tokens for i in active])
             spine = masked if self.masks_spine else logits
@@ -300,24 +301,19 @@ class MTPProposer(DraftProposer):
     def _forward(self, tokens: list[int], prev_hidden: torch.Tensor, chunks: list[SeqChunk],
                  query: list[int] | None = None):
         """One drafter step over `chunks` -> (the output [B, H] of the last rows of the chunks
-        `query` (default: all), and when compiled the distribution of those rows
-        (`_distribution`), else None). Every row writes its keys and values; only those last rows
-        go on through attention, the MLP and the head."""
+        `query` (default: all), their distribution (`_distribution`)). Every row writes its keys
+        and values; only those last rows go on through attention, the MLP and the head (a static
+        bucket runs every row, then picks them)."""
         ends = list(itertools.accumulate(c.num_tokens for c in chunks))
         query = list(range(len(chunks))) if query is None else query
         shape = self.graphs.shape_of(chunks) if self.graphs is not None else None
         if shape is not None:
             h, _ = self.graphs.run(tokens, chunks, shape, prev_hidden)
-            return h[torch.tensor([ends[j] - 1 for j in query], dtype=torch.long, device=self.cache.device)], None
+            h = h[torch.tensor([ends[j] - 1 for j in query], dtype=torch.long, device=self.cache.device)]
+            return h, self._distribution(h)
         paged, rows, token_tensor = self._step_inputs(tokens, chunks, query)
-        plan = paged.plan
-        if self._compile and self._compiled_forward is None:
-            self._compiled_forward = compile_step(self.model.mtp.draft)
-        if self._compiled_forward is not None:   # the step and its distribution in one graph
-            with forward_context(paged, self.model) as ctx:
-                h, *dist = self._compiled_forward(token_tensor, prev_hidden, plan.positions, ctx, rows)
-            return h, tuple(dist)
-        return self.model.mtp.forward(token_tensor, prev_hidden, plan.positions, paged, rows), None
+        h, *dist = self.mode((token_tensor, prev_hidden), paged.plan.positions, paged, (rows,))
+        return h, tuple(dist)
 
     @property
     def compiles(self) -> bool:
@@ -332,9 +328,7 @@ class MTPProposer(DraftProposer):
         and by sequence count (one, several), dynamic otherwise."""
         rows = sum(c.num_tokens for c in chunks)
         hidden = torch.zeros(rows, self.model.config.hidden_size, dtype=self.model.dtype, device=self.cache.device)
-        out, dist = self._forward([0] * rows, hidden, chunks)
-        if dist is None:
-            self._distribution(out)
+        self._forward([0] * rows, hidden, chunks)
 
     @torch.inference_mode()
     def warm_up_chain(self, chunks: list[SeqChunk], steps: int, width: int = 1) -> bool:

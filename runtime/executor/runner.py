@@ -11,7 +11,7 @@ import torch
 from runtime.ops import cpu_ops, kernels
 from runtime.executor.attention import NATIVE_INVARIANT, PagedAttention, SeqChunk, StepPlan, choose_attention_backend
 from runtime.executor.sampling import choose_sampler
-from runtime.executor.step_context import forward_context
+from runtime.executor.step import choose_step_mode
 from runtime.ops.batch_invariant import set_batch_invariant
 from runtime.executor.compiled import compile_step
 from runtime.platform.device import kv_tokens_for_memory, use_device
@@ -20,7 +20,6 @@ from runtime.model.experts import choose_experts_backends, uses_fused_experts
 from runtime.model.layers import Linear
 from runtime.model.linear_attention import RecurrentStates
 from runtime.model.causal_lm import CausalLM
-from runtime.model.decoder import RowTwice
 from runtime.executor.static_step import StepGraphs
 
 
@@ -44,7 +43,7 @@ class ExecutorChoice:
     Its text is the start-up line (`serving.deployment` logs it)."""
     device: str
     dtype: str
-    execution: str                  # "compiled" or "eager"
+    execution: str                  # the step mode (runtime.executor.step): "eager", "compiled", ...
     static_steps: str               # "off", "padded" (the CPU runs the buckets) or "captured" (CUDA graphs)
     batch_invariant: bool
     attention: str                  # the cache's attention backend (runtime.executor.attention)
@@ -96,9 +95,8 @@ class ModelRunner:
         self.experts_backends = choose_experts_backends(model)
         # A compiled batch-invariant step: its GEMMs, experts and attention are opaque ops whose
         # row count never becomes a guard, so one graph (one set of generated kernels) serves
-        # every row count; a one-row step runs as two copies of its row (`forward`), so no graph
-        # is specialised to one row, except over the native ops (`plan_native`). It rounds otherwise than the eager step (both invariant), so
-        # every EP rank compiles or none does (the handshake's COMPILED_BIT).
+        # every row count (`self.mode` below). It rounds otherwise than the eager step (both
+        # invariant), so every EP rank compiles or none does (the handshake's COMPILED_BIT).
         # Sparse attention (runtime.model.sparse_attention) runs eager over the padded plan: no compiled
         # step, no batch-invariant tiles, no static steps (it reads each row's visible keys itself).
         # Linear-attention layers (runtime.model.linear_attention) run eager over a recurrent state per
@@ -118,14 +116,14 @@ class ModelRunner:
             # A GEMM the graph calls itself (`bi.linear`'s rows) must stay that call: the
             # pattern matcher would fold a residual add into it (addmm, which rounds otherwise).
             options["pattern_matcher"] = False
-        self._compiled_forward = compile_step(model.forward, options) if self.compiled else None
         # The final norm and the head as one graph too (a fused norm kernel instead of ~6 eager ops,
         # design §3.4), where the head is this process's own linear: not a batch-invariant one on
         # GEMM plans (a batch-invariant head on the native kernel is one opaque op at every row
         # count), nor an EP rank's vocabulary shard with its gather.
         plain_head = type(model.lm_head) is Linear and (
             not self.batch_invariant or cpu_ops.invariant_linear(model.dtype, model.lm_head.weight))
-        self._compiled_logits = compile_step(model.compute_logits, options) if self.compiled and plain_head else None
+        self._logits = (compile_step(model.compute_logits, options) if self.compiled and plain_head
+                        else model.compute_logits)
         self.config = cfg
         self.device = model.device
         use_device(self.device)   # streams, graphs and kernels that name no device go to the model's GPU
@@ -149,6 +147,13 @@ class ModelRunner:
         # Batch-invariant attention through the native op in place (not the tiles): the one-row
         # compiled step needs no two copies of its row then (`forward`).
         self.plan_native = self.attention is NATIVE_INVARIANT
+        # How the target's steps run, chosen here once (runtime.executor.step): eager, compiled, or
+        # compiled with a one-row step as two copies of its row (batch-invariant kernels that are not
+        # row-invariant at one row: Dynamo would specialise a graph to one row; not over the native
+        # ops, where the one-row graph gives a row the bits of any other graph,
+        # test_compiled_step_rows_do_not_depend_on_the_step).
+        self.mode = choose_step_mode(model.forward, model, compiled=self.compiled,
+                                     row_twice=self.batch_invariant and not self.plan_native, options=options)
         # How every step's rows are drawn (the engine's and the verifier's), chosen here once.
         self.sampler = choose_sampler(self.device, sampling_kernel)
         # The conv and recurrent states of the linear-attention layers, freed with each sequence's blocks.
@@ -158,13 +163,13 @@ class ModelRunner:
         if (static_steps or cuda_graphs) and not self.batch_invariant and not sparse and not hybrid:
             max_keys = min(cfg.max_position_embeddings, self.cache.capacity_tokens)
             capture = cuda_graphs and model.dtype != torch.float64   # float64 experts sync with the host
-            self.graphs = StepGraphs(model.forward, self.cache, max_keys, capture,
+            self.graphs = StepGraphs(self.mode, self.cache, max_keys, capture,
                                      attention_kernel=bool(attention_kernel), sync_free_experts=uses_fused_experts(model))
 
         self.choice = ExecutorChoice(
             device=str(self.device), dtype=str(model.dtype).removeprefix("torch."),
-            execution="compiled" if self.compiled else "eager",
-            static_steps="off" if self.graphs is None else ("captured" if self.graphs.capture else "padded"),
+            execution=self.mode.name,
+            static_steps="off" if self.graphs is None else self.graphs.name,
             batch_invariant=self.batch_invariant, attention=self.attention.name,
             experts=tuple(sorted(self.experts_backends.items())), sampler=self.sampler.name)
 
@@ -178,23 +183,11 @@ class ModelRunner:
         if shape is not None:
             return self.graphs.run(tokens, chunks, shape)
         plan = self.attention.plan(self.cache, chunks)
-        token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.device)
         paged = PagedAttention(self.cache, plan)
         if self.states is not None:
             paged.states = self.states.step(chunks)
-        if self._compiled_forward is None:
-            return self.model(token_tensor, plan.positions, paged), plan
-        if self.batch_invariant and len(tokens) == 1 and not self.plan_native:
-            # Dynamo specialises a graph to one row (its kernels might round otherwise): the row
-            # runs twice, the copy reusing its attention (runtime.model.decoder.RowTwice). Not
-            # where GEMMs, experts and attention are the native row-invariant ops (`plan_native`):
-            # there the one-row graph gives a row the bits of any other graph
-            # (test_compiled_step_rows_do_not_depend_on_the_step).
-            with forward_context(RowTwice(paged), self.model) as ctx:
-                hidden = self._compiled_forward(token_tensor.repeat(2), plan.positions.repeat(2), ctx)
-            return hidden[:1], plan
-        with forward_context(paged, self.model) as ctx:
-            return self._compiled_forward(token_tensor, plan.positions, ctx), plan
+        tokens_t = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self.mode((tokens_t,), plan.positions, paged), plan
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -204,6 +197,5 @@ class ModelRunner:
             picked = hidden[first:first + len(rows)]
         else:
             picked = hidden[rows]
-        out = (self.model.compute_logits(picked) if self._compiled_logits is None
-               else self._compiled_logits(picked))
+        out = self._logits(picked)
         return out if out.dtype == torch.float64 else out.float()
