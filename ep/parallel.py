@@ -32,7 +32,7 @@ from runtime.ops import batch_invariant as bi
 from runtime.executor.step_context import step_model
 from runtime.model.config import ModelConfig
 from runtime.model.experts import RoutedExperts
-from runtime.model.layers import Linear, MoE, linear
+from runtime.model.layers import ChosenGemm, Linear, MoE
 from runtime.model.mla import MLAttention
 from runtime.model.causal_lm import CausalLM
 
@@ -102,7 +102,7 @@ class RowParallelLinear(Linear):
         return out if self.bias is None else out + self.bias
 
 
-class VocabParallelHead(bi.InvariantSwitch, nn.Module):
+class VocabParallelHead(ChosenGemm, bi.InvariantSwitch, nn.Module):
     """This rank's rows of the output projection; `forward` gathers full logits on every rank."""
 
     switched = {"_local": "_local_invariant"}
@@ -116,7 +116,7 @@ class VocabParallelHead(bi.InvariantSwitch, nn.Module):
         self.register_buffer("packed", None, persistent=False)
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, None, self.packed)
+        return self._gemm(x, self.weight, None, self.packed)
 
     def _local_invariant(self, x: torch.Tensor) -> torch.Tensor:
         return bi.linear(x, self.weight)

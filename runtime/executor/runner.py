@@ -17,7 +17,7 @@ from runtime.executor.compiled import compile_step
 from runtime.platform.device import kv_tokens_for_memory, use_device
 from runtime.executor.kv_cache import PagedKVCache
 from runtime.model.experts import choose_experts_backends, uses_fused_experts
-from runtime.model.layers import Linear
+from runtime.model.layers import Linear, choose_gemms
 from runtime.model.linear_attention import RecurrentStates
 from runtime.model.causal_lm import CausalLM
 from runtime.executor.static_step import StepGraphs
@@ -48,13 +48,15 @@ class ExecutorChoice:
     batch_invariant: bool
     attention: str                  # the cache's attention backend (runtime.executor.attention)
     experts: tuple[tuple[str, int], ...]   # routed-experts backends and how many layers run each
+    linears: tuple[tuple[str, int], ...] = ()   # GEMMs of the linears (runtime.model.layers.gemm_for), counts
     sampler: str = "torch"          # the sampler backend (runtime.executor.sampling)
 
     def __str__(self) -> str:
         experts = ", ".join(f"{name} x{n}" for name, n in self.experts) or "none"
+        linears = ", ".join(f"{name} x{n}" for name, n in self.linears) or "none"
         return (f"{self.device} {self.dtype}: {self.execution} steps, static steps {self.static_steps}, "
                 f"batch-invariant {'on' if self.batch_invariant else 'off'}, attention {self.attention}, "
-                f"routed experts {experts}, sampler {self.sampler}")
+                f"linears {linears}, routed experts {experts}, sampler {self.sampler}")
 
 
 class ModelRunner:
@@ -93,6 +95,7 @@ class ModelRunner:
             set_batch_invariant(model.mtp, False)
         # Each routed-experts module's backend, chosen now that its dtype, device and modes are set.
         self.experts_backends = choose_experts_backends(model)
+        self.gemms = choose_gemms(model)   # and every linear's GEMM
         # A compiled batch-invariant step: its GEMMs, experts and attention are opaque ops whose
         # row count never becomes a guard, so one graph (one set of generated kernels) serves
         # every row count (`self.mode` below). It rounds otherwise than the eager step (both
@@ -171,7 +174,8 @@ class ModelRunner:
             execution=self.mode.name,
             static_steps="off" if self.graphs is None else self.graphs.name,
             batch_invariant=self.batch_invariant, attention=self.attention.name,
-            experts=tuple(sorted(self.experts_backends.items())), sampler=self.sampler.name)
+            experts=tuple(sorted(self.experts_backends.items())), linears=tuple(sorted(self.gemms.items())),
+            sampler=self.sampler.name)
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], chunks: list[SeqChunk]) -> tuple[torch.Tensor, StepPlan]:

@@ -48,25 +48,69 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`; on the CPU, float32 and bfloat16 GEMMs of few rows run through the native
-    few-row kernel (`runtime.ops.cpu_ops.few_rows_max`: a stream of the column-major weights, each
-    row's result its own), called straight from a compiled step (`cpu_ops.load` registers its
-    fake); from `packed` (`cpu_ops.pack` of `weight`) where one is kept, the same bits."""
-    if x.device.type != "cpu":   # the native library is the CPU's alone: never built for a GPU run
-        return F.linear(x, weight, bias)
-    if cpu_ops.LOADED is None and not torch.compiler.is_compiling():
-        cpu_ops.load()
-    if not cpu_ops.LOADED or x.dtype not in cpu_ops.FEW_ROWS or (
-            torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):   # training: autograd's
+def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 packed: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`: every device's GEMM (`packed` unused)."""
+    return F.linear(x, weight, bias)
+
+
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  packed: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU's GEMM with the native library loaded, for the dtypes it takes (`cpu_ops.FEW_ROWS`): rows up to
+    `cpu_ops.few_rows_max` through the native few-row kernel (a stream of the column-major weights,
+    each row's result its own), called straight from a compiled step (`cpu_ops.load` registered its
+    fake); from `packed` (`cpu_ops.pack` of `weight`) where one is kept, the same bits. Autograd's
+    GEMM where gradients are wanted (training)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return F.linear(x, weight, bias)
     if packed is not None and x.dtype == packed.dtype:   # the op picks: no guard on the rows in a compiled step
         return torch.ops.metrale_cpu.linear(x, weight, bias, cpu_ops.few_rows_max(x.dtype), packed)
     return torch.ops.metrale_cpu.linear(x, weight, bias, cpu_ops.few_rows_max(x.dtype))
 
 
-class Linear(bi.InvariantSwitch, nn.Linear):
+def gemm_for(weight: torch.Tensor):
+    """The GEMM for `weight` where it lives now: `native_linear` on the CPU with the native library
+    built (loading it here) for the dtypes it takes, else `plain_linear` (the native library is
+    the CPU's alone: never built for a GPU run)."""
+    if weight.device.type != "cpu" or not cpu_ops.load() or weight.dtype not in cpu_ops.FEW_ROWS:
+        return plain_linear
+    return native_linear
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """A GEMM called outside a module (tests, tools): `gemm_for(weight)` chosen for this call.
+    Modules choose theirs once (`ChosenGemm`)."""
+    return gemm_for(weight)(x, weight, bias, packed)
+
+
+class ChosenGemm:
+    """A module whose GEMM (`_gemm(x, weight, bias, packed)`) is chosen once for its weight's device
+    and dtype (`choose_gemm`, by `choose_gemms` at load and when a runner is built); until then,
+    and after a move to another dtype or device, `plain_linear`, which is right everywhere."""
+
+    _gemm = staticmethod(plain_linear)
+
+    def choose_gemm(self) -> None:
+        object.__setattr__(self, "_gemm", gemm_for(self.weight))
+
+    def _apply(self, fn, *args, **kwargs):
+        self.__dict__.pop("_gemm", None)   # a new dtype or device asks for a new choice
+        return super()._apply(fn, *args, **kwargs)
+
+
+def choose_gemms(model: nn.Module) -> dict[str, int]:
+    """`choose_gemm` for every module of `model` that has one; returns how many run each GEMM."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, ChosenGemm):
+            m.choose_gemm()
+            name = "native" if m._gemm is native_linear else "torch"
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+class Linear(ChosenGemm, bi.InvariantSwitch, nn.Linear):
     """`nn.Linear` with a batch-invariant path (`runtime.ops.batch_invariant.linear`) when switched on;
     `in_parts` > 1 sums that path over equal slices of the input features (an attention output
     projection's two halves of its heads: `runtime.ops.batch_invariant.split_linear`)."""
@@ -85,7 +129,7 @@ class Linear(bi.InvariantSwitch, nn.Linear):
         return self._run(x)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return self._gemm(x, self.weight, self.bias, self.packed)
 
     def _invariant(self, x: torch.Tensor) -> torch.Tensor:
         if self.in_parts == 1:
@@ -94,7 +138,7 @@ class Linear(bi.InvariantSwitch, nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
-class FusedProjection(bi.InvariantSwitch, nn.Module):
+class FusedProjection(ChosenGemm, bi.InvariantSwitch, nn.Module):
     """Linears that read the same input (an attention's q/k/v, an MLP's gate/up) as one GEMM: the
     weights concatenated along the outputs, each linear's weight left as a view of its rows (so
     loading and saving, which keep the separate linears, share the memory). One GEMM instead of
@@ -129,7 +173,7 @@ class FusedProjection(bi.InvariantSwitch, nn.Module):
         return self._run(x).split(self.sizes, dim=-1)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return self._gemm(x, self.weight, self.bias, self.packed)
 
     def _invariant(self, x: torch.Tensor) -> torch.Tensor:
         return bi.linear(x, self.weight, self.bias, self.bi_rows, self.packed)
@@ -144,7 +188,7 @@ def pack_for_inference(model: nn.Module) -> None:
     (`cpu_ops.pack`, the same bits; a non-persistent buffer, not in the state dict): the weights
     must not change after."""
     if any(p.device.type == "cpu" for p in model.parameters()):
-        cpu_ops.load()   # before any step is compiled: `linear` reads its answer as a constant
+        cpu_ops.load()   # before any step is compiled
     for mod in model.modules():
         if isinstance(mod, Attention) and type(mod.q_proj) is Linear and mod.qkv is None:
             mod.qkv = FusedProjection([mod.q_proj, mod.k_proj, mod.v_proj])
@@ -171,6 +215,7 @@ def pack_for_inference(model: nn.Module) -> None:
             w = getattr(mod, weight)
             if getattr(mod, name) is None and cpu_ops.packs(w):
                 setattr(mod, name, cpu_ops.pack(w))
+    choose_gemms(model)   # every linear's GEMM, for its final device and dtype
 
 
 class RMSNorm(nn.Module):
