@@ -25,6 +25,7 @@ from ep.topology import EPTopology
 from runtime.model.config import load_config
 from runtime.platform.device import kv_tokens_for_memory
 from runtime.model.causal_lm import CausalLM
+from runtime.executor.settings import StepSettings
 from runtime.executor.runner import ModelRunner, kv_bytes_per_token
 from runtime.model.weights import checkpoint_files, load_model
 
@@ -85,7 +86,8 @@ def load_shard(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: 
         mine = kv_tokens_for_memory(comm.device, gpu_memory_utilization, kv_bytes_per_token(model))
         kv_cache_tokens = -int(comm.all_reduce(torch.tensor([-mine], dtype=torch.int64, device=comm.device),
                                                "max")[0])
-    return ModelRunner(model, kv_cache_tokens=kv_cache_tokens, batch_invariant=batch_invariant, compiled=compiled)
+    return ModelRunner(model, StepSettings(kv_cache_tokens=kv_cache_tokens, batch_invariant=batch_invariant,
+                                           compiled=compiled))
 
 
 def weight_bytes(runner: ModelRunner) -> int:

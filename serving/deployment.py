@@ -31,12 +31,11 @@ from ep.comm import CommError, Communicator
 from ep.driver import DriverRunner, ShardedMTPProposer
 from ep.protocol import MAX_SLOT
 from ep.local_drafter import load_local_drafter
-from runtime.platform.device import capture_refusal
-from runtime.model.experts import uses_fused_experts
 from runtime.model.causal_lm import CausalLM
 from runtime.executor.attention import SeqChunk
 from runtime.platform.heap import freeze_heap, thaw_heap
 from runtime.executor.runner import ModelRunner
+from runtime.executor.settings import StepSettings
 from engine.sequence import Sequence
 from runtime.executor.static_step import MIN_KEYS, ROW_BUCKETS, StaticShape, bucket
 from runtime.model.weights import load_model
@@ -118,6 +117,15 @@ class DeploymentConfig:
     # Decode/verify steps padded to buckets (runtime.executor.static_step), captured as CUDA graphs on CUDA
     # unless enforce_eager. None: on for CUDA, off on the CPU (there it only adds padding).
     static_steps: bool | None = None
+
+    def step_settings(self) -> StepSettings:
+        """The settings rank 0's runner resolves against its model (runtime.executor.settings):
+        compiled unless `enforce_eager`; static steps by default on CUDA for a compiled step, and
+        captured there where the step can be (None: the resolution decides)."""
+        return StepSettings(kv_cache_tokens=self.kv_cache_tokens, block_size=self.kv_block_size,
+                            compiled=not self.enforce_eager, batch_invariant=self.batch_invariant,
+                            gpu_memory_utilization=self.gpu_memory_utilization, static_steps=self.static_steps,
+                            cuda_graphs=None if not self.enforce_eager else False)
 
     def __post_init__(self) -> None:
         if torch.device(self.device).type != "cuda" and self.gpu_memory_utilization is not None:
@@ -224,19 +232,8 @@ class Deployment:
     def _build(self) -> tuple[ModelRunner | DriverRunner, DraftProposer | None]:
         cfg = self.config
         if self.comm is None:
-            on_cuda = torch.device(cfg.device).type == "cuda"
-            static = cfg.static_steps if cfg.static_steps is not None else on_cuda and not cfg.enforce_eager
             model = load_model(cfg.model_dir, cfg.dtype, device=cfg.device)
-            # Graphs where the step can be captured (bfloat16 on sm90/sm100); elsewhere the padded
-            # steps run eagerly, chosen here once.
-            capturable = on_cuda and capture_refusal(model.device, model.dtype,
-                                                     sync_free_experts=uses_fused_experts(model)) is None
-            runner = ModelRunner(model,
-                                 kv_cache_tokens=cfg.kv_cache_tokens, block_size=cfg.kv_block_size,
-                                 compiled=not cfg.enforce_eager,
-                                 batch_invariant=cfg.batch_invariant,
-                                 gpu_memory_utilization=cfg.gpu_memory_utilization, static_steps=static,
-                                 cuda_graphs=static and capturable and not cfg.enforce_eager)
+            runner = ModelRunner(model, cfg.step_settings())
             log.info("step: %s", runner.choice)
         else:
             runner = self._join_group(self.comm)

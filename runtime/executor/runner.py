@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.ops import cpu_ops, kernels
+from runtime.ops import cpu_ops
 from runtime.executor.attention import NATIVE_INVARIANT, PagedAttention, SeqChunk, StepPlan, choose_attention_backend
 from runtime.executor.sampling import choose_sampler
+from runtime.executor.settings import StepSettings
 from runtime.executor.step import choose_step_mode
 from runtime.ops.batch_invariant import set_batch_invariant
 from runtime.executor.compiled import compile_step
@@ -60,34 +61,18 @@ class ExecutorChoice:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, *, kv_cache_tokens: int, block_size: int = 16,
-                 compiled: bool = False, batch_invariant: bool | None = None,
-                 gpu_memory_utilization: float | None = None, static_steps: bool = False,
-                 cuda_graphs: bool = False, attention_kernel: bool | None = None,
-                 sampling_kernel: bool | None = None) -> None:
-        """The cache and every step tensor live on the model's device.
-
-        `gpu_memory_utilization` (CUDA only): size the cache from the GPU's free memory after the
-        weights (`runtime.platform.device.kv_tokens_for_memory`) instead of `kv_cache_tokens`.
-
-        `static_steps`: decode and verify steps run padded to buckets (runtime.executor.static_step);
-        `cuda_graphs` (CUDA, bfloat16 on sm90/sm100, implies static steps): each bucket's forward is
-        captured once and replayed; elsewhere a ValueError says why (`runtime.platform.device.capture_refusal`). Neither applies to batch-invariant steps, whose tiles change
-        with the step.
-
-        `compiled`: the target forward runs through `torch.compile` (inductor, dynamic shapes),
-        with paged attention and the routed experts (and in batch-invariant mode every GEMM) as
-        opaque ops; float64 always runs eager.
-        `batch_invariant`: every row's result is independent of the other rows of its step
-        (runtime.ops.batch_invariant); None: on for float64 only.
-        `attention_kernel`: decode and verify steps (static or not) attend through the Triton
-        paged-attention kernel, reading keys and values in place; None: on CUDA where triton is
-        installed (float32/bfloat16). Chosen here, once.
-        `sampling_kernel`: every step's rows are drawn by the Triton sampling kernel, on the
-        device in one launch (runtime.executor.sampling); None: on CUDA where triton is installed."""
+    def __init__(self, model: CausalLM, settings: StepSettings | None = None, **kwargs) -> None:
+        """A runner of `model`'s steps, built from `settings` (runtime.executor.settings; keyword
+        arguments instead build one: `ModelRunner(model, kv_cache_tokens=1024)`), resolved here once
+        against the model (`self.settings`). The cache and every step tensor live on the model's
+        device; every backend is chosen here, and `self.choice` says which."""
+        if settings is not None and kwargs:
+            raise TypeError("give StepSettings or its fields as keywords, not both")
+        st = self.settings = (settings or StepSettings(**kwargs)).resolve(model)
+        kv_cache_tokens, block_size = st.kv_cache_tokens, st.block_size
         cfg = model.config
         self.model = model
-        self.batch_invariant = model.dtype == torch.float64 if batch_invariant is None else batch_invariant
+        self.batch_invariant = st.batch_invariant
         set_batch_invariant(model, self.batch_invariant)
         if model.mtp is not None:
             # The MTP drafter keeps the default kernels: its drafts decide which tokens are
@@ -107,7 +92,7 @@ class ModelRunner:
         sparse = model.sparse is not None
         hybrid = bool(cfg.linear_layers)
         self.plan_tiles = self.batch_invariant and not sparse
-        self.compiled = compiled and model.dtype != torch.float64 and not sparse and not hybrid
+        self.compiled = st.compiled
         # The step's graphs and guards are this model's own (runtime.executor.compiled). No size and stride
         # asserts around every extern kernel (over a hundred a step; design §3.4).
         options = {"size_asserts": False}
@@ -130,19 +115,13 @@ class ModelRunner:
         self.config = cfg
         self.device = model.device
         use_device(self.device)   # streams, graphs and kernels that name no device go to the model's GPU
-        if gpu_memory_utilization is not None:
-            kv_cache_tokens = kv_tokens_for_memory(self.device, gpu_memory_utilization, kv_bytes_per_token(model))
+        if st.gpu_memory_utilization is not None:
+            kv_cache_tokens = kv_tokens_for_memory(self.device, st.gpu_memory_utilization, kv_bytes_per_token(model))
         num_blocks = max(1, kv_cache_tokens // block_size)
         self.cache = PagedKVCache(num_layers=cache_layers(model), num_blocks=num_blocks, block_size=block_size,
                                   dtype=model.dtype, device=self.device, **model.cache_layout())
-        if attention_kernel is None:
-            attention_kernel = (self.device.type == "cuda" and kernels.available("cuda")
-                                and model.dtype != torch.float64)
-        if attention_kernel and not kernels.available(self.device.type):
-            raise ValueError(f"the Triton attention kernel cannot run on {self.device} here (triton missing, "
-                             "or TRITON_INTERPRET not 1 for CPU tensors)")
         kernel = None
-        if attention_kernel and not self.plan_tiles:
+        if st.attention_kernel and not self.plan_tiles:
             from runtime.ops.kernels.paged_attention import paged_attention as kernel
         # Every step planned on this cache (the target's, and the drafter's on its plane) attends
         # through this backend, chosen here once.
@@ -158,16 +137,15 @@ class ModelRunner:
         self.mode = choose_step_mode(model.forward, model, compiled=self.compiled,
                                      row_twice=self.batch_invariant and not self.plan_native, options=options)
         # How every step's rows are drawn (the engine's and the verifier's), chosen here once.
-        self.sampler = choose_sampler(self.device, sampling_kernel)
+        self.sampler = choose_sampler(self.device, st.sampling_kernel)
         # The conv and recurrent states of the linear-attention layers, freed with each sequence's blocks.
         self.states = RecurrentStates(cfg, dtype=model.dtype, device=self.device) if hybrid else None
         self.cache.states = self.states
         self.graphs: StepGraphs | None = None
-        if (static_steps or cuda_graphs) and not self.batch_invariant and not sparse and not hybrid:
+        if st.static_steps:
             max_keys = min(cfg.max_position_embeddings, self.cache.capacity_tokens)
-            capture = cuda_graphs and model.dtype != torch.float64   # float64 experts sync with the host
-            self.graphs = StepGraphs(self.mode, self.cache, max_keys, capture,
-                                     attention_kernel=bool(attention_kernel), sync_free_experts=uses_fused_experts(model))
+            self.graphs = StepGraphs(self.mode, self.cache, max_keys, st.cuda_graphs,
+                                     attention_kernel=st.attention_kernel, sync_free_experts=uses_fused_experts(model))
 
         self.choice = ExecutorChoice(
             device=str(self.device), dtype=str(model.dtype).removeprefix("torch."),
