@@ -25,7 +25,7 @@ import struct
 import torch
 
 from runtime.model.experts import uses_fused_experts
-from runtime.executor.attention import KVWrites, PagedAttention, SeqChunk, chain_plans, drafter_attention, last_row_plan
+from runtime.executor.attention import PagedAttention, SeqChunk, chain_plans, drafter_attention, last_row_plan, writes_plan
 from runtime.executor.compiled import compile_step
 from runtime.executor.step import choose_step_mode
 from runtime.sample.grammar import GrammarMatcher
@@ -184,7 +184,7 @@ class MTPProposer(DraftProposer):
         prev = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
         if not keep:   # only fed: the rows' keys and values, and nothing past them (eager, no graph)
             token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
-            self.model.mtp.write(token_tensor, prev, KVWrites(self.cache, chunks))
+            self.model.mtp.write(token_tensor, prev, PagedAttention(self.cache, writes_plan(self.cache, chunks)))
             return out
         # Only drafting sequences' last rows go past the drafter's attention (the others only
         # write keys and values).

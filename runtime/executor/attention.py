@@ -103,13 +103,13 @@ class StepPlan:
     q_index: torch.Tensor | None    # [B, Q] row of the step for each (sequence, query) (padding: 0)
     valid: torch.Tensor | None      # [B, Q] bool, real query rows
     mask: torch.Tensor | None       # [B, 1, Q, K] bool, True = may attend
-    last_rows: torch.Tensor      # [B] index of each sequence's last row in the step
+    last_rows: torch.Tensor | None   # [B] index of each sequence's last row in the step (None: writes only)
     # One sequence with a plain causal mask: SDPA runs unmasked (one row) or with is_causal
     # (a chunk from position 0), the faster kernels, and the ones transformers itself picks.
     # "padded" (runtime.executor.static_step): every sequence has Q rows, row b*Q + q is (b, q), the mask
     # is explicit and nothing about the layout is read back on the host.
     # "invariant" (`_invariant_plan`): an explicit mask whose every row the native op attends in place.
-    mask_mode: str = "explicit"  # "explicit" | "none" | "causal" | "padded" | "invariant"
+    mask_mode: str = "explicit"  # "explicit" | "none" | "causal" | "padded" | "invariant" | "writes"
     # Batch-invariant attention (runtime.ops.invariant_attention): the step's rows in fixed tiles, each
     # with its own key list; None runs SDPA over the padded batch.
     tiles: ia.AttentionTiles | None = None
@@ -376,26 +376,18 @@ def chain_plans(cache: PagedKVCache, seq_ids: list[int], positions: list[int], s
     return plans
 
 
-class KVWrites:
-    """The context of a forward that only writes keys and values (`MTPLayer.write`): the rows
-    of `chunks` (causal, every position reserved) go to their cache cells, and nothing attends.
-    Its plan is their positions and cells alone, without the padded batch `build_plan` builds."""
-
-    def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
-        if not chunks or any(c.parents is not None or c.num_tokens < 1 for c in chunks):
-            raise ValueError("key/value writes take causal, non-empty chunks")
-        device = cache.device
-        self.cache = cache
-        self.positions = torch.cat([c.positions(device) for c in chunks])
-        self.cells = torch.cat([cache.cells(c.seq_id, 0, c.end)[c.start:] for c in chunks])
-
-    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k/v [T, nkv, D] of every row into the cache layer `layer_idx`."""
-        self.cache.write(layer_idx, self.cells, k, v)
-
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
-        raise RuntimeError("KVWrites only writes keys and values; a forward that attends needs PagedAttention")
+def writes_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
+    """The plan of a forward that only writes keys and values (`MTPLayer.write`): the rows of
+    `chunks` (causal, every position reserved) go to their cache cells, and nothing attends. Its
+    fields are their positions and cells alone, without the padded batch a backend's plan builds;
+    its backend (`WRITES_ONLY`) refuses to attend."""
+    if not chunks or any(c.parents is not None or c.num_tokens < 1 for c in chunks):
+        raise ValueError("key/value writes take causal, non-empty chunks")
+    device = cache.device
+    positions = torch.cat([c.positions(device) for c in chunks])
+    cells = torch.cat([cache.cells(c.seq_id, 0, c.end)[c.start:] for c in chunks])
+    return StepPlan(positions=positions, cell_mapping=cells, gather=None, q_index=None, valid=None, mask=None,
+                    last_rows=None, mask_mode="writes", backend=WRITES_ONLY)
 
 
 class PagedAttention:
@@ -413,6 +405,16 @@ class PagedAttention:
         self.queries = queries
         # A hybrid model's step: its chunks' recurrent states (runtime.model.linear_attention.StepStates).
         self.states = None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[T] the positions of the rows whose keys and values this step writes."""
+        return self.plan.positions
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [T, nkv, D] of every row of the plan into the cache layer `layer_idx`, and nothing
+        else (a writes-only forward, `writes_plan`)."""
+        self.cache.write(layer_idx, self.plan.cell_mapping, k, v)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -543,7 +545,21 @@ class KernelAttention(AttentionBackend):
                         r.row_seq, r.row_start, r.row_end, r.row_anc, scale, r.max_keys)
 
 
+class WritesOnly(AttentionBackend):
+    """The backend of a writes-only plan (`writes_plan`): it plans nothing and attends nothing."""
+
+    name = "writes-only"
+
+    def plan(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
+        return writes_plan(cache, chunks)
+
+    def attend(self, cache: PagedKVCache, writes: StepPlan, p: StepPlan, layer_idx: int, q: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        raise RuntimeError("a writes-only plan writes keys and values; a forward that attends needs a backend's plan")
+
+
 SDPA = AttentionBackend()
+WRITES_ONLY = WritesOnly()
 NATIVE = NativeCpuAttention()
 INVARIANT = InvariantAttention()
 NATIVE_INVARIANT = NativeInvariantAttention()

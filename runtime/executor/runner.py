@@ -112,6 +112,7 @@ class ModelRunner:
             not self.batch_invariant or cpu_ops.invariant_linear(model.dtype, model.lm_head.weight))
         self._logits = (compile_step(model.compute_logits, options) if self.compiled and plain_head
                         else model.compute_logits)
+        self.logits_dtype = torch.float64 if model.dtype == torch.float64 else torch.float32   # what sampling reads
         self.config = cfg
         self.device = model.device
         use_device(self.device)   # streams, graphs and kernels that name no device go to the model's GPU
@@ -179,5 +180,4 @@ class ModelRunner:
             picked = hidden[first:first + len(rows)]
         else:
             picked = hidden[rows]
-        out = self._logits(picked)
-        return out if out.dtype == torch.float64 else out.float()
+        return self._logits(picked).to(self.logits_dtype)

@@ -33,7 +33,8 @@ class AttentionContext(Protocol):
 
 
 class KVWriter(Protocol):
-    """Where a forward that only writes keys and values puts them (`runtime.executor.attention.KVWrites`):
+    """Where a forward that only writes keys and values puts them (a `runtime.executor.attention.PagedAttention`
+    over a `writes_plan`):
     the positions [T] of its rows, and their cache writes."""
 
     positions: torch.Tensor
