@@ -25,7 +25,7 @@ import struct
 import torch
 
 from runtime.model.experts import uses_fused_experts
-from runtime.executor.attention import PagedAttention, SeqChunk, chain_plans, drafter_attention, last_row_plan, writes_plan
+from runtime.executor.attention import PagedAttention, SeqChunk, drafter_attention, writes_plan
 from runtime.executor.compiled import compile_step
 from runtime.executor.step import choose_step_mode
 from runtime.sample.grammar import GrammarMatcher
@@ -261,7 +261,7 @@ class MTPProposer(DraftProposer):
                steps: int, width: int = 1) -> tuple[list[list[int]], list[list[float]], list | None] | None:
         """`steps` drafts of each chunk in `query` as one compiled graph (`MTPLayer.draft_chain`):
         the first step feeds every chunk's rows, as `_forward` does, and each later one drafts from
-        the last, with its attention planned here beforehand (`chain_plans`). The same drafts as
+        the last, with its attention planned here beforehand (`AttentionBackend.chain_plans`). The same drafts as
         `steps` separate steps, without the host work between them (a graph call, a plan, a read
         of the draft). Returns the drafts, their probabilities and, with `width` > 1, each step's
         `width` best tokens [chunk][step][width]; None where the native attention plan cannot hold
@@ -269,8 +269,8 @@ class MTPProposer(DraftProposer):
         paged, rows, token_tensor = self._step_inputs(tokens, chunks, query)
         if not chains_natively(paged):
             return None
-        later = chain_plans(self.cache, [chunks[j].seq_id for j in query], [chunks[j].end - 1 for j in query], steps,
-                            self.attention)
+        later = self.attention.chain_plans(self.cache, [chunks[j].seq_id for j in query],
+                                           [chunks[j].end - 1 for j in query], steps)
         if self._compiled_chain is None:
             self._compiled_chain = compile_step(self.model.mtp.draft_chain)
         with forward_context(paged, self.model, chain=later) as ctx:
@@ -292,7 +292,7 @@ class MTPProposer(DraftProposer):
         plan = self.attention.plan(self.cache, chunks)
         # One row per chunk, every chunk asked: the step's own plan already attends for those rows.
         own = len(query) == len(chunks) and ends[-1] == len(chunks)
-        queries = None if own else last_row_plan(self.cache, [chunks[j] for j in query], self.attention)
+        queries = None if own else self.attention.query_plan(self.cache, [chunks[j] for j in query])
         rows = plan.last_rows if own else torch.tensor([ends[j] - 1 for j in query], dtype=torch.long,
                                                         device=self.cache.device)
         token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.executor.attention import (AttentionBackend, KernelAttention, KernelRows, PagedAttention, SeqChunk,
-                                       StepPlan, padded_backend, row_depths)
+                                       StepPlan, own_row_bits, padded_backend, row_depths)
 from runtime.ops import kernels
 from runtime.platform.device import capture_refusal
 from runtime.executor.kv_cache import PagedKVCache
@@ -134,12 +134,10 @@ class StaticBuffers:
                                  f"(length {cache.length(c.seq_id)})")
             blocks[b * nb:b * nb + len(table)] = table
             base = b * q * q
-            for r in range(c.num_tokens):    # a chain sees its earlier rows, a tree row its ancestors
-                j, bits = r, 0
-                while j != -1:
-                    own[base + r * q + j] = 1
-                    bits |= 1 << j
-                    j = (j - 1) if c.parents is None else c.parents[j]
+            # A chain row sees its earlier rows, a tree row its ancestors: the kernel's bits, and the mask's.
+            for r, bits in enumerate(own_row_bits(c.num_tokens, c.parents)):
+                for j in range(r + 1):
+                    own[base + r * q + j] = (bits >> j) & 1
                 row = b * q + r
                 meta[row], meta[t + row], meta[2 * t + row], meta[3 * t + row] = b, c.start, c.end, bits
         n = len(rows)
