@@ -142,3 +142,87 @@ def test_bad_fp8_checkpoints_are_refused_naming_the_tensor(ckpt_grouped, tmp_pat
             (path / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(CheckpointError, match=match):
             load_model(path, "float32", device="cpu")
+
+
+def _kept(model) -> list:
+    return [m for m in model.modules() if getattr(m, "fp8", None) is not None]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("case", ["glm", "glm5"])
+def test_fp8_kept_on_the_device_gives_the_dequantized_models_logits(request, family_ckpt, case, tmp_path):
+    """The linears keep their FP8 weights and scales (forced on the CPU, the kernel under the
+    Triton interpreter): float32 logits within 1e-5 of the dequantized model's, those weights in
+    about half the bytes of bfloat16; kv_b_proj (absorbed) and the routed experts dequantized."""
+    from tests.runtime.ops.kernel_cases import kernel_device
+    kernel_device()
+    src = request.getfixturevalue("ckpt_mtp") if case == "glm" else family_ckpt(case)
+    fp8, _ = _fp8_pair(src, tmp_path)
+    a, b = load_model(fp8, "float32", device="cpu", keep_fp8=True), load_model(fp8, "float32", device="cpu")
+    kept = _kept(a)
+    assert kept and not _kept(b)
+    assert a.weight_format.startswith(f"fp8 blocks 16x24 in the checkpoint: fp8 e4m3 16x24 kept in {len(kept)} "
+                                      "linears (triton block-scaled matmul), ")
+    assert all(m.weight.dtype == FP8 for m in kept)
+    if case == "glm5":
+        assert all(m.kv_b_proj.fp8 is None for m in a.modules() if hasattr(m, "kv_b_proj"))
+    for m in a.modules():
+        if hasattr(m, "gate_up_proj"):
+            assert m.gate_up_proj.dtype == torch.float32
+    ids = torch.randint(0, load_config(src).vocab_size, (11,), generator=torch.Generator().manual_seed(1)).tolist()
+    got, want = our_logits_stepwise(a, ids, 9), our_logits_stepwise(b, ids, 9)   # glm5: more keys than its top 8
+    assert want.abs().max() > 0.1
+    assert (got - want).abs().max().item() < 1e-5
+    fp8_bytes = sum(m.weight.nbytes + m.weight_scale_inv.nbytes for m in kept)
+    bf16_bytes = sum(m.weight.numel() * 2 for m in kept)
+    assert fp8_bytes / bf16_bytes < 0.56
+
+
+@pytest.mark.triton
+def test_fp8_kept_in_bfloat16_is_as_close_as_the_dequantized_weights(ckpt_mtp, tmp_path):
+    """bfloat16: the kept model's logits are as close to the float32 ones as the dequantized
+    bfloat16 model's (each within bfloat16's rounding of its activations and weights)."""
+    from tests.runtime.ops.kernel_cases import kernel_device
+    kernel_device()
+    fp8, _ = _fp8_pair(ckpt_mtp, tmp_path)
+    ids = torch.randint(0, load_config(ckpt_mtp).vocab_size, (10,), generator=torch.Generator().manual_seed(2)).tolist()
+    exact = our_logits_stepwise(load_model(fp8, "float32", device="cpu"), ids, 7)
+    kept = our_logits_stepwise(load_model(fp8, "bfloat16", device="cpu", keep_fp8=True), ids, 7).float()
+    deq = our_logits_stepwise(load_model(fp8, "bfloat16", device="cpu"), ids, 7).float()
+    err_kept, err_deq = (kept - exact).abs().max().item(), (deq - exact).abs().max().item()
+    assert 0 < err_kept < 2 * err_deq + 1e-3, (err_kept, err_deq)
+    assert err_kept < 0.05 * exact.abs().max().item()
+
+
+@pytest.mark.triton
+def test_ep_shards_keep_their_fp8_window_and_the_scale_blocks_covering_it(ckpt_mtp, tmp_path):
+    """Each rank's kept linears hold its rows or columns of the stored FP8 weight and the scale
+    blocks covering them (windows starting inside a block included): dequantized, they equal the
+    dequantizing loader's shard."""
+    from ep.channel import load_shard_model
+    from ep.comm import Communicator
+    from tests.runtime.ops.kernel_cases import kernel_device
+    kernel_device()
+    fp8, _ = _fp8_pair(ckpt_mtp, tmp_path)
+    threads = torch.get_num_threads()
+    try:
+        offsets = set()
+        for rank in range(2):
+            comm = Communicator(rank=rank, world_size=2, init_method=None, device="cpu")
+            a = dict(load_shard_model(fp8, "float32", comm, "allreduce", keep_fp8=True).named_modules())
+            b = dict(load_shard_model(fp8, "float32", comm, "allreduce").named_modules())
+            kept = [n for n, m in a.items() if getattr(m, "fp8", None) is not None]
+            assert any(type(a[n]).__name__ == "RowParallelLinear" for n in kept)
+            for n in kept:
+                (block, offset), m = a[n].fp8, a[n]
+                offsets.add(offset)
+                assert torch.equal(dequantize(m.weight, m.weight_scale_inv, block, *offset), b[n].weight), (rank, n)
+        assert any(o != (0, 0) for o in offsets)   # some window starts inside a block
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_keeping_fp8_is_refused_where_the_kernel_cannot_run(ckpt_grouped, tmp_path):
+    fp8, _ = _fp8_pair(ckpt_grouped, tmp_path)
+    with pytest.raises(ValueError, match="FP8 weights cannot be kept here"):
+        load_model(fp8, "float64", device="cpu", keep_fp8=True)
