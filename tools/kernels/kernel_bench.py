@@ -10,8 +10,12 @@ bytes of keys and values read over the time (GB/s). experts: the fused MoE kerne
 grouped-matmul path (`RoutedExperts._grouped`) for T rows (128 experts, k 8, hidden 4096,
 intermediate 1536 on a GPU). sampling: the sampling kernel's backend against the reference
 sampler (`sample_rows`: per-row processing and sort), N rows of a 151552-token vocabulary at
-temperature 0.8, top-k 50, top-p 0.95, each arm ending in its host read of the tokens. Each cell
-alternates the two arms and keeps the median of the timings (CUDA events on a GPU).
+temperature 0.8, top-k 50, top-p 0.95, each arm ending in its host read of the tokens. fp8_linear:
+the block-scaled FP8 linear kernel (weights kept in e4m3 with 128x128 scale blocks, as an FP8
+checkpoint is served on CUDA) against `F.linear` on the same weights dequantized to the serving
+dtype (what the CPU serves), for M rows through DeepSeek-V3 / GLM-5-like projections (half an o_proj,
+7168x8192, q_b_proj 24576x1536), with the weight bytes each arm reads over its time (GB/s). Each
+cell alternates the two arms and keeps the median of the timings (CUDA events on a GPU).
 """
 from __future__ import annotations
 
@@ -30,10 +34,12 @@ import torch  # noqa: E402
 
 FULL = {"attention": {"heads": (96, 8, 128), "seqs": (1, 8, 64), "keys": (1024, 8192)},
         "experts": {"shape": (128, 8, 4096, 1536), "rows": (1, 8, 64, 512)},
-        "sampling": {"vocab": 151552, "rows": (1, 8, 64)}}
+        "sampling": {"vocab": 151552, "rows": (1, 8, 64)},
+        "fp8_linear": {"shapes": ((7168, 8192), (24576, 1536)), "block": (128, 128), "rows": (1, 16, 512)}}
 SMOKE = {"attention": {"heads": (4, 2, 16), "seqs": (1,), "keys": (40,)},
          "experts": {"shape": (8, 2, 32, 32), "rows": (4,)},
-         "sampling": {"vocab": 300, "rows": (2,)}}
+         "sampling": {"vocab": 300, "rows": (2,)},
+         "fp8_linear": {"shapes": ((48, 80),), "block": (16, 32), "rows": (3,)}}
 
 
 def timed(fns: dict, device: torch.device, reps: int) -> dict:
@@ -134,6 +140,30 @@ def sampling_cells(device: torch.device, dtype: torch.dtype, sizes: dict, reps: 
                "reference_over_kernel": round(med["reference"] / med["kernel"], 2)}
 
 
+def fp8_linear_cells(device: torch.device, dtype: torch.dtype, sizes: dict, reps: int):
+    import torch.nn.functional as F
+
+    from runtime.model.quantization import dequantize, quantize
+    from runtime.ops.kernels.fp8_linear import fp8_linear
+    block = sizes["block"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for n, k in sizes["shapes"]:
+        q, s = quantize(torch.randn(n, k, generator=g) * 0.02, block)
+        dense = dequantize(q, s, block).to(device=device, dtype=dtype)
+        q, s = q.to(device), s.to(device)
+        for m in sizes["rows"]:
+            x = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
+            fns = {"fp8": lambda: fp8_linear(x, q, s, None, block), "dense": lambda: F.linear(x, dense)}
+            with torch.inference_mode():
+                med = timed(fns, device, reps)
+                err = (fns["fp8"]().float() - fns["dense"]().float()).abs().max().item()
+            yield {"kernel": "fp8_linear", "rows": m, "weight": f"{n}x{k}", "block": f"{block[0]}x{block[1]}",
+                   "dtype": str(dtype).removeprefix("torch."), "fp8_us": round(med["fp8"] * 1e6, 1),
+                   "dense_us": round(med["dense"] * 1e6, 1), "dense_over_fp8": round(med["dense"] / med["fp8"], 2),
+                   "fp8_gb_s": round((q.nbytes + s.nbytes) / med["fp8"] / 1e9, 1),
+                   "dense_gb_s": round(dense.nbytes / med["dense"] / 1e9, 1), "max_abs_diff": err}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -152,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     for cell in [*attention_cells(device, dtype, sizes["attention"], reps),
                  *expert_cells(device, dtype, sizes["experts"], reps),
-                 *sampling_cells(device, dtype, sizes["sampling"], reps)]:
+                 *sampling_cells(device, dtype, sizes["sampling"], reps),
+                 *fp8_linear_cells(device, dtype, sizes["fp8_linear"], reps)]:
         line = json.dumps(cell)
         print(line, flush=True)
         if args.json_out:
