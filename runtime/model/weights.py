@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from runtime.model.config import ModelConfig, load_config
-from runtime.model.experts import choose_fused_experts
+from runtime.model.experts import RoutedExperts, choose_fused_experts
 from runtime.model.layers import pack_for_inference
 from runtime.model.causal_lm import CausalLM
 from runtime.model.quantization import (FP8, SCALE_SUFFIX, Fp8BlockScheme, choose_fp8_kept, dequantize,
@@ -198,7 +198,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
     with torch.device("meta"):  # parallel layers are swapped in without allocating
         specs = transform(model) if transform is not None else {}
     device = torch.device(device)
-    kept = (_keep_fp8_linears(model, sorted(scales), cfg, scheme, specs)
+    kept = (_keep_fp8_weights(model, sorted(scales), cfg, scheme, specs)
             if choose_fp8_kept(scheme, device, dtype, keep_fp8) else set())
     _cast(model, dtype)   # on the meta device: every weight is allocated in its serving dtype, no float32 copy first
     model.to_empty(device=device)
@@ -207,6 +207,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
     params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
 
     filled: set[str] = set()
+    kept_tensors = dequantized_tensors = 0   # FP8 checkpoint tensors read as such, and dequantized
     expert_rows: dict[str, set[int]] = {}
     with ExitStack() as stack:
         handles = {p: stack.enter_context(open_safetensors(p)) for p in set(files.values())}
@@ -248,11 +249,17 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
                 if src.dtype != FP8:
                     raise CheckpointError(f"tensor {hf_name!r} has {hf_name + SCALE_SUFFIX!r} but is {src.dtype}, not FP8")
                 scale, _, _ = _scale_blocks(src, hf_name, handles[scales[hf_name]], scheme, spec)
+                scale_dest = params[target.param + SCALE_SUFFIX]
+                if target.expert is not None:   # stacked experts: gate and up blocked apart, as stored
+                    scale_dest = scale_dest[target.expert - experts.start]
+                    scale_dest = scale_dest if target.half is None else scale_dest[target.half]
                 with torch.no_grad():
-                    params[target.param + SCALE_SUFFIX].copy_(scale)
+                    scale_dest.copy_(scale)
                 filled.add(target.param + SCALE_SUFFIX)
+                kept_tensors += 1
             elif hf_name in scales:
                 src = _dequantized(src, hf_name, handles[scales[hf_name]], scheme, spec, dtype)
+                dequantized_tensors += 1
             elif src.dtype == FP8:
                 raise CheckpointError(f"tensor {hf_name!r} is FP8 but the checkpoint has no {hf_name + SCALE_SUFFIX!r}")
             with torch.no_grad():
@@ -274,7 +281,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
             lost = sorted(set(experts) - rows)
             raise CheckpointError(f"checkpoint lacks expert(s) {lost[:5]} for {param}")
     # What the start-up line reports: how the stored weights became the served ones.
-    model.weight_format = weight_format(scheme, dtype, len(kept), len(scales) - len(kept))
+    model.weight_format = weight_format(scheme, dtype, kept_tensors, dequantized_tensors)
     pack_for_inference(model)
     choose_fused_experts(model)   # on CUDA with triton: the sync-free Triton experts
     model.eval()
@@ -282,41 +289,48 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
 
 
 def weight_format(scheme: Fp8BlockScheme | None, dtype: torch.dtype, kept: int, dequantized: int) -> str:
-    """What the start-up line says of the weights: their dtype, or how an FP8 checkpoint's are served."""
+    """What the start-up line says of the weights: their dtype, or how an FP8 checkpoint's are served
+    (`kept`, `dequantized`: how many of its FP8 tensors this process read each way)."""
     dt = str(dtype).removeprefix("torch.")
     if scheme is None:
         return dt
     if not kept:
         return f"{scheme.describe()} in the checkpoint, dequantized to {dt} on load"
     br, bc = scheme.block
-    return (f"{scheme.describe()} in the checkpoint: fp8 e4m3 {br}x{bc} kept in {kept} linears (triton block-scaled "
-            f"matmul), {dequantized} other FP8 tensors (routed experts, absorbed projections) dequantized to {dt} on load")
+    rest = f", the other {dequantized} (absorbed projections) dequantized to {dt} on load" if dequantized else ""
+    return (f"{scheme.describe()} in the checkpoint: fp8 e4m3 {br}x{bc} kept for {kept} of {kept + dequantized} "
+            f"FP8 tensors (triton block-scaled matmul and fused MoE kernels){rest}")
 
 
-def _keep_fp8_linears(model: CausalLM, names: list[str], cfg: ModelConfig, scheme: Fp8BlockScheme,
+def _keep_fp8_weights(model: CausalLM, names: list[str], cfg: ModelConfig, scheme: Fp8BlockScheme,
                       specs: ShardSpecs) -> set[str]:
-    """On the meta model: each `Linear` whose checkpoint weight (one of `names`) is FP8 keeps it so
-    (`Linear.keep_fp8`), an EP rank its window with the scale blocks covering it (offsets inside the
-    first block included). Returns the parameters kept."""
+    """On the meta model: each `Linear` and `RoutedExperts` whose checkpoint weights (among `names`)
+    are FP8 keeps them so (`keep_fp8`), an EP rank its window of a linear with the scale blocks
+    covering it (offsets inside the first block included). A linear its module reads as a matrix
+    (`dense_weights`) is left to dequantize. Returns the parameters kept."""
     from runtime.model.layers import Linear
     dense = {id(getattr(m, n)) for m in model.modules() for n in getattr(m, "dense_weights", ())}
     kept: set[str] = set()
     for hf_name in names:
         target = map_name(hf_name, cfg)
-        if target is None or target.expert is not None or not target.param.endswith(".weight"):
+        if target is None or target.param in kept:
             continue
+        owner, _, leaf = target.param.rpartition(".")
         try:
-            mod = model.get_submodule(target.param.removesuffix(".weight"))
+            mod = model.get_submodule(owner)
         except AttributeError:   # not in this model (a drafter on its own): never read
             continue
-        if not isinstance(mod, Linear) or id(mod) in dense or mod.fp8 is not None:
-            continue
-        spec = specs.get(target.param)
-        offset = (0, 0)
-        if spec is not None:
-            offset = (spec[1] % scheme.block[0], 0) if spec[0] == 0 else (0, spec[1] % scheme.block[1])
-        mod.keep_fp8(scheme.block, offset)
-        kept.add(target.param)
+        if target.expert is not None and isinstance(mod, RoutedExperts):
+            if mod.fp8 is None:
+                mod.keep_fp8(scheme.block)
+            kept.add(target.param)
+        elif leaf == "weight" and isinstance(mod, Linear) and id(mod) not in dense and mod.fp8 is None:
+            spec = specs.get(target.param)
+            offset = (0, 0)
+            if spec is not None:
+                offset = (spec[1] % scheme.block[0], 0) if spec[0] == 0 else (0, spec[1] % scheme.block[1])
+            mod.keep_fp8(scheme.block, offset)
+            kept.add(target.param)
     return kept
 
 
@@ -352,7 +366,6 @@ def _dequantized(src: torch.Tensor, hf_name: str, handle, scheme: Fp8BlockScheme
 
 
 def _shrink_experts(model: CausalLM, num_local: int, offset: int) -> None:
-    from runtime.model.experts import RoutedExperts
     for mod in model.modules():
         if isinstance(mod, RoutedExperts):
             for name in ("gate_up_proj", "down_proj"):
@@ -384,14 +397,15 @@ def iter_hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
             hf = name
         else:
             hf = "model." + name
-        m = re.match(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$", hf)
+        m = re.match(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_scale_inv)?$", hf)
         if m:
+            suffix = m.group(3) or ""   # kept FP8 (`RoutedExperts.keep_fp8`): gate and up scales stacked apart
             for e in range(tensor.shape[0]):
                 if m.group(2) == "down_proj":
-                    yield f"{m.group(1)}.{e}.down_proj.weight", tensor[e].contiguous()
+                    yield f"{m.group(1)}.{e}.down_proj.weight{suffix}", tensor[e].contiguous()
                 else:
-                    gate, up = tensor[e].chunk(2, dim=0)
-                    yield f"{m.group(1)}.{e}.gate_proj.weight", gate.contiguous()
-                    yield f"{m.group(1)}.{e}.up_proj.weight", up.contiguous()
+                    gate, up = tensor[e].unbind(0) if suffix else tensor[e].chunk(2, dim=0)
+                    yield f"{m.group(1)}.{e}.gate_proj.weight{suffix}", gate.contiguous()
+                    yield f"{m.group(1)}.{e}.up_proj.weight{suffix}", up.contiguous()
         else:
             yield hf, tensor.contiguous()

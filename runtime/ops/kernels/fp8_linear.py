@@ -36,6 +36,15 @@ def _e4m3_to_f32(bits):
 
 
 @triton.jit
+def _round_bfloat16(v):
+    """float32 `v` rounded to the nearest bfloat16 (ties to even), still float32. The interpreter's
+    float32 -> bfloat16 cast truncates; rounded first, as the GPU's cast rounds, the cast is exact."""
+    ib = v.to(tl.int32, bitcast=True)
+    ib = (ib + 0x7FFF + ((ib >> 16) & 1)) & -65536
+    return ib.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, r_off, c_off,
                        stride_xm, stride_wn, stride_wk, stride_sn, stride_sk, stride_om,
                        BR: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -73,11 +82,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, r_off, c_of
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     if UPCAST and out_ptr.dtype.element_ty == tl.bfloat16:
-        # The interpreter's float32 -> bfloat16 cast truncates: round to nearest even on the bits first,
-        # as the GPU's cast does, so the cast after is exact.
-        ib = acc.to(tl.int32, bitcast=True)
-        ib = (ib + 0x7FFF + ((ib >> 16) & 1)) & -65536
-        acc = ib.to(tl.float32, bitcast=True)
+        acc = _round_bfloat16(acc)
     tl.store(out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from runtime.model.config import ConfigError, load_config
 from runtime.model.quantization import FP8, SCALE_SUFFIX, dequantize, quantization_scheme, quantize, scale_window
-from runtime.model.weights import CheckpointError, load_model
+from runtime.model.weights import CheckpointError, iter_hf_state, load_model
 from tests.runtime.model.test_oracle import our_logits_stepwise
 from tools.random_checkpoint import quantize_checkpoint
 
@@ -151,9 +151,10 @@ def _kept(model) -> list:
 @pytest.mark.triton
 @pytest.mark.parametrize("case", ["glm", "glm5"])
 def test_fp8_kept_on_the_device_gives_the_dequantized_models_logits(request, family_ckpt, case, tmp_path):
-    """The linears keep their FP8 weights and scales (forced on the CPU, the kernel under the
-    Triton interpreter): float32 logits within 1e-5 of the dequantized model's, those weights in
-    about half the bytes of bfloat16; kv_b_proj (absorbed) and the routed experts dequantized."""
+    """The linears and routed experts keep their FP8 weights and scales (forced on the CPU, the
+    kernels under the Triton interpreter): float32 logits within 1e-5 of the dequantized model's,
+    those weights in about half the bytes of bfloat16, the checkpoint's own bytes (saved back
+    unchanged); kv_b_proj (absorbed into per-head products) dequantized."""
     from tests.runtime.ops.kernel_cases import kernel_device
     kernel_device()
     src = request.getfixturevalue("ckpt_mtp") if case == "glm" else family_ckpt(case)
@@ -161,21 +162,28 @@ def test_fp8_kept_on_the_device_gives_the_dequantized_models_logits(request, fam
     a, b = load_model(fp8, "float32", device="cpu", keep_fp8=True), load_model(fp8, "float32", device="cpu")
     kept = _kept(a)
     assert kept and not _kept(b)
-    assert a.weight_format.startswith(f"fp8 blocks 16x24 in the checkpoint: fp8 e4m3 16x24 kept in {len(kept)} "
-                                      "linears (triton block-scaled matmul), ")
-    assert all(m.weight.dtype == FP8 for m in kept)
+    assert a.weight_format.startswith("fp8 blocks 16x24 in the checkpoint: fp8 e4m3 16x24 kept for ")
+    assert ("absorbed projections" in a.weight_format) == (case == "glm5")
+    experts = [m for m in a.modules() if hasattr(m, "gate_up_proj")]
+    assert experts and all(m.fp8 is not None and m.backend.name == "fused-fp8" for m in experts)
+    assert all(p.dtype == FP8 for m in kept for n, p in m.named_parameters() if n != "bias")
     if case == "glm5":
         assert all(m.kv_b_proj.fp8 is None for m in a.modules() if hasattr(m, "kv_b_proj"))
-    for m in a.modules():
-        if hasattr(m, "gate_up_proj"):
-            assert m.gate_up_proj.dtype == torch.float32
     ids = torch.randint(0, load_config(src).vocab_size, (11,), generator=torch.Generator().manual_seed(1)).tolist()
     got, want = our_logits_stepwise(a, ids, 9), our_logits_stepwise(b, ids, 9)   # glm5: more keys than its top 8
     assert want.abs().max() > 0.1
     assert (got - want).abs().max().item() < 1e-5
-    fp8_bytes = sum(m.weight.nbytes + m.weight_scale_inv.nbytes for m in kept)
-    bf16_bytes = sum(m.weight.numel() * 2 for m in kept)
+    fp8_bytes = sum(t.nbytes for m in kept for t in [*m.parameters(), *m.buffers()] if t.dtype in (FP8, torch.float32)
+                    and t.dim() > 1)
+    bf16_bytes = sum(p.numel() * 2 for m in kept for p in m.parameters() if p.dtype == FP8)
     assert fp8_bytes / bf16_bytes < 0.56
+    stored = load_file(str(fp8 / "model.safetensors"))
+    saved = dict(iter_hf_state(a))
+    for name, t in stored.items():
+        if t.dtype == FP8 or name.endswith(SCALE_SUFFIX):
+            if name in saved and saved[name].dtype == t.dtype:   # kept (kv_b_proj comes back dequantized)
+                assert torch.equal(saved[name].view(torch.uint8) if t.dtype == FP8 else saved[name],
+                                   t.view(torch.uint8) if t.dtype == FP8 else t), name
 
 
 @pytest.mark.triton
@@ -214,7 +222,15 @@ def test_ep_shards_keep_their_fp8_window_and_the_scale_blocks_covering_it(ckpt_m
             kept = [n for n, m in a.items() if getattr(m, "fp8", None) is not None]
             assert any(type(a[n]).__name__ == "RowParallelLinear" for n in kept)
             for n in kept:
-                (block, offset), m = a[n].fp8, a[n]
+                m = a[n]
+                if hasattr(m, "gate_up_proj"):   # this rank's experts, whole: gate and up blocked apart
+                    for e in range(m.num_local_experts):
+                        gate, up = m.gate_up_proj[e].chunk(2)
+                        got = torch.cat([dequantize(w, s, m.fp8) for w, s in zip((gate, up), m.gate_up_proj_scale_inv[e])])
+                        assert torch.equal(got, b[n].gate_up_proj[e]), (rank, n, e)
+                        assert torch.equal(dequantize(m.down_proj[e], m.down_proj_scale_inv[e], m.fp8), b[n].down_proj[e])
+                    continue
+                block, offset = m.fp8
                 offsets.add(offset)
                 assert torch.equal(dequantize(m.weight, m.weight_scale_inv, block, *offset), b[n].weight), (rank, n)
         assert any(o != (0, 0) for o in offsets)   # some window starts inside a block
