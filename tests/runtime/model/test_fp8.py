@@ -206,7 +206,9 @@ def test_fp8_kept_in_bfloat16_is_as_close_as_the_dequantized_weights(ckpt_mtp, t
 def test_ep_shards_keep_their_fp8_window_and_the_scale_blocks_covering_it(ckpt_mtp, tmp_path):
     """Each rank's kept linears hold its rows or columns of the stored FP8 weight and the scale
     blocks covering them (windows starting inside a block included): dequantized, they equal the
-    dequantizing loader's shard."""
+    dequantizing loader's shard; each rank's row-parallel o_proj through the kernel, partial sums
+    added (the all-reduce), gives the whole model's o_proj."""
+    from types import SimpleNamespace
     from ep.channel import load_shard_model
     from ep.comm import Communicator
     from tests.runtime.ops.kernel_cases import kernel_device
@@ -215,9 +217,11 @@ def test_ep_shards_keep_their_fp8_window_and_the_scale_blocks_covering_it(ckpt_m
     threads = torch.get_num_threads()
     try:
         offsets = set()
+        ranks = []
         for rank in range(2):
             comm = Communicator(rank=rank, world_size=2, init_method=None, device="cpu")
             a = dict(load_shard_model(fp8, "float32", comm, "allreduce", keep_fp8=True).named_modules())
+            ranks.append(a)
             b = dict(load_shard_model(fp8, "float32", comm, "allreduce").named_modules())
             kept = [n for n, m in a.items() if getattr(m, "fp8", None) is not None]
             assert any(type(a[n]).__name__ == "RowParallelLinear" for n in kept)
@@ -234,6 +238,15 @@ def test_ep_shards_keep_their_fp8_window_and_the_scale_blocks_covering_it(ckpt_m
                 offsets.add(offset)
                 assert torch.equal(dequantize(m.weight, m.weight_scale_inv, block, *offset), b[n].weight), (rank, n)
         assert any(o != (0, 0) for o in offsets)   # some window starts inside a block
+        whole = dict(load_model(fp8, "float32", device="cpu").named_modules())
+        name = "layers.0.self_attn.o_proj"
+        o0, o1 = ranks[0][name], ranks[1][name]
+        assert o1.fp8[1] != (0, 0)   # rank 1's columns start inside a block
+        x = torch.randn(3, whole[name].in_features, generator=torch.Generator().manual_seed(4))
+        w0 = o0.in_features
+        other = o1._fp8_matmul(x[:, w0:], None)
+        o0.comm = SimpleNamespace(all_reduce=lambda t: t + other)   # rank 1's partial sums, added
+        torch.testing.assert_close(o0(x[:, :w0]), whole[name](x), rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(threads)
 
