@@ -93,10 +93,10 @@ def _pow2(n: int, least: int, most: int) -> int:
 
 def tiles(n: int, bc: int, device_type: str) -> tuple[int, int, int]:
     """(BM, BN, BK) for a weight of `n` rows and `bc`-column scale blocks: BK covers a scale block in
-    as few steps as it can (up to 128); smaller tiles under the interpreter, where each is numpy work."""
+    as few steps as it can (up to 64); smaller tiles under the interpreter, where each is numpy work."""
     if device_type == "cpu":
         return 16, _pow2(n, 16, 32), _pow2(bc, 16, 32)
-    return 64, _pow2(n, 16, 128), _pow2(bc, 16, 128)
+    return 64, _pow2(n, 16, 64), _pow2(bc, 16, 64)   # a decoded 64x64 float32 tile: 32 registers a thread
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,

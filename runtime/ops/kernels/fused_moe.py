@@ -28,7 +28,7 @@ BLOCK_M = 16
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, offs, rows, cols, mask, dtype, stride_sn, stride_sk,
+def _weight_tile(w_ptr, s_ptr, offs, rows, cols, mask, dtype: tl.constexpr, stride_sn, stride_sk,
                  BR: tl.constexpr, BC: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
     """A [BK, BN] weight tile at `offs`: as stored, or FP8 bytes decoded times the scale of each
     element's block (`rows`, `cols`: its row and column in the stored matrix), rounded to `dtype`."""
