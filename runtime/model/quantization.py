@@ -124,7 +124,7 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     rows, cols = weight.shape
     nr, nc = scale_shape((rows, cols), block)
     w = weight.to(torch.float32)
-    padded = torch.zeros(nr * br, nc * bc, dtype=torch.float32)
+    padded = torch.zeros(nr * br, nc * bc, dtype=torch.float32, device=weight.device)
     padded[:rows, :cols] = w
     amax = padded.view(nr, br, nc, bc).abs().amax(dim=(1, 3))
     scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
