@@ -140,10 +140,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
     `mtp_only`: no target layers (a drafter on its own): embeddings, final norm, head and the MTP
     layer; the target layers' tensors are never read.
 
-    `keep_fp8` (an FP8 checkpoint): whether its linear weights stay FP8 beside their scales, run by
-    the Triton block-scaled kernel (`Linear.keep_fp8`), or are dequantized to `dtype` as they are
-    read; None picks once (`quantization.choose_fp8_kept`: kept on CUDA with triton). Routed experts
-    and the linears a module reads as matrices (its `dense_weights`) are dequantized either way.
+    `keep_fp8` (an FP8 checkpoint): whether its linear and routed-expert weights stay FP8 beside
+    their scales, run by the Triton kernels (`Linear.keep_fp8`, `RoutedExperts.keep_fp8`), or are
+    dequantized to `dtype` as they are read; None picks once (`quantization.choose_fp8_kept`: kept
+    on CUDA with triton). Linears a module reads as matrices (its `dense_weights`) and weights of
+    other modules are dequantized either way.
 
     `expert_range` restricts the routed experts read (global ids, the same for every layer);
     None reads all. `transform` runs on the meta-device model before any weight exists (the EP
@@ -297,7 +298,7 @@ def weight_format(scheme: Fp8BlockScheme | None, dtype: torch.dtype, kept: int, 
     if not kept:
         return f"{scheme.describe()} in the checkpoint, dequantized to {dt} on load"
     br, bc = scheme.block
-    rest = f", the other {dequantized} (absorbed projections) dequantized to {dt} on load" if dequantized else ""
+    rest = f", the other {dequantized} dequantized to {dt} on load" if dequantized else ""
     return (f"{scheme.describe()} in the checkpoint: fp8 e4m3 {br}x{bc} kept for {kept} of {kept + dequantized} "
             f"FP8 tensors (triton block-scaled matmul and fused MoE kernels){rest}")
 
