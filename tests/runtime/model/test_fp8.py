@@ -255,3 +255,20 @@ def test_keeping_fp8_is_refused_where_the_kernel_cannot_run(ckpt_grouped, tmp_pa
     fp8, _ = _fp8_pair(ckpt_grouped, tmp_path)
     with pytest.raises(ValueError, match="FP8 weights cannot be kept here"):
         load_model(fp8, "float64", device="cpu", keep_fp8=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_is_kept_by_default_on_cuda_and_gives_the_dequantized_logits(ckpt_mtp, family_ckpt, tmp_path, dtype):
+    """On CUDA with triton the loader keeps FP8 by itself (the start-up line says so); its logits
+    equal those of the same checkpoint dequantized on load (float32 within 1e-4; bfloat16 within a
+    few of its roundings over the layers)."""
+    for name, src in (("glm", ckpt_mtp), ("glm5", family_ckpt("glm5"))):
+        fp8, _ = _fp8_pair(src, tmp_path / name)
+        a = load_model(fp8, dtype, device="cuda")
+        b = load_model(fp8, dtype, device="cuda", keep_fp8=False)
+        assert "kept for" in a.weight_format and _kept(a) and not _kept(b)
+        ids = torch.randint(0, load_config(src).vocab_size, (11,), generator=torch.Generator().manual_seed(1)).tolist()
+        got, want = our_logits_stepwise(a, ids, 9).float(), our_logits_stepwise(b, ids, 9).float()
+        tol = 1e-4 if dtype == "float32" else 0.05 * want.abs().max().item()
+        assert (got - want).abs().max().item() < tol, name
