@@ -63,14 +63,16 @@ def model_fingerprint(model_dir: str | Path) -> int:
     return int.from_bytes(hashlib.sha256((cfg + "\n" + names).encode()).digest()[:8], "little")
 
 
-def load_shard_model(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: str) -> CausalLM:
+def load_shard_model(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: str,
+                     keep_fp8: bool | None = None) -> CausalLM:
     """This rank's model shard on the communicator's device, reading only its tensors. It runs no
     collective, so a warm standby loads it before joining a group; its parallel layers use `comm`
-    once it has joined."""
+    once it has joined. `keep_fp8`: as `load_model`'s (None: chosen by the device)."""
     cfg = load_config(model_dir)
     topo = EPTopology.of(cfg, comm.rank, comm.world_size)
     return load_model(model_dir, dtype, expert_range=topo.expert_range(),
-                      transform=lambda m: parallelize(m, topo, comm, moe_mode), device=comm.device)
+                      transform=lambda m: parallelize(m, topo, comm, moe_mode), device=comm.device,
+                      keep_fp8=keep_fp8)
 
 
 def load_shard(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: str,

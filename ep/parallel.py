@@ -97,6 +97,9 @@ class RowParallelLinear(Linear):
             return self._reduce(bi.split_linear(x, self.weight, self.in_parts, self.bi_rows))
         return self._reduce(bi.linear(x, self.weight, rows=self.bi_rows))
 
+    def _fp8(self, x: torch.Tensor) -> torch.Tensor:   # `keep_fp8`: this rank's window, bias after the sum
+        return self._reduce(self._fp8_matmul(x, None))
+
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         out = all_reduce(self, partial)
         return out if self.bias is None else out + self.bias

@@ -27,6 +27,7 @@ class RoutedExperts(nn.Module):
     column_major_weights = True   # `pack_for_inference` lays each expert's matrices out for the CPU GEMM
     packed_weights = {"gate_up_packed": "gate_up_proj", "down_packed": "down_proj"}   # and packs them
     backend: ExpertsBackend | None = None   # `choose_experts_backend`
+    fp8: tuple[int, int] | None = None   # the scale block once the weights are kept in FP8 (`keep_fp8`)
     _batch_invariant = False
     _fused = False
 
@@ -57,6 +58,25 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.register_buffer("gate_up_packed", None, persistent=False)   # cpu_ops.pack of each, or None
         self.register_buffer("down_packed", None, persistent=False)
+
+    def keep_fp8(self, block: tuple[int, int]) -> None:
+        """Keep the expert weights as an FP8 checkpoint stores them, e4m3 beside float32 block scales
+        (`gate_up_proj_scale_inv` [E, 2, ceil(I/br), ceil(H/bc)]: gate and up blocked apart, as stored;
+        `down_proj_scale_inv` [E, ceil(H/br), ceil(I/bc)]), run by the fused Triton kernels reading
+        them (`fused-fp8`, whatever the other switches: no other path reads FP8). Called once at
+        load, on the meta model (the loader fills them)."""
+        from runtime.model.quantization import FP8, scale_shape
+        e, two_i, h = self.gate_up_proj.shape
+        dev = self.gate_up_proj.device
+        self.gate_up_proj = nn.Parameter(torch.empty(e, two_i, h, dtype=FP8, device=dev), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, h, two_i // 2, dtype=FP8, device=dev), requires_grad=False)
+        self.register_buffer("gate_up_proj_scale_inv", torch.empty(e, 2, *scale_shape((two_i // 2, h), block),
+                                                                   dtype=torch.float32, device=dev))
+        self.register_buffer("down_proj_scale_inv", torch.empty(e, *scale_shape((h, two_i // 2), block),
+                                                                dtype=torch.float32, device=dev))
+        self.fp8 = tuple(block)
+        self.packed_weights = {}
+        self.backend = None
 
     @property
     def num_local_experts(self) -> int:
@@ -341,6 +361,23 @@ def _fused_impl(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
 
 fused_experts = _experts_op("fused_experts", _fused_impl)   # the Triton kernels, opaque to a compiled step
 
+torch.library.define("metrale::fused_fp8_experts", "(Tensor x, Tensor weights, Tensor ids, Tensor gate_up_proj, "
+                     "Tensor down_proj, Tensor gate_up_scale, Tensor down_scale, int[] block, int expert_offset) -> Tensor")
+
+
+@torch.library.impl("metrale::fused_fp8_experts", "CompositeExplicitAutograd")
+def _fused_fp8_impl(x, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, block, expert_offset):
+    from runtime.ops.kernels.fused_moe import fused_experts as kernel
+    return kernel(x, weights, ids, gate_up_proj, down_proj, expert_offset, gate_up_scale, down_scale, tuple(block))
+
+
+torch.library.register_fake("metrale::fused_fp8_experts")(lambda x, *_: x.new_empty(x.shape))
+
+
+def _fused_fp8_call(m: RoutedExperts, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.ops.metrale.fused_fp8_experts(x, w, ids, m.gate_up_proj, m.down_proj, m.gate_up_proj_scale_inv,
+                                               m.down_proj_scale_inv, m.fp8, m.expert_offset)
+
 
 def choose_fused_experts(model: nn.Module, on: bool | None = None) -> bool:
     """Whether the model's routed experts run the fused Triton kernels (runtime/ops/kernels/fused_moe.py),
@@ -351,6 +388,11 @@ def choose_fused_experts(model: nn.Module, on: bool | None = None) -> bool:
     if not mods:
         return False
     p = mods[0].gate_up_proj
+    if mods[0].fp8 is not None:   # kept FP8 (`RoutedExperts.keep_fp8`): the fused kernels are the one path
+        for m in mods:
+            m.fused = True
+            choose_experts_backend(m)
+        return True
     fits = p.dtype in (torch.float32, torch.bfloat16)
     if on is None:
         on = p.device.type == "cuda" and kernels.available("cuda") and fits
@@ -405,6 +447,8 @@ EXPERTS_BACKENDS = {b.name: b for b in (
     ExpertsBackend("native-invariant", _native_invariant_call, _native_invariant_call),
     # The Triton fused MoE kernels: sync-free in float32 and bfloat16, so the step captures.
     ExpertsBackend("fused", _op_call(fused_experts), _op_call(fused_experts)),
+    # The same kernels reading FP8 expert weights and their block scales (an FP8 checkpoint on CUDA).
+    ExpertsBackend("fused-fp8", _fused_fp8_call, _fused_fp8_call),
     # The native CPU op (`metrale_cpu::routed_experts`), its few-row GEMMs from the packed matrices.
     ExpertsBackend("native", _native_call, _native_call),
     # The CPU without the native library: per expert, or padded batched matmuls (`_take_padded`).
@@ -418,6 +462,8 @@ def experts_backend_name(m: RoutedExperts) -> str:
     """The backend a routed-experts module runs, from what was chosen for it (its dtype, device,
     batch-invariant switch, fused kernels) and whether the native CPU ops load."""
     p = m.gate_up_proj
+    if m.fp8 is not None:
+        return "fused-fp8"
     if p.dtype == torch.float64:
         return "reference-invariant" if m.batch_invariant else "reference"
     if m.batch_invariant:

@@ -126,11 +126,42 @@ class Linear(ChosenGemm, bi.InvariantSwitch, nn.Linear):
         super().__init__(*args, **kwargs)
         self.register_buffer("packed", None, persistent=False)   # `pack_for_inference`: cpu_ops.pack(weight)
 
+    # (block, offset) once its weight is kept in FP8 (`keep_fp8`): the scale block shape, and the rows
+    # and columns its weight (a window of the stored one) starts inside its first block.
+    fp8: tuple[tuple[int, int], tuple[int, int]] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         return self._gemm(x, self.weight, self.bias, self.packed)
+
+    def keep_fp8(self, block: tuple[int, int], offset: tuple[int, int] = (0, 0)) -> None:
+        """Keep this linear's weight as the checkpoint stores it, FP8 e4m3 beside its float32
+        `weight_scale_inv` blocks, and run it through the Triton block-scaled kernel
+        (runtime/ops/kernels/fp8_linear.py). Called once at load, before the weights are read (on
+        the meta model: the loader fills both). Binds the path now, for the default and the
+        batch-invariant switch alike (the kernel's rows do not depend on their batch)."""
+        from runtime.model.quantization import FP8, scale_shape
+        from runtime.ops.kernels import fp8_linear  # noqa: F401  (registers metrale::fp8_linear)
+        rows, cols = self.weight.shape
+        dev = self.weight.device
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8, device=dev), requires_grad=False)
+        self.register_buffer("weight_scale_inv", torch.empty(scale_shape((rows + offset[0], cols + offset[1]), block),
+                                                             dtype=torch.float32, device=dev))
+        self.fp8 = (tuple(block), tuple(offset))
+        self.packed_weights = {}   # no packed copy: the kernel reads the FP8 bytes
+        self._switched(self.batch_invariant)
+
+    def _switched(self, on: bool) -> None:
+        if self.fp8 is not None:
+            object.__setattr__(self, "_run", self._fp8)
+
+    def _fp8(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fp8_matmul(x, self.bias)
+
+    def _fp8_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.metrale.fp8_linear(x, self.weight, self.weight_scale_inv, bias, *self.fp8)
 
     def _invariant(self, x: torch.Tensor) -> torch.Tensor:
         if self.in_parts == 1:
@@ -190,10 +221,11 @@ def pack_for_inference(model: nn.Module) -> None:
     must not change after."""
     if any(p.device.type == "cpu" for p in model.parameters()):
         cpu_ops.load()   # before any step is compiled
-    for mod in model.modules():
-        if isinstance(mod, Attention) and type(mod.q_proj) is Linear and mod.qkv is None:
+    for mod in model.modules():   # an FP8-kept linear runs its own kernel: not fused
+        if isinstance(mod, Attention) and type(mod.q_proj) is Linear and mod.qkv is None \
+                and not _any_fp8(mod.q_proj, mod.k_proj, mod.v_proj):
             mod.qkv = FusedProjection([mod.q_proj, mod.k_proj, mod.v_proj])
-        elif isinstance(mod, MLP) and mod.gate_up is None:
+        elif isinstance(mod, MLP) and mod.gate_up is None and not _any_fp8(mod.gate_proj, mod.up_proj):
             mod.gate_up = FusedProjection([mod.gate_proj, mod.up_proj])
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     fused = {id(lin) for m in model.modules() if isinstance(m, Attention) and m.qkv is not None
@@ -204,7 +236,8 @@ def pack_for_inference(model: nn.Module) -> None:
         if isinstance(mod, FusedProjection) or id(mod) in fused:   # views of a fused weight: laid out there
             continue
         for name, p in mod.named_parameters(recurse=False):
-            if p.device.type != "cpu" or id(p) in tied or p.dim() < 2 or p.shape[-2] == 1:
+            if p.device.type != "cpu" or id(p) in tied or p.dim() < 2 or p.shape[-2] == 1 \
+                    or getattr(mod, "fp8", None) is not None:
                 continue
             if (isinstance(mod, nn.Linear) or getattr(mod, "column_major_weights", False)) \
                     and not p.data.transpose(-1, -2).is_contiguous():
@@ -217,6 +250,10 @@ def pack_for_inference(model: nn.Module) -> None:
             if getattr(mod, name) is None and cpu_ops.packs(w):
                 setattr(mod, name, cpu_ops.pack(w))
     choose_gemms(model)   # every linear's GEMM, for its final device and dtype
+
+
+def _any_fp8(*linears: Linear) -> bool:
+    return any(lin.fp8 is not None for lin in linears)
 
 
 class RMSNorm(nn.Module):
