@@ -156,6 +156,7 @@ class EPMoE(nn.Module):
         # eplb_copies [E, R+1] physical ids of each expert's copies, eplb_num_copies [E], and
         # expert_loads [E], the tokens routed to each expert since start (counted on the device).
         self.eplb_slots = None
+        self.eplb_on = False   # what the forward reads (a bool: a compiled step guards on it, not on the table)
         self.slots_per_rank = 0
 
     def physical(self, ids: torch.Tensor, first_row: int) -> torch.Tensor:
@@ -185,7 +186,7 @@ class EPMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dispatch_mode() == "allreduce":
             _, weights, ids = self.gate(x)
-            if self.eplb_slots is not None:
+            if self.eplb_on:
                 self.count(ids)
                 ids = self.physical(ids, 0)
             out = all_reduce(self, self.experts(x, weights, ids))
@@ -216,7 +217,7 @@ class EPMoE(nn.Module):
         start = sum(share[:rank])
         xs = x[start:start + share[rank]]                                  # [Ts, H] my share of tokens
         k = ids.shape[1]
-        if self.eplb_slots is None:
+        if not self.eplb_on:
             dest = self.owner[ids.reshape(-1)]                             # [Ts*k] rank of each choice
             loads = ids.new_zeros(0)
         else:   # EPLB: the copy each choice goes to, and this share's loads, sent with the counts
@@ -228,7 +229,7 @@ class EPMoE(nn.Module):
         # Exchange and check the counts first: gloo returns stale data on mismatched splits.
         gathered = comm.all_gather(torch.cat((send_counts, loads)).to(torch.int32)[None])
         all_counts = gathered[:, :n].reshape(n, n)
-        if self.eplb_slots is not None:
+        if self.eplb_on:
             self.expert_loads += gathered[:, n:].sum(dim=0)
         self.last_counts = all_counts  # [N, N] sender x receiver, kept for inspection
         if not torch.equal(all_counts[rank].long(), send_counts):

@@ -138,6 +138,7 @@ def enable(model: torch.nn.Module, comm: Communicator, num_redundant: int) -> in
             start[r, :len(mine_r)] = list(mine_r)
         layer.eplb_slots = start
         moved += move(layer, target, comm, fresh=True)
+        layer.eplb_on = True
     return moved
 
 

@@ -120,7 +120,8 @@ def test_eplb_ep2_with_live_replacements_equals_one_rank_in_float64(ckpt_mtp, mo
     one = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048)
     want = [one.generate(PROMPTS, p) for p in (greedy, seeded)]
     llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048, ep=2, moe_a2a=mode,
-              launcher=MPGroup, ep_timeout_s=60, eplb_redundant_experts=2, eplb_interval_steps=3)
+              launcher=MPGroup, ep_timeout_s=60, eplb_redundant_experts=2, eplb_interval_steps=3,
+              warm_standby=False)
     try:
         layers = moe_layers(llm.engine.runner.model)
         start = [m.eplb_slots.copy() for m in layers]
@@ -142,5 +143,34 @@ def test_eplb_ep2_with_live_replacements_equals_one_rank_in_float64(ckpt_mtp, mo
         text = metrics.render().decode()
         assert _expert_tokens(text, 0) == totals[0] and _expert_tokens(text, 2) == totals[2]
         assert f"metrale_eplb_placements_total {float(stats['placements'])}" in text
+    finally:
+        llm.shutdown()
+
+
+def test_compiled_ep2_after_a_replacement_keeps_one_ranks_logits_in_float32(ckpt_grouped):
+    """The compiled step reads the routing tables and weights EPLB moves in place: after a live
+    re-placement its logits still match one rank's (within 1e-5, float32)."""
+    from runtime.executor.attention import SeqChunk
+
+    def prefill_logits(llm, ids):
+        runner = llm.engine.runner
+        runner.cache.reserve(10_000, len(ids))
+        hidden, _ = runner.forward(ids, [SeqChunk(10_000, 0, len(ids))])
+        out = runner.logits(hidden, list(range(len(ids))))
+        runner.cache.free(10_000)
+        return out
+
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    want = prefill_logits(LLM(ckpt_grouped, dtype="float32", kv_cache_tokens=1024), ids)
+    llm = LLM(ckpt_grouped, dtype="float32", kv_cache_tokens=1024, ep=2, moe_a2a="allreduce", launcher=MPGroup,
+              ep_timeout_s=60, eplb_redundant_experts=2, warm_standby=False)
+    try:
+        assert (prefill_logits(llm, ids) - want).abs().max().item() < 1e-5
+        llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
+        runner = llm.engine.runner
+        start = [m.eplb_slots.copy() for m in moe_layers(runner.model)]
+        assert runner.rebalance_experts() > 0
+        assert any((m.eplb_slots != s).any() for m, s in zip(moe_layers(runner.model), start))
+        assert (prefill_logits(llm, ids) - want).abs().max().item() < 1e-5
     finally:
         llm.shutdown()
