@@ -9,8 +9,10 @@ Two sources of expert loads:
   step by step (max over ranks / mean over ranks of the rows each rank's experts get, averaged
   over steps), against the contiguous split, at EP 2 and EP 4;
 - a live EP 2 group (spawned processes, gloo, float32 eager) serving the same prompts with
-  `--eplb-redundant-experts 2 --eplb-interval-steps S`: the runtime's own counters, the placement
-  it ends with, the re-placements' weight bytes, and rank 0's wire bytes inside each MoE layer's
+  `--eplb-redundant-experts 2 --eplb-interval-steps S`: the runtime's own counters, read after
+  every forward, judge each decode step's rank loads under the placement it ran with (placed from
+  earlier steps only) against the contiguous split; also the whole run's loads under the final
+  placement, the re-placements' weight bytes, and rank 0's wire bytes inside each MoE layer's
   dispatch per step (`ep.comm.Communicator.wire_bytes`) under `--moe-a2a allreduce` and `alltoall`.
 """
 from __future__ import annotations
@@ -62,13 +64,34 @@ def live(mode: str, prompts: list[str], max_tokens: int, interval: int, redundan
     calls: list[tuple[int, int]] = []          # (rows, wire bytes) of each MoE dispatch on rank 0
     forward = EPMoE.forward
 
+    active: dict[int, np.ndarray] = {}        # the placement each layer ran its last dispatch with
+
     def counted(self, x):
+        active[id(self)] = self.eplb_slots.copy()
         before = sum(self.comm.wire_bytes.values())
         out = forward(self, x)
         calls.append((x.shape[0], sum(self.comm.wire_bytes.values()) - before))
         return out
 
     EPMoE.forward = counted
+    steps: list[dict] = []                     # per forward: rows per rank per layer, active placement vs contiguous
+    from ep.driver import DriverRunner
+    from ep.placement import loads as read_loads
+    drive = DriverRunner.forward
+
+    def stepped(self, tokens, chunks):
+        before = read_loads(self.model)
+        active.clear()
+        out = drive(self, tokens, chunks)      # re-places first when its interval is due
+        delta = [a - b for a, b in zip(read_loads(self.model), before)]
+        ran = [active.get(id(m)) for m in moe_layers(self.model)]
+        e = len(delta[0])
+        steps.append({"rows": len(tokens), "placed": self.placements,
+                      "contiguous": [imbalance(contiguous_placement(e, 2), d) for d in delta if d.sum()],
+                      "eplb": [imbalance(slot_share(a, e), d) for a, d in zip(ran, delta) if d.sum()]})
+        return out
+
+    DriverRunner.forward = stepped
     llm = LLM(MODEL, dtype="float32", ep=2, moe_a2a=mode, launcher=MPGroup, enforce_eager=True,
               eplb_redundant_experts=redundant, eplb_interval_steps=interval, prefix_cache=False,
               warm_standby=False)
@@ -85,10 +108,15 @@ def live(mode: str, prompts: list[str], max_tokens: int, interval: int, redundan
     finally:
         llm.shutdown()
         EPMoE.forward = forward
+        DriverRunner.forward = drive
     loads = np.asarray(stats["loads"], dtype=np.float64)
     target = [i for i, row in enumerate(loads) if row.sum() > 0]
     before = [imbalance(contiguous_placement(num_experts, 2), loads[i]) for i in target]
     after = [imbalance(slot_share(np.asarray(final[i]), num_experts), loads[i]) for i in target]
+    decode = [st for st in steps if st["rows"] <= len(prompts) and st["placed"] > 0]
+    per_step = {"decode_steps_after_first_placement": len(decode),
+                "contiguous": float(np.mean([np.mean(st["contiguous"]) for st in decode])),
+                "eplb": float(np.mean([np.mean(st["eplb"]) for st in decode]))}
     rows = np.asarray([r for r, _ in calls], dtype=np.float64)
     wire = np.asarray([b for _, b in calls], dtype=np.float64)
     return {"mode": mode, "ep": 2, "redundant": redundant, "interval_steps": interval, "prompts": len(prompts),
@@ -97,7 +125,7 @@ def live(mode: str, prompts: list[str], max_tokens: int, interval: int, redundan
             "replacement_bytes_per_layer_per_placement": stats["bytes_received"] / max(1, stats["placements"])
             / len(layers),
             "loads": stats["loads"], "final_slots": final,
-            "imbalance_contiguous": before, "imbalance_eplb_final": after,
+            "imbalance_contiguous": before, "imbalance_eplb_final": after, "per_step": per_step, "steps": steps,
             "moe_dispatches": len(calls), "rows_per_dispatch_mean": float(rows.mean()),
             "wire_bytes_per_dispatch_mean": float(wire.mean()),
             "wire_bytes_per_row": float(wire.sum() / rows.sum()),
@@ -115,7 +143,10 @@ def plot(record: dict, path: Path) -> None:
         cont.append(t["mean_contiguous"])
         eplb.append(t["mean_eplb"])
     for run in record["live"][:1]:
-        labels.append(f"live EP2 R{run['redundant']}")
+        labels.append(f"live EP2 R{run['redundant']} per step")
+        cont.append(run["per_step"]["contiguous"])
+        eplb.append(run["per_step"]["eplb"])
+        labels.append(f"live EP2 R{run['redundant']} run total")
         cont.append(float(np.mean(run["imbalance_contiguous"])))
         eplb.append(float(np.mean(run["imbalance_eplb_final"])))
     x = np.arange(len(labels))
@@ -161,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{np.mean(r['imbalance_eplb_final']):.3f} EPLB ({r['placements']} placements, "
               f"{r['replacement_bytes_per_layer_per_placement']:.0f} B a layer each); "
               f"{r['wire_bytes_per_row']:.0f} wire B per row per MoE layer, "
-              f"{r['decode_wire_bytes_per_dispatch']:.0f} per decode dispatch")
+              f"{r['decode_wire_bytes_per_dispatch']:.0f} per decode dispatch; per decode step after the first "
+              f"placement {r['per_step']['contiguous']:.3f} contiguous -> {r['per_step']['eplb']:.3f} EPLB")
     return 0
 
 
