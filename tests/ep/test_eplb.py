@@ -115,8 +115,8 @@ def test_eplb_ep2_with_live_replacements_equals_one_rank_in_float64(ckpt_mtp, mo
     """EP 2 with 2 redundant experts, re-placed every 3 forwards while MTP chains draft (greedy,
     then seeded): the tokens, drafts and acceptance of one rank; the placements changed, copies
     exist, weights moved; the load counters reach /metrics."""
-    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
-    seeded = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=5)
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=5)
     one = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048)
     want = [one.generate(PROMPTS, p) for p in (greedy, seeded)]
     llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048, ep=2, moe_a2a=mode,
@@ -172,5 +172,35 @@ def test_compiled_ep2_after_a_replacement_keeps_one_ranks_logits_in_float32(ckpt
         assert runner.rebalance_experts() > 0
         assert any((m.eplb_slots != s).any() for m, s in zip(moe_layers(runner.model), start))
         assert (prefill_logits(llm, ids) - want).abs().max().item() < 1e-5
+    finally:
+        llm.shutdown()
+
+
+def test_a_group_restarted_mid_stream_with_eplb_loses_nothing(ckpt_mtp):
+    """A worker SIGKILLed while EPLB re-places every 4 forwards: the group restarts from the loaded
+    split plus copies (rank 0 reloads its shard), re-places again, and the tokens are one rank's."""
+    import os
+    import signal
+    import threading
+    import time
+    prompts = [[5, 17, 200, 3], [9, 9, 9, 100, 250]]
+    long = [SamplingParams(max_tokens=40, ignore_eos=True),
+            SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, seed=5)]
+    want = [o.token_ids for o in LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048).generate(prompts, long)]
+    llm = LLM(ckpt_mtp, dtype="float64", kv_cache_tokens=2048, ep=2, launcher=MPGroup, ep_timeout_s=30,
+              max_restarts=1, eplb_redundant_experts=2, eplb_interval_steps=4)
+    try:
+        first = llm.deployment.group.pids[0]
+        seqs = [llm.engine.add_request(p, sp) for p, sp in zip(prompts, long)]
+        runner = threading.Thread(target=lambda: [llm.step() for _ in iter(llm.engine.has_unfinished, False)])
+        runner.start()
+        while seqs[0].num_output < 10 and runner.is_alive():
+            time.sleep(0.01)
+        os.kill(first, signal.SIGKILL)
+        runner.join(timeout=120)
+        assert not runner.is_alive()
+        assert [s.output_ids for s in seqs] == want
+        assert llm.deployment.restarts == 1
+        assert llm.expert_stats()["placements"] >= 1      # the new group re-places too
     finally:
         llm.shutdown()
