@@ -117,6 +117,9 @@ class DeploymentConfig:
     # Decode/verify steps padded to buckets (runtime.executor.static_step), captured as CUDA graphs on CUDA
     # unless enforce_eager. None: on for CUDA, off on the CPU (there it only adds padding).
     static_steps: bool | None = None
+    # EPLB (ep.placement): redundant expert slots (None: off) and the forwards between re-placements.
+    eplb_redundant_experts: int | None = None
+    eplb_interval_steps: int | None = None
 
     def step_settings(self) -> StepSettings:
         """The settings rank 0's runner resolves against its model (runtime.executor.settings):
@@ -139,6 +142,15 @@ class DeploymentConfig:
             raise ValueError(f"max_restarts={self.max_restarts} must be at least 0")
         if self.moe_a2a not in ("auto", "alltoall", "allreduce"):
             raise ValueError(f"moe_a2a={self.moe_a2a!r}: expected auto, alltoall or allreduce")
+        r, s = self.eplb_redundant_experts, self.eplb_interval_steps
+        if r is not None and r < 0:
+            raise ValueError(f"--eplb-redundant-experts {r}: must be at least 0")
+        if r is not None and self.ep < 2:
+            raise ValueError(f"--eplb-redundant-experts {r}: balances experts over EP ranks; needs --ep 2 or more")
+        if s is not None and r is None:
+            raise ValueError(f"--eplb-interval-steps {s}: needs --eplb-redundant-experts (0 for no copies)")
+        if s is not None and s < 1:
+            raise ValueError(f"--eplb-interval-steps {s}: must be at least 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +189,10 @@ class Deployment:
         if not config.model_dir.is_dir():
             raise FileNotFoundError(f"model folder {str(config.model_dir)!r} does not exist")
         _refuse_for_linear_attention(config, spec)
+        if config.eplb_redundant_experts is not None:
+            from ep.eplb import check_placeable
+            from runtime.model.config import load_config
+            check_placeable(load_config(config.model_dir).n_routed_experts, config.eplb_redundant_experts, config.ep)
         if config.ep > 1 and launcher is None and comm is None:
             raise ValueError(f"ep={config.ep} needs a launcher (launch.mp.MPGroup, launch.ray_group.RayGroup) "
                              "or a joined communicator")
@@ -330,6 +346,8 @@ class Deployment:
             raise
         finally:
             runner.cache.free(seq)
+            if isinstance(runner, DriverRunner) and runner.eplb:
+                runner.eplb_reset()   # the scratch steps' routing is no load
         self.compile_report = (f"compiled the step in {time.perf_counter() - t0:.1f} s: {len(graphs)} steps "
                                f"({', '.join(names)}), {counters['stats']['unique_graphs'] - before} graphs")
         log.info("%s", self.compile_report)
@@ -356,13 +374,14 @@ class Deployment:
             batch_invariant = cfg.dtype == "float64" if cfg.batch_invariant is None else cfg.batch_invariant
             compiled = not cfg.enforce_eager and cfg.dtype != "float64"
             driver_handshake(comm, cfg.model_dir, cfg.dtype, self.spec.confidence_stop, batch_invariant,
-                             getattr(self.group, "generation", 0), compiled)
+                             getattr(self.group, "generation", 0), compiled, cfg.eplb_redundant_experts)
             if comm.device != torch.device(cfg.device):
                 raise ValueError(f"rank 0's communicator is on {comm.device}, the deployment on {cfg.device}")
-            if self._shard is None or self._shard[0] is not comm:
+            # EPLB moves experts between ranks: a restarted group starts again from the loaded split.
+            if self._shard is None or self._shard[0] is not comm or cfg.eplb_redundant_experts is not None:
                 self._shard = comm, load_shard_model(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a)
             local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a, cfg.kv_cache_tokens, batch_invariant,
-                               self._shard[1], cfg.gpu_memory_utilization, compiled)
+                               self._shard[1], cfg.gpu_memory_utilization, compiled, cfg.eplb_redundant_experts)
             self.rank_weight_bytes = gather_weight_bytes(comm, local)
             info = gather_rank_info(comm)
             comm.started()
@@ -373,7 +392,7 @@ class Deployment:
             raise
         nodes = self.group.nodes() if self.group is not None else [r["host"] for r in info]
         self.rank_info = [{**r, "node": node} for r, node in zip(info, nodes)]
-        return DriverRunner(local, comm)
+        return DriverRunner(local, comm, cfg.eplb_interval_steps)
 
     def _make_proposer(self, runner: ModelRunner | DriverRunner) -> DraftProposer | None:
         """The drafter the settings ask for: the checkpoint's MTP layer (sharded across the EP
