@@ -13,6 +13,7 @@ from runtime.sample.sampler import SamplingParams
 from engine.sequence import RequestOutput, Sequence
 from engine.tokenizer import Tokenizer
 from serving.deployment import DEFAULT_MAX_RESTARTS, Deployment, DeploymentConfig, Launcher
+from serving.settings import Settings
 from speculative.settings import SpecSettings, resolve_spec_settings
 
 Prompt = str | list[int]
@@ -92,6 +93,10 @@ class LLM:
                              kv_block_size=kv_block_size, eplb_redundant_experts=eplb_redundant_experts,
                              eplb_interval_steps=eplb_interval_steps),
             self.spec, launcher, comm)
+        runner = self.deployment.runner
+        # Every setting this LLM runs by, resolved once (serving.settings).
+        self.settings = Settings(deployment=self.deployment.config, engine=config, spec=self.spec,
+                                 step=getattr(runner, "local", runner).settings)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.engine: Engine | None = Engine(self.deployment.runner, self.tokenizer, config, self.spec,
                                             self.deployment.proposer)
