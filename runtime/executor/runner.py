@@ -16,7 +16,7 @@ from runtime.executor.step import choose_step_mode
 from runtime.ops.batch_invariant import set_batch_invariant
 from runtime.executor.compiled import compile_step
 from runtime.platform.device import kv_tokens_for_memory, use_device
-from runtime.executor.kv_cache import PagedKVCache
+from runtime.executor.kv_cache import NO_LAYER_STATES, PagedKVCache
 from runtime.model.experts import choose_experts_backends, uses_fused_experts
 from runtime.model.layers import Linear, choose_gemms
 from runtime.model.linear_attention import RecurrentStates
@@ -50,6 +50,7 @@ class ExecutorChoice:
     attention: str                  # the cache's attention backend (runtime.executor.attention)
     experts: tuple[tuple[str, int], ...]   # routed-experts backends and how many layers run each
     linears: tuple[tuple[str, int], ...] = ()   # GEMMs of the linears (runtime.model.layers.gemm_for), counts
+    layer_states: str = "none"      # the cache's layer-state backend (runtime.executor.kv_cache.LayerStates)
     sampler: str = "torch"          # the sampler backend (runtime.executor.sampling)
 
     def __str__(self) -> str:
@@ -57,7 +58,8 @@ class ExecutorChoice:
         linears = ", ".join(f"{name} x{n}" for name, n in self.linears) or "none"
         return (f"{self.device} {self.dtype}: {self.execution} steps, static steps {self.static_steps}, "
                 f"batch-invariant {'on' if self.batch_invariant else 'off'}, attention {self.attention}, "
-                f"linears {linears}, routed experts {experts}, sampler {self.sampler}")
+                f"linears {linears}, routed experts {experts}, layer states {self.layer_states}, "
+                f"sampler {self.sampler}")
 
 
 class ModelRunner:
@@ -140,7 +142,8 @@ class ModelRunner:
         # How every step's rows are drawn (the engine's and the verifier's), chosen here once.
         self.sampler = choose_sampler(self.device, st.sampling_kernel)
         # The conv and recurrent states of the linear-attention layers, freed with each sequence's blocks.
-        self.states = RecurrentStates(cfg, dtype=model.dtype, device=self.device) if hybrid else None
+        # The layer-state backend: a hybrid model's recurrent states, else nothing (chosen here once).
+        self.states = RecurrentStates(cfg, dtype=model.dtype, device=self.device) if hybrid else NO_LAYER_STATES
         self.cache.states = self.states
         self.graphs: StepGraphs | None = None
         if st.static_steps:
@@ -154,7 +157,7 @@ class ModelRunner:
             static_steps="off" if self.graphs is None else self.graphs.name,
             batch_invariant=self.batch_invariant, attention=self.attention.name,
             experts=tuple(sorted(self.experts_backends.items())), linears=tuple(sorted(self.gemms.items())),
-            sampler=self.sampler.name)
+            layer_states=self.states.name, sampler=self.sampler.name)
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], chunks: list[SeqChunk]) -> tuple[torch.Tensor, StepPlan]:
@@ -167,8 +170,7 @@ class ModelRunner:
             return self.graphs.run(tokens, chunks, shape)
         plan = self.attention.plan(self.cache, chunks)
         paged = PagedAttention(self.cache, plan)
-        if self.states is not None:
-            paged.states = self.states.step(chunks)
+        paged.states = self.states.step(chunks)
         tokens_t = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.mode((tokens_t,), plan.positions, paged), plan
 
