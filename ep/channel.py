@@ -18,8 +18,9 @@ import torch
 
 from ep.comm import CommError, Communicator, u32_to_words, words_to_u32
 from ep.parallel import parallelize
-from ep.protocol import (BATCH_INVARIANT_BIT, COMPILED_BIT, DTYPE_CODES, DTYPE_MASK, EP_CMD_HANDSHAKE, EPLB_SHIFT, EP_CMD_SLOT_ATTACH, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE, EP_CMD_SLOT_RESERVE,
-                         EP_CMD_SLOT_REWIND, HEADER_WORDS, NO_SLOT, PROTOCOL_VERSION, Command, ProtocolError,
+from ep.protocol import (BATCH_INVARIANT_BIT, COMPILED_BIT, DTYPE_CODES, DTYPE_MASK, EP_CMD_HANDSHAKE, EPLB_SHIFT,
+                         EP_CMD_SLOT_ATTACH, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE, EP_CMD_SLOT_RESERVE,
+                         EP_CMD_SLOT_REWIND, HEADER_WORDS, PROTOCOL_VERSION, Command, ProtocolError,
                          bulk_len, encode, float_bits, parse_stop)
 from ep.topology import EPTopology
 from runtime.model.config import load_config
