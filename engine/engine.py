@@ -145,12 +145,12 @@ class Engine:
 
     def _scheduler(self, runner: ModelRunner, config: SchedulerConfig) -> Scheduler:
         prefix = None
-        states = getattr(runner, "states", None)
-        if self.config.prefix_cache and states is not None:
-            log.info("prefix caching is off for %s: reusing a cached block would need the linear-attention "
-                     "state at its end, %d bytes per sequence per block boundary kept (not kept)",
-                     self.model_config.architecture, states.bytes_per_sequence)
-        if self.config.prefix_cache and states is None:
+        states = runner.cache.states   # the cache's layer-state backend (runtime.executor.kv_cache.LayerStates)
+        if self.config.prefix_cache and not states.attachable:
+            log.info("prefix caching is off for %s: reusing a cached block would need the %s layer state at "
+                     "its end, %d bytes per sequence per block boundary kept (not kept)",
+                     self.model_config.architecture, states.name, states.bytes_per_sequence)
+        if self.config.prefix_cache and states.attachable:
             prefix = PrefixCache(runner.cache, root_key(repr(self.model_config), str(runner.model.dtype)))
         return Scheduler(config, runner.cache, prefix, on_preempt=self._on_preempt, on_admit=self._on_admit)
 

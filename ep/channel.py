@@ -18,13 +18,15 @@ import torch
 
 from ep.comm import CommError, Communicator, u32_to_words, words_to_u32
 from ep.parallel import parallelize
-from ep.protocol import (BATCH_INVARIANT_BIT, COMPILED_BIT, DTYPE_CODES, DTYPE_MASK, EP_CMD_HANDSHAKE, EP_CMD_SLOT_ATTACH, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE, EP_CMD_SLOT_RESERVE,
-                         EP_CMD_SLOT_REWIND, HEADER_WORDS, NO_SLOT, PROTOCOL_VERSION, Command, ProtocolError,
+from ep.protocol import (BATCH_INVARIANT_BIT, COMPILED_BIT, DTYPE_CODES, DTYPE_MASK, EP_CMD_HANDSHAKE, EPLB_SHIFT,
+                         EP_CMD_SLOT_ATTACH, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE, EP_CMD_SLOT_RESERVE,
+                         EP_CMD_SLOT_REWIND, HEADER_WORDS, PROTOCOL_VERSION, Command, ProtocolError,
                          bulk_len, encode, float_bits, parse_stop)
 from ep.topology import EPTopology
 from runtime.model.config import load_config
 from runtime.platform.device import kv_tokens_for_memory
 from runtime.model.causal_lm import CausalLM
+from runtime.executor.settings import StepSettings
 from runtime.executor.runner import ModelRunner, kv_bytes_per_token
 from runtime.model.weights import checkpoint_files, load_model
 
@@ -62,30 +64,38 @@ def model_fingerprint(model_dir: str | Path) -> int:
     return int.from_bytes(hashlib.sha256((cfg + "\n" + names).encode()).digest()[:8], "little")
 
 
-def load_shard_model(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: str) -> CausalLM:
+def load_shard_model(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: str,
+                     keep_fp8: bool | None = None) -> CausalLM:
     """This rank's model shard on the communicator's device, reading only its tensors. It runs no
     collective, so a warm standby loads it before joining a group; its parallel layers use `comm`
-    once it has joined."""
+    once it has joined. `keep_fp8`: as `load_model`'s (None: chosen by the device)."""
     cfg = load_config(model_dir)
     topo = EPTopology.of(cfg, comm.rank, comm.world_size)
     return load_model(model_dir, dtype, expert_range=topo.expert_range(),
-                      transform=lambda m: parallelize(m, topo, comm, moe_mode), device=comm.device)
+                      transform=lambda m: parallelize(m, topo, comm, moe_mode), device=comm.device,
+                      keep_fp8=keep_fp8)
 
 
 def load_shard(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: str,
                kv_cache_tokens: int, batch_invariant: bool, model: CausalLM | None = None,
-               gpu_memory_utilization: float | None = None, compiled: bool = False) -> ModelRunner:
-    """This rank's model shard (`model` when loaded already) and a fresh KV cache, on the
-    communicator's device; `compiled`: its step runs through `torch.compile` (every rank of a
-    group alike: the handshake's COMPILED_BIT)."""
+               gpu_memory_utilization: float | None = None, compiled: bool = False,
+               eplb_redundant: int | None = None) -> ModelRunner:
+    """This rank's model shard (`model` when loaded already, as loaded: contiguous experts) and a
+    fresh KV cache, on the communicator's device; `compiled`: its step runs through
+    `torch.compile` (every rank of a group alike: the handshake's COMPILED_BIT); `eplb_redundant`:
+    EPLB with that many redundant experts (`ep.placement.enable`, collective; None: off)."""
     if model is None:
         model = load_shard_model(model_dir, dtype, comm, moe_mode)
+    if eplb_redundant is not None:
+        from ep.placement import enable
+        enable(model, comm, eplb_redundant)
     if gpu_memory_utilization is not None:
         # Every rank replays rank 0's allocator, so all ranks take the smallest cache any GPU holds.
         mine = kv_tokens_for_memory(comm.device, gpu_memory_utilization, kv_bytes_per_token(model))
         kv_cache_tokens = -int(comm.all_reduce(torch.tensor([-mine], dtype=torch.int64, device=comm.device),
                                                "max")[0])
-    return ModelRunner(model, kv_cache_tokens=kv_cache_tokens, batch_invariant=batch_invariant, compiled=compiled)
+    return ModelRunner(model, StepSettings(kv_cache_tokens=kv_cache_tokens, batch_invariant=batch_invariant,
+                                           compiled=compiled))
 
 
 def weight_bytes(runner: ModelRunner) -> int:
@@ -143,17 +153,21 @@ def _handshake_failed(comm: Communicator, status: int) -> HandshakeError:
 
 def driver_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
                      confidence_stop: float | None = None, batch_invariant: bool = False,
-                     generation: int = 0, compiled: bool = False) -> None:
+                     generation: int = 0, compiled: bool = False, eplb_redundant: int | None = None) -> None:
     """Rank 0: announce what this group must agree on (protocol version, world size, model
     fingerprint, dtype, and the group's generation, which travels in the header's slot word: the
     launcher counts its groups, so a rank started for an older group never joins a newer one),
     and what every rank adopts: the confidence stop TAU every rank drafts with (None: no stop)
-    and whether every rank runs the batch-invariant kernels and compiles its step.
+    and whether every rank runs the batch-invariant kernels and compiles its step, and EPLB's
+    redundant experts (None: no EPLB).
     Raises `HandshakeError` naming the first rank that disagrees; every rank stops then."""
     if confidence_stop is not None and not 0.0 < confidence_stop < 1.0:
         raise ValueError(f"confidence_stop={confidence_stop} must be in (0, 1) or None")
     *words, dtype_word = handshake_words(model_dir, comm.world_size, dtype)
+    if eplb_redundant is not None and not 0 <= eplb_redundant < (1 << (32 - EPLB_SHIFT)) - 1:
+        raise ValueError(f"eplb_redundant={eplb_redundant} does not fit the handshake")
     mode = dtype_word | (BATCH_INVARIANT_BIT if batch_invariant else 0) | (COMPILED_BIT if compiled else 0)
+    mode |= 0 if eplb_redundant is None else (eplb_redundant + 1) << EPLB_SHIFT
     words = (*words, mode, float_bits(confidence_stop))
     header, _ = encode(Command(EP_CMD_HANDSHAKE, generation, words))
     comm.broadcast(u32_to_words(header, comm.device))
@@ -163,21 +177,22 @@ def driver_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
 
 
 def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
-                     generation: int = 0) -> tuple[float | None, bool, bool]:
+                     generation: int = 0) -> tuple[float | None, bool, bool, int | None]:
     """Ranks above 0: check rank 0's handshake against this rank's own words (and the generation
     of the group its launcher started it for); returns what the group adopts from rank 0: the
-    confidence stop TAU (float32-exact; None for no stop), whether the batch-invariant kernels run
-    and whether the step is compiled."""
+    confidence stop TAU (float32-exact; None for no stop), whether the batch-invariant kernels run,
+    whether the step is compiled, and EPLB's redundant experts (None: no EPLB)."""
     header, _ = recv_command(comm)
     mine = handshake_words(model_dir, comm.world_size, dtype)
-    kind, stop, batch_invariant, compiled = 0, None, False, False
+    kind, stop, batch_invariant, compiled, eplb = 0, None, False, False, None
     if header[1] != EP_CMD_HANDSHAKE:
         kind = 1
     else:
         theirs = list(header[2:2 + 6])
         batch_invariant = bool(theirs[4] & BATCH_INVARIANT_BIT)
         compiled = bool(theirs[4] & COMPILED_BIT)
-        if theirs[4] & ~(DTYPE_MASK | BATCH_INVARIANT_BIT | COMPILED_BIT):
+        eplb = (theirs[4] >> EPLB_SHIFT) - 1 if theirs[4] >> EPLB_SHIFT else None
+        if theirs[4] & ~(DTYPE_MASK | BATCH_INVARIANT_BIT | COMPILED_BIT) & ((1 << EPLB_SHIFT) - 1):
             kind = 4
         theirs[4] &= DTYPE_MASK
         kind = kind or next((reason for i, reason in HANDSHAKE_CHECKS if theirs[i] != mine[i]), 0)
@@ -190,7 +205,7 @@ def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
     status = report_status(comm, (kind << 16) | comm.rank if kind else 0)
     if status:
         raise _handshake_failed(comm, status)
-    return stop, batch_invariant, compiled
+    return stop, batch_invariant, compiled, eplb
 
 
 def gather_rank_info(comm: Communicator) -> list[dict]:

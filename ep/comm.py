@@ -82,6 +82,10 @@ class Communicator:
             # Ranks share the host's cores: more threads than cores per rank only adds contention.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         self.comm_seconds = 0.0  # wall time spent inside collectives (for the step split)
+        # Bytes this rank puts on the wire, by collective, counted from the tensors and splits (a
+        # ring's share for all_reduce and all_gather: 2(N-1)/N and (N-1)/N of the result; an
+        # all_to_all's rows for other ranks; a broadcast's tensor from its source).
+        self.wire_bytes: dict[str, int] = {}
         self._listening = None   # rank 0's rendezvous store opened by `listen`, until `join` takes it
         if init_method is not None:
             self.join(init_method)
@@ -137,12 +141,18 @@ class Communicator:
         finally:
             self.comm_seconds += time.perf_counter() - t0
 
+    def _count(self, what: str, nbytes: float) -> None:
+        if self.joined:
+            self.wire_bytes[what] = self.wire_bytes.get(what, 0) + int(nbytes)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self._count("broadcast", _nbytes(tensor) if self.rank == src else 0)
         self._run("broadcast", dist.broadcast, tensor, src=src)
         return tensor
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+        self._count("all_reduce", 2 * (self.world_size - 1) / self.world_size * _nbytes(tensor))
         self._run("all_reduce", dist.all_reduce, tensor, op=ops[op])
         return tensor
 
@@ -152,6 +162,7 @@ class Communicator:
             return tensor
         out = tensor.new_empty((self.world_size * tensor.shape[0], *tensor.shape[1:]))
         gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        self._count("all_gather", (self.world_size - 1) * _nbytes(tensor))
         self._run("all_gather", gather, out, tensor.contiguous())
         return out
 
@@ -162,6 +173,8 @@ class Communicator:
         if not self.joined:
             out.copy_(tensor)
             return out
+        row = _nbytes(tensor[:1]) if tensor.shape[0] else 0
+        self._count("all_to_all", (sum(send_splits) - send_splits[self.rank]) * row)
         self._run("all_to_all", dist.all_to_all_single, out, tensor.contiguous(), recv_splits, send_splits)
         return out
 
@@ -175,6 +188,10 @@ class Communicator:
                 dist.destroy_process_group()
             except Exception:  # a broken group cannot always be torn down; the process exits anyway
                 pass
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def free_port() -> int:

@@ -9,8 +9,9 @@ import torch
 
 from ep.channel import OP_CODES, send_command
 from ep.comm import Communicator
+from ep import placement
 from ep.protocol import (EP_CMD_LOGITS, EP_CMD_SHUTDOWN, NO_SLOT, Command, ForwardPayload, Observation, Op,
-                         ProposePayload, forward_command, propose_command)
+                         ProposePayload, eplb_command, forward_command, propose_command)
 from runtime.executor.attention import SeqChunk
 from runtime.executor.runner import ModelRunner
 from speculative.knobs import DrafterKnobs
@@ -23,7 +24,9 @@ class DriverRunner:
 
     `sent` counts the commands that went on the wire, by name (`Command.name`)."""
 
-    def __init__(self, local: ModelRunner, comm: Communicator) -> None:
+    def __init__(self, local: ModelRunner, comm: Communicator, eplb_interval_steps: int | None = None) -> None:
+        """`eplb_interval_steps`: with EPLB on (`ep.placement.enable`), re-place the experts from
+        the loads counted since the last placement before every that many forwards."""
         self.local = local
         self.compiled = local.compiled   # every rank alike (the handshake's COMPILED_BIT)
         self.batch_invariant = local.batch_invariant
@@ -38,6 +41,15 @@ class DriverRunner:
         # The last FORWARD the workers executed, as they parsed it: a three-word propose is read off it.
         self.last_forward: ForwardPayload | None = None
         self.sent: Counter[str] = Counter()
+        layers = placement.moe_layers(self.model)
+        self.eplb = bool(layers) and layers[0].eplb_slots is not None
+        if eplb_interval_steps is not None and not self.eplb:
+            raise ValueError(f"--eplb-interval-steps {eplb_interval_steps} needs --eplb-redundant-experts")
+        self.eplb_interval = eplb_interval_steps
+        self.forwards = 0                 # forwards since start (or since `eplb_reset`)
+        self.placements = 0               # live re-placements done
+        self.eplb_bytes_received = 0      # expert weight bytes rank 0 received in them
+        self._eplb_since: list | None = None   # the load counters at the last re-placement
 
     def send(self, cmd: Command) -> None:
         """Broadcast one command and wait for every rank's verdict (`CommandRefused` on a refusal)."""
@@ -54,6 +66,9 @@ class DriverRunner:
         return ops
 
     def forward(self, tokens: list[int], chunks: list[SeqChunk]):
+        if self.eplb_interval and self.forwards and self.forwards % self.eplb_interval == 0:
+            self.rebalance_experts()
+        self.forwards += 1
         sent = ForwardPayload(ops=self.take_ops(), chunks=[(c.seq_id, c.start, c.num_tokens) for c in chunks],
                               tokens=list(tokens), obs=self.take_obs(),
                               trees={i: list(c.parents) for i, c in enumerate(chunks) if c.parents is not None})
@@ -70,6 +85,31 @@ class DriverRunner:
         when they can derive it from the last forward, else the batched form. `pending[i]` is
         (last_token, position) of `payload.seqs[i]`."""
         self.send(propose_command(self.last_forward, payload, stop, pending))
+
+    def rebalance_experts(self) -> int:
+        """Re-place every MoE layer's experts from the loads counted since the last placement
+        (`ep.placement.replan`): send the EPLB command, then move rank 0's own weights with the
+        workers. Between two steps: no sequence's cache or tokens change. Returns the expert
+        weight bytes rank 0 received."""
+        tables = placement.replan(self.model, self._eplb_since)
+        self._eplb_since = placement.loads(self.model)
+        self.send(eplb_command([t.reshape(-1).tolist() for t in tables]))
+        got = placement.apply(self.model, tables, self.comm)
+        self.placements += 1
+        self.eplb_bytes_received += got
+        return got
+
+    def expert_loads(self) -> list[list[int]]:
+        """Tokens routed to each expert of each MoE layer (model order) since start; [] without
+        EPLB. One host read of the device counters."""
+        return [row.tolist() for row in placement.loads(self.model)] if self.eplb else []
+
+    def eplb_reset(self) -> None:
+        """Forget the forwards and loads so far (after the warm-up's scratch steps)."""
+        self.forwards = 0
+        self._eplb_since = None
+        for layer in placement.moe_layers(self.model) if self.eplb else ():
+            layer.expert_loads.zero_()
 
     def shutdown(self) -> None:
         self.send(Command(EP_CMD_SHUTDOWN))

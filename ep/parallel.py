@@ -36,7 +36,7 @@ from runtime.ops import batch_invariant as bi
 from runtime.executor.step_context import step_model
 from runtime.model.config import ModelConfig
 from runtime.model.experts import RoutedExperts
-from runtime.model.layers import Linear, MoE, linear
+from runtime.model.layers import ChosenGemm, Linear, MoE
 from runtime.model.mla import MLAttention
 from runtime.model.causal_lm import CausalLM
 
@@ -103,12 +103,15 @@ class RowParallelLinear(Linear):
             return self._reduce(bi.split_linear(x, self.weight, self.in_parts, self.bi_rows))
         return self._reduce(bi.linear(x, self.weight, rows=self.bi_rows))
 
+    def _fp8(self, x: torch.Tensor) -> torch.Tensor:   # `keep_fp8`: this rank's window, bias after the sum
+        return self._reduce(self._fp8_matmul(x, None))
+
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         out = all_reduce(self, partial)
         return out if self.bias is None else out + self.bias
 
 
-class VocabParallelHead(bi.InvariantSwitch, nn.Module):
+class VocabParallelHead(ChosenGemm, bi.InvariantSwitch, nn.Module):
     """This rank's rows of the output projection; `forward` gathers full logits on every rank."""
 
     switched = {"_local": "_local_invariant"}
@@ -122,7 +125,7 @@ class VocabParallelHead(bi.InvariantSwitch, nn.Module):
         self.register_buffer("packed", None, persistent=False)
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, None, self.packed)
+        return self._gemm(x, self.weight, None, self.packed)
 
     def _local_invariant(self, x: torch.Tensor) -> torch.Tensor:
         return bi.linear(x, self.weight)
@@ -159,6 +162,25 @@ class EPMoE(nn.Module):
         owner = [r for r in range(topo.ep_size) for _ in topo.expert_range(r)]
         self.owner = torch.tensor(owner, dtype=torch.long, device=comm.device)      # expert id -> rank
         self.handle = -1   # its index in the model's ep_collectives (`parallelize`)
+        # EPLB (ep.placement.enable): the slot table [N, S] numpy, and the buffers it registers:
+        # eplb_copies [E, R+1] physical ids of each expert's copies, eplb_num_copies [E], and
+        # expert_loads [E], the tokens routed to each expert since start (counted on the device).
+        self.eplb_slots = None
+        self.eplb_on = False   # what the forward reads (a bool: a compiled step guards on it, not on the table)
+        self.slots_per_rank = 0
+
+    def physical(self, ids: torch.Tensor, first_row: int) -> torch.Tensor:
+        """EPLB: the physical expert (rank * S + slot) of each choice in `ids` [T, k] whose first
+        row is row `first_row` of the step: copy (c mod n_e) of expert e, c = row * k + choice, so
+        every rank picks the same copy for a choice wherever it is routed."""
+        k = ids.shape[1]
+        c = torch.arange(ids.numel(), device=ids.device).view_as(ids) + first_row * k
+        return self.eplb_copies[ids, c % self.eplb_num_copies[ids]]
+
+    def count(self, ids: torch.Tensor) -> None:
+        """Add the step's choices to `expert_loads` (on the device, no host sync)."""
+        flat = ids.reshape(-1)
+        self.expert_loads.index_add_(0, flat, torch.ones_like(flat))
 
     def dispatch_mode(self) -> str:
         """The mode this layer runs. `auto`: all-reduce (every rank holds the step's rows anyway,
@@ -174,6 +196,9 @@ class EPMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dispatch_mode() == "allreduce":
             _, weights, ids = self.gate(x)
+            if self.eplb_on:
+                self.count(ids)
+                ids = self.physical(ids, 0)
             out = all_reduce(self, self.experts(x, weights, ids))
         else:
             # The router runs on this rank's share of the rows (in the step's graph when
@@ -204,11 +229,20 @@ class EPMoE(nn.Module):
         start = sum(share[:rank])
         xs = x[start:start + share[rank]]                                  # [Ts, H] my share of tokens
         k = ids.shape[1]
-        dest = self.owner[ids.reshape(-1)]                                 # [Ts*k] rank of each choice
+        if not self.eplb_on:
+            dest = self.owner[ids.reshape(-1)]                             # [Ts*k] rank of each choice
+            loads = ids.new_zeros(0)
+        else:   # EPLB: the copy each choice goes to, and this share's loads, sent with the counts
+            loads = torch.bincount(ids.reshape(-1), minlength=topo.num_experts)
+            ids = self.physical(ids, start)
+            dest = ids.reshape(-1) // self.slots_per_rank
         order = torch.argsort(dest, stable=True)
         send_counts = torch.bincount(dest, minlength=n)                    # [N]
         # Exchange and check the counts first: gloo returns stale data on mismatched splits.
-        all_counts = comm.all_gather(send_counts.to(torch.int32)[None]).view(n, n)
+        gathered = comm.all_gather(torch.cat((send_counts, loads)).to(torch.int32)[None])
+        all_counts = gathered[:, :n].reshape(n, n)
+        if self.eplb_on:
+            self.expert_loads += gathered[:, n:].sum(dim=0)
         self.last_counts = all_counts  # [N, N] sender x receiver, kept for inspection
         if not torch.equal(all_counts[rank].long(), send_counts):
             raise RuntimeError(f"rank {rank}: MoE dispatch counts disagree after exchange "

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from speculative.proposer import EP_CMD_MTP_PROPOSE
 from speculative.settings import MAX_NUM_DRAFTS
 
-PROTOCOL_VERSION = 7   # 7: COMPILED_BIT in the handshake
+PROTOCOL_VERSION = 8   # 7: COMPILED_BIT in the handshake; 8: EPLB (its field in dtype_mode, EP_CMD_EPLB)
 HEADER_WORDS = 8
 NO_SLOT = 0xFFFFFFFF
 MAX_SLOT = 1 << 30
@@ -31,7 +31,8 @@ EP_CMD_SHUTDOWN = 0xFFFFFFFF      # no payload
 EP_CMD_HANDSHAKE = 0xFFFFFFFE     # version, world_size, fingerprint_lo, fingerprint_hi, dtype_mode, stop_bits
 #                                   dtype_mode: the dtype code (bits 0-7, checked) | BATCH_INVARIANT_BIT
 #                                   (adopted: every rank runs the batch-invariant kernels or none does)
-#                                   | COMPILED_BIT (adopted: every rank compiles its step or none does);
+#                                   | COMPILED_BIT (adopted: every rank compiles its step or none does)
+#                                   | (R + 1) << EPLB_SHIFT (adopted: EPLB with R redundant experts; 0: off);
 #                                   stop_bits: the group's confidence stop TAU as float32 bits, 0 for none;
 #                                   workers adopt it (the three-word propose drafts with it)
 EP_CMD_FORWARD = 0xFFFFFFFD       # num_ops, num_chunks, num_tokens, bulk_len, num_obs, num_tree_words
@@ -52,6 +53,9 @@ EP_CMD_MTP_PROPOSE_BATCH = 0xFFFFFFF4  # num_seqs, num_obs, bulk_len, num_ops, s
 #                                        then per sequence (slot, num_drafts, m, m feed tokens);
 #                                        num_drafts 0: feed only (the prefix cache needs its rows);
 #                                        stop_bits: rank 0's TAU, checked against the handshake's
+EP_CMD_EPLB = 0xFFFFFFF3          # num_layers, slots_per_layer, bulk_len | bulk: per MoE layer (model order),
+#                                   the expert id in each slot, rank-major (ep.placement): every rank moves
+#                                   its expert weights to that placement and routes by it from the next step
 # An observation (slot, row, count, position) says: rows row..row+count-1 of the last target
 # forward's hidden are the committed positions position.. of that slot (the drafter's input).
 
@@ -60,19 +64,20 @@ COMMANDS = {
     EP_CMD_LOGITS: "LOGITS", EP_CMD_SLOT_RESERVE: "SLOT_RESERVE", EP_CMD_SLOT_REWIND: "SLOT_REWIND",
     EP_CMD_SLOT_FREE: "SLOT_FREE", EP_CMD_SLOT_MOVE: "SLOT_MOVE", EP_CMD_SLOT_ATTACH: "SLOT_ATTACH",
     EP_CMD_MTP_PROPOSE: "MTP_PROPOSE",
-    EP_CMD_MTP_PROPOSE_BATCH: "MTP_PROPOSE_BATCH",
+    EP_CMD_MTP_PROPOSE_BATCH: "MTP_PROPOSE_BATCH", EP_CMD_EPLB: "EPLB",
 }
 # Header params of each command (the slot ops only travel inside op lists).
 NUM_PARAMS = {EP_CMD_SHUTDOWN: 0, EP_CMD_HANDSHAKE: 6, EP_CMD_FORWARD: 6, EP_CMD_LOGITS: 2,
-              EP_CMD_MTP_PROPOSE: 3, EP_CMD_MTP_PROPOSE_BATCH: 5}
+              EP_CMD_MTP_PROPOSE: 3, EP_CMD_MTP_PROPOSE_BATCH: 5, EP_CMD_EPLB: 3}
 # Which header param is bulk_len, for the commands that have a bulk array.
-BULK_LEN_PARAM = {EP_CMD_FORWARD: 3, EP_CMD_LOGITS: 1, EP_CMD_MTP_PROPOSE_BATCH: 2}
+BULK_LEN_PARAM = {EP_CMD_FORWARD: 3, EP_CMD_LOGITS: 1, EP_CMD_MTP_PROPOSE_BATCH: 2, EP_CMD_EPLB: 2}
 SLOT_OPS = (EP_CMD_SLOT_RESERVE, EP_CMD_SLOT_REWIND, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE, EP_CMD_SLOT_ATTACH)
 NO_PARENT = 0xFFFFFFFF
 DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float64": 3}
 DTYPE_MASK = 0xFF
 BATCH_INVARIANT_BIT = 1 << 8
 COMPILED_BIT = 1 << 9
+EPLB_SHIFT = 16   # dtype_mode bits 16-31: 1 + the redundant experts of EPLB, 0 without it
 
 
 class ProtocolError(ValueError):
@@ -242,6 +247,34 @@ def _parse_trees(words: list[int], chunks: list[tuple[int, int, int]]) -> dict[i
         trees[i] = parents
         off += 1 + n
     return trees
+
+
+# --- EPLB ---------------------------------------------------------------------------------------
+def eplb_command(tables: list[list[int]]) -> Command:
+    """The placement of every MoE layer: `tables[layer]` the expert in each slot, rank-major."""
+    per = len(tables[0]) if tables else 0
+    if any(len(t) != per for t in tables):
+        raise ProtocolError(f"EPLB: layers of {sorted({len(t) for t in tables})} slots, expected one count")
+    bulk = [e for t in tables for e in t]
+    return Command(EP_CMD_EPLB, NO_SLOT, (len(tables), per, len(bulk)), bulk)
+
+
+def parse_eplb(cmd: Command, *, num_layers: int, num_slots: int, num_experts: int) -> list[list[int]]:
+    """Check an EPLB against this rank's model: one table per MoE layer, each of `num_slots`
+    expert ids below `num_experts` that places every expert at least once."""
+    layers, per, n = cmd.params
+    if layers != num_layers or per != num_slots:
+        raise ProtocolError(f"EPLB: {layers} layers of {per} slots, this model has {num_layers} of {num_slots}")
+    if n != layers * per:
+        raise ProtocolError(f"EPLB: {n} bulk words for {layers} layers of {per} slots")
+    tables = [list(cmd.bulk[i * per:(i + 1) * per]) for i in range(layers)]
+    for i, t in enumerate(tables):
+        bad = next((e for e in t if e >= num_experts), None)
+        if bad is not None:
+            raise ProtocolError(f"EPLB: layer {i} places expert {bad}, the model has {num_experts}")
+        if len(set(t)) != num_experts:
+            raise ProtocolError(f"EPLB: layer {i} places {len(set(t))} of the {num_experts} experts")
+    return tables
 
 
 # --- the confidence stop as one word -----------------------------------------------------------

@@ -16,15 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ep.channel import (OP_NAMES, REFUSED_COMMAND, gather_rank_info, gather_weight_bytes, load_shard, recv_command,
                         report_status, worker_handshake)
 from ep.comm import CommError, Communicator
-from ep.protocol import (EP_CMD_FORWARD, EP_CMD_LOGITS, EP_CMD_MTP_PROPOSE, EP_CMD_MTP_PROPOSE_BATCH,
+from ep.protocol import (EP_CMD_EPLB, EP_CMD_FORWARD, EP_CMD_LOGITS, EP_CMD_MTP_PROPOSE, EP_CMD_MTP_PROPOSE_BATCH,
                          EP_CMD_SHUTDOWN, EP_CMD_SLOT_FREE, Command, ForwardPayload, Observation, Op,
-                         ProposePayload, ProtocolError, decode, derive_propose, float_bits, parse_forward,
-                         parse_logits, parse_propose, parse_propose_batch)
+                         ProposePayload, ProtocolError, decode, derive_propose, float_bits, parse_eplb,
+                         parse_forward, parse_logits, parse_propose, parse_propose_batch)
+from ep import placement
 from runtime.executor.attention import SeqChunk
 from runtime.platform.heap import freeze_heap
 from runtime.model.causal_lm import CausalLM
@@ -154,6 +156,19 @@ class Worker:
         self.mirror.draft(p.seqs, self.confidence_stop)
         return False
 
+    # --- EPLB -------------------------------------------------------------------------------------
+    def check_eplb(self, cmd: Command) -> list:
+        layers = placement.moe_layers(self.runner.model)
+        if not layers or layers[0].eplb_slots is None:
+            raise ProtocolError("EPLB: this group was started without --eplb-redundant-experts")
+        n, per = layers[0].eplb_slots.shape
+        tables = parse_eplb(cmd, num_layers=len(layers), num_slots=n * per, num_experts=layers[0].topo.num_experts)
+        return [np.asarray(t, dtype=np.int64).reshape(n, per) for t in tables]
+
+    def run_eplb(self, tables: list) -> bool:
+        placement.apply(self.runner.model, tables, self.comm)
+        return False
+
     def apply_slot_ops(self, ops: list[Op]) -> None:
         """Replay rank 0's cache operations; a freed slot also drops its drafter state."""
         for code, slot, length in ops:
@@ -175,6 +190,7 @@ HANDLERS: dict[int, Handler] = {
     EP_CMD_LOGITS: Handler(Worker.check_logits, Worker.run_logits),
     EP_CMD_MTP_PROPOSE_BATCH: Handler(Worker.check_propose_batch, Worker.run_propose),
     EP_CMD_MTP_PROPOSE: Handler(Worker.check_propose, Worker.run_propose),
+    EP_CMD_EPLB: Handler(Worker.check_eplb, Worker.run_eplb),
 }
 
 
@@ -226,9 +242,9 @@ def serve_rank(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_
     group is always left."""
     _thread_lock_for_progress_bars()
     try:
-        confidence_stop, batch_invariant, compiled = worker_handshake(comm, model_dir, dtype, generation)
+        confidence_stop, batch_invariant, compiled, eplb = worker_handshake(comm, model_dir, dtype, generation)
         runner = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens, batch_invariant, model,
-                            gpu_memory_utilization, compiled)
+                            gpu_memory_utilization, compiled, eplb)
         gather_weight_bytes(comm, runner)
         gather_rank_info(comm)
         comm.started()

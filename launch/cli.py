@@ -173,6 +173,12 @@ def add_model_args(p: argparse.ArgumentParser, model_dir: Path | None = None) ->
     p.add_argument("--moe-a2a", default="auto", choices=["auto", "alltoall", "allreduce"],
                    help="MoE dispatch at EP > 1: allreduce (one collective a layer), alltoall (the exchange), or auto "
                         "(allreduce, except batch-invariant with more than two experts a token)")
+    p.add_argument("--eplb-redundant-experts", type=int, default=None, metavar="R",
+                   help="with --ep N: EPLB, R redundant copies of the hottest experts over N ranks ((experts + R) "
+                        "divisible by N; 0: no copies), and per-expert load counters in /metrics")
+    p.add_argument("--eplb-interval-steps", type=int, default=None, metavar="S",
+                   help="with --eplb-redundant-experts: re-place the experts from the counted loads every S steps "
+                        "while serving (weights move between ranks; tokens unchanged)")
     p.add_argument("--ep-timeout", type=float, default=60.0, metavar="S",
                    help="seconds before a collective is declared dead")
     p.add_argument("--enforce-eager", action="store_true",
@@ -404,7 +410,8 @@ def make_llm(args: argparse.Namespace):
                   max_num_seqs=args.max_num_seqs,
                   gpu_memory_utilization=args.gpu_memory_utilization, spec_settings=spec, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout,
                   enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
-                  prefix_cache=args.prefix_cache)
+                  prefix_cache=args.prefix_cache, eplb_redundant_experts=args.eplb_redundant_experts,
+                  eplb_interval_steps=args.eplb_interval_steps)
     tr = torchrun_rank()
     if tr is not None:
         rank, world = tr

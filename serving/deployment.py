@@ -31,12 +31,11 @@ from ep.comm import CommError, Communicator
 from ep.driver import DriverRunner, ShardedMTPProposer
 from ep.protocol import MAX_SLOT
 from ep.local_drafter import load_local_drafter
-from runtime.platform.device import capture_refusal
-from runtime.model.experts import uses_fused_experts
 from runtime.model.causal_lm import CausalLM
 from runtime.executor.attention import SeqChunk
 from runtime.platform.heap import freeze_heap, thaw_heap
 from runtime.executor.runner import ModelRunner
+from runtime.executor.settings import StepSettings
 from engine.sequence import Sequence
 from runtime.executor.static_step import MIN_KEYS, ROW_BUCKETS, StaticShape, bucket
 from runtime.model.weights import load_model
@@ -118,6 +117,18 @@ class DeploymentConfig:
     # Decode/verify steps padded to buckets (runtime.executor.static_step), captured as CUDA graphs on CUDA
     # unless enforce_eager. None: on for CUDA, off on the CPU (there it only adds padding).
     static_steps: bool | None = None
+    # EPLB (ep.placement): redundant expert slots (None: off) and the forwards between re-placements.
+    eplb_redundant_experts: int | None = None
+    eplb_interval_steps: int | None = None
+
+    def step_settings(self) -> StepSettings:
+        """The settings rank 0's runner resolves against its model (runtime.executor.settings):
+        compiled unless `enforce_eager`; static steps by default on CUDA for a compiled step, and
+        captured there where the step can be (None: the resolution decides)."""
+        return StepSettings(kv_cache_tokens=self.kv_cache_tokens, block_size=self.kv_block_size,
+                            compiled=not self.enforce_eager, batch_invariant=self.batch_invariant,
+                            gpu_memory_utilization=self.gpu_memory_utilization, static_steps=self.static_steps,
+                            cuda_graphs=None if not self.enforce_eager else False)
 
     def __post_init__(self) -> None:
         if torch.device(self.device).type != "cuda" and self.gpu_memory_utilization is not None:
@@ -131,6 +142,15 @@ class DeploymentConfig:
             raise ValueError(f"max_restarts={self.max_restarts} must be at least 0")
         if self.moe_a2a not in ("auto", "alltoall", "allreduce"):
             raise ValueError(f"moe_a2a={self.moe_a2a!r}: expected auto, alltoall or allreduce")
+        r, s = self.eplb_redundant_experts, self.eplb_interval_steps
+        if r is not None and r < 0:
+            raise ValueError(f"--eplb-redundant-experts {r}: must be at least 0")
+        if r is not None and self.ep < 2:
+            raise ValueError(f"--eplb-redundant-experts {r}: balances experts over EP ranks; needs --ep 2 or more")
+        if s is not None and r is None:
+            raise ValueError(f"--eplb-interval-steps {s}: needs --eplb-redundant-experts (0 for no copies)")
+        if s is not None and s < 1:
+            raise ValueError(f"--eplb-interval-steps {s}: must be at least 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +173,10 @@ class Deployment:
         joined already, e.g. by torchrun; then there are no restarts)."""
         if not config.model_dir.is_dir():
             raise FileNotFoundError(f"model folder {str(config.model_dir)!r} does not exist")
+        if config.eplb_redundant_experts is not None:
+            from ep.eplb import check_placeable
+            from runtime.model.config import load_config
+            check_placeable(load_config(config.model_dir).n_routed_experts, config.eplb_redundant_experts, config.ep)
         if config.ep > 1 and launcher is None and comm is None:
             raise ValueError(f"ep={config.ep} needs a launcher (launch.mp.MPGroup, launch.ray_group.RayGroup) "
                              "or a joined communicator")
@@ -208,19 +232,8 @@ class Deployment:
     def _build(self) -> tuple[ModelRunner | DriverRunner, DraftProposer | None]:
         cfg = self.config
         if self.comm is None:
-            on_cuda = torch.device(cfg.device).type == "cuda"
-            static = cfg.static_steps if cfg.static_steps is not None else on_cuda and not cfg.enforce_eager
             model = load_model(cfg.model_dir, cfg.dtype, device=cfg.device)
-            # Graphs where the step can be captured (bfloat16 on sm90/sm100); elsewhere the padded
-            # steps run eagerly, chosen here once.
-            capturable = on_cuda and capture_refusal(model.device, model.dtype,
-                                                     sync_free_experts=uses_fused_experts(model)) is None
-            runner = ModelRunner(model,
-                                 kv_cache_tokens=cfg.kv_cache_tokens, block_size=cfg.kv_block_size,
-                                 compiled=not cfg.enforce_eager,
-                                 batch_invariant=cfg.batch_invariant,
-                                 gpu_memory_utilization=cfg.gpu_memory_utilization, static_steps=static,
-                                 cuda_graphs=static and capturable and not cfg.enforce_eager)
+            runner = ModelRunner(model, cfg.step_settings())
             log.info("step: %s", runner.choice)
         else:
             runner = self._join_group(self.comm)
@@ -317,6 +330,8 @@ class Deployment:
             raise
         finally:
             runner.cache.free(seq)
+            if isinstance(runner, DriverRunner) and runner.eplb:
+                runner.eplb_reset()   # the scratch steps' routing is no load
         self.compile_report = (f"compiled the step in {time.perf_counter() - t0:.1f} s: {len(graphs)} steps "
                                f"({', '.join(names)}), {counters['stats']['unique_graphs'] - before} graphs")
         log.info("%s", self.compile_report)
@@ -343,13 +358,14 @@ class Deployment:
             batch_invariant = cfg.dtype == "float64" if cfg.batch_invariant is None else cfg.batch_invariant
             compiled = not cfg.enforce_eager and cfg.dtype != "float64"
             driver_handshake(comm, cfg.model_dir, cfg.dtype, self.spec.confidence_stop, batch_invariant,
-                             getattr(self.group, "generation", 0), compiled)
+                             getattr(self.group, "generation", 0), compiled, cfg.eplb_redundant_experts)
             if comm.device != torch.device(cfg.device):
                 raise ValueError(f"rank 0's communicator is on {comm.device}, the deployment on {cfg.device}")
-            if self._shard is None or self._shard[0] is not comm:
+            # EPLB moves experts between ranks: a restarted group starts again from the loaded split.
+            if self._shard is None or self._shard[0] is not comm or cfg.eplb_redundant_experts is not None:
                 self._shard = comm, load_shard_model(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a)
             local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a, cfg.kv_cache_tokens, batch_invariant,
-                               self._shard[1], cfg.gpu_memory_utilization, compiled)
+                               self._shard[1], cfg.gpu_memory_utilization, compiled, cfg.eplb_redundant_experts)
             self.rank_weight_bytes = gather_weight_bytes(comm, local)
             info = gather_rank_info(comm)
             comm.started()
@@ -360,7 +376,7 @@ class Deployment:
             raise
         nodes = self.group.nodes() if self.group is not None else [r["host"] for r in info]
         self.rank_info = [{**r, "node": node} for r, node in zip(info, nodes)]
-        return DriverRunner(local, comm)
+        return DriverRunner(local, comm, cfg.eplb_interval_steps)
 
     def _make_proposer(self, runner: ModelRunner | DriverRunner) -> DraftProposer | None:
         """The drafter the settings ask for: the checkpoint's MTP layer (sharded across the EP

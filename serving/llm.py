@@ -13,6 +13,7 @@ from runtime.sample.sampler import SamplingParams
 from engine.sequence import RequestOutput, Sequence
 from engine.tokenizer import Tokenizer
 from serving.deployment import DEFAULT_MAX_RESTARTS, Deployment, DeploymentConfig, Launcher
+from serving.settings import Settings
 from speculative.settings import SpecSettings, resolve_spec_settings
 
 Prompt = str | list[int]
@@ -32,7 +33,8 @@ class LLM:
                  enforce_eager: bool = False, batch_invariant: bool | None = None,
                  prefix_cache: bool = True, warm_standby: bool = True, device: str = "auto",
                  gpu_memory_utilization: float | None = None, static_steps: bool | None = None,
-                 kv_block_size: int = 16) -> None:
+                 kv_block_size: int = 16, eplb_redundant_experts: int | None = None,
+                 eplb_interval_steps: int | None = None) -> None:
         """Speculation: `spec` (none, mtp, ngram) with at most `num_drafts` drafts per step, a
         depth policy (`draft_policy` fixed/ladder/auto, or `mtp_k_ladder` text or "auto"), a
         width cap `mtp_max_seqs`, a confidence stop, a draft-tree shape ("1,2,2"); resolved once
@@ -66,7 +68,10 @@ class LLM:
         `static_steps`: decode and verify steps padded to row buckets (runtime.executor.static_step) and,
         on CUDA unless `enforce_eager`, captured as CUDA graphs; None: on for CUDA only.
         `kv_block_size`: tokens per KV block (the prefix cache's unit; vLLM's `block_size`), 16 by
-        default; other sizes are served by one rank (an EP group keeps 16)."""
+        default; other sizes are served by one rank (an EP group keeps 16).
+        `eplb_redundant_experts` (EP only): EPLB with that many redundant expert slots and
+        per-expert load counters (ep.placement); `eplb_interval_steps`: re-place the experts from
+        the counted loads every that many forwards."""
         model_dir = Path(model)
         resolved = resolve_device(device) if comm is None else comm.device
         if not model_dir.is_dir():
@@ -85,8 +90,13 @@ class LLM:
                              batch_invariant=batch_invariant,
                              warm_standby=warm_standby, device=str(resolved),
                              gpu_memory_utilization=gpu_memory_utilization, static_steps=static_steps,
-                             kv_block_size=kv_block_size),
+                             kv_block_size=kv_block_size, eplb_redundant_experts=eplb_redundant_experts,
+                             eplb_interval_steps=eplb_interval_steps),
             self.spec, launcher, comm)
+        runner = self.deployment.runner
+        # Every setting this LLM runs by, resolved once (serving.settings).
+        self.settings = Settings(deployment=self.deployment.config, engine=config, spec=self.spec,
+                                 step=getattr(runner, "local", runner).settings)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.engine: Engine | None = Engine(self.deployment.runner, self.tokenizer, config, self.spec,
                                             self.deployment.proposer)
@@ -98,6 +108,16 @@ class LLM:
     @property
     def rank_weight_bytes(self) -> list[int]:
         return self.deployment.rank_weight_bytes
+
+    def expert_stats(self) -> dict:
+        """EPLB's counters (`--eplb-redundant-experts`): `loads[layer][expert]`, the tokens routed
+        to each expert of each MoE layer since start (model order), the live re-placements and the
+        expert weight bytes rank 0 received in them; {} without EPLB."""
+        runner = self.deployment.runner
+        if not getattr(runner, "eplb", False):
+            return {}
+        return {"loads": runner.expert_loads(), "placements": runner.placements,
+                "bytes_received": runner.eplb_bytes_received}
 
     @property
     def model(self):

@@ -389,6 +389,7 @@ def serve(llm, *, host: str, port: int, config: ServerConfig) -> Drain:
 
     def observe(engine) -> None:
         metrics.observe_engine(engine)
+        metrics.observe_experts(deployment, idle=not engine.scheduler.running and not engine.scheduler.waiting)
         if deployment.is_supervised:
             metrics.observe_deployment(deployment)
 

@@ -20,6 +20,7 @@ from speculative.metrics import MAX_POSITIONS
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 THROUGHPUT_WINDOW_S = 10.0
+EXPERT_LOADS_PERIOD_S = 1.0
 
 
 class ServerMetrics:
@@ -81,6 +82,14 @@ class ServerMetrics:
                                       "Seconds the last restart of the EP group took", registry=r)
         self._restarts_seen = 0
 
+        self.expert_tokens = Counter("metrale_expert_routed_tokens",
+                                     "Tokens routed to each routed expert, by MoE layer (model order, the MTP "
+                                     "layer last): EPLB's load counters (--eplb-redundant-experts)",
+                                     ["layer", "expert"], registry=r)
+        self.eplb_placements = Counter("metrale_eplb_placements", "Live re-placements of the experts (EPLB)",
+                                       registry=r)
+        self._experts_read = -float("inf")
+
     def observe_deployment(self, sup) -> None:
         """Called on the engine thread; `sup` is the LLM's `serving.deployment.Deployment`."""
         if sup.restarts > self._restarts_seen:
@@ -88,6 +97,23 @@ class ServerMetrics:
             self._restarts_seen = sup.restarts
         if sup.last_recovery_s is not None:
             self.recovery_seconds.set(sup.last_recovery_s)
+
+    def observe_experts(self, sup, idle: bool) -> None:
+        """Called on the engine thread after every step; `sup` the Deployment. EPLB's per-expert
+        load counters live on the device: they are read (one host sync) at most every
+        EXPERT_LOADS_PERIOD_S while serving, and whenever the engine is `idle`."""
+        runner = sup.runner
+        if not getattr(runner, "eplb", False):
+            return
+        now = time.monotonic()
+        if not idle and now - self._experts_read < EXPERT_LOADS_PERIOD_S:
+            return
+        self._experts_read = now
+        for layer, row in enumerate(runner.expert_loads()):
+            for expert, total in enumerate(row):
+                self._advance(self.expert_tokens.labels(layer=str(layer), expert=str(expert)),
+                              ("expert", layer, expert), total)
+        self._advance(self.eplb_placements, ("eplb",), runner.placements)
 
     def observe_engine(self, engine: Engine) -> None:
         """Called on the engine thread after every step."""

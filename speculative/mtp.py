@@ -25,8 +25,9 @@ import struct
 import torch
 
 from runtime.model.experts import uses_fused_experts
-from runtime.executor.attention import KVWrites, PagedAttention, SeqChunk, chain_plans, drafter_attention, last_row_plan
+from runtime.executor.attention import PagedAttention, SeqChunk, drafter_attention, writes_plan
 from runtime.executor.compiled import compile_step
+from runtime.executor.step import choose_step_mode
 from runtime.sample.grammar import GrammarMatcher
 from runtime.executor.kv_cache import PagedKVCache
 from runtime.model.causal_lm import CausalLM
@@ -86,9 +87,9 @@ class MTPProposer(DraftProposer):
         `cuda_graphs`: the drafter's short steps padded to buckets and, on CUDA, captured
         (runtime.executor.static_step), as the target's are. `compiled`: the drafter's forward runs
         through `torch.compile` (inductor, dynamic shapes) as the target's does (not in float64,
-        not for a batch-invariant drafter, not with static steps): eager, its many small ops cost host
-        time on every draft (tools/step_split.py measures it). It compiles at its first
-        forward, or before serving in `warm_up`."""
+        not for a batch-invariant drafter; with static steps their buckets run it compiled too):
+        eager, its many small ops cost host time on every draft (tools/step_split.py measures it).
+        It compiles at its first forward, or before serving in `warm_up`."""
         if model.mtp is None:
             raise ValueError("this checkpoint has no MTP layer (no model.layers.{num_hidden_layers}.* tensors): "
                              "MTP speculation needs one")
@@ -96,19 +97,21 @@ class MTPProposer(DraftProposer):
         self.cache = cache
         self.attention = drafter_attention(cache)   # chosen with the runner's, once
         self.knobs = knobs or DrafterKnobs()
-        self.graphs: StepGraphs | None = None
         sparse = model.sparse is not None   # sparse attention runs eager over padded plans (runtime.executor.runner)
+        self._compile = compiled and not sparse and model.dtype != torch.float64 and not (
+            model.mtp is not None and getattr(model.mtp, "batch_invariant", False))
+        # How the drafter's steps run, chosen here once with the target's classes (runtime.executor.step):
+        # a step and its distribution as one function (`MTPLayer.draft`), eager or compiled.
+        self.mode = choose_step_mode(model.mtp.draft, model, compiled=self._compile)
+        self.graphs: StepGraphs | None = None
         if (static_steps or cuda_graphs) and not sparse:
             max_keys = min(model.config.max_position_embeddings, cache.capacity_tokens)
-            self.graphs = StepGraphs(model.mtp.forward, cache, max_keys,
-                                     capture=cuda_graphs and model.dtype != torch.float64,
+            self.graphs = StepGraphs(choose_step_mode(model.mtp.forward, model, compiled=self._compile), cache,
+                                     max_keys, capture=cuda_graphs and model.dtype != torch.float64,
                                      hidden=(model.config.hidden_size, model.dtype),
                                      sync_free_experts=uses_fused_experts(model))
-        self._compiled_forward = None
         self._compiled_chain = None    # the chained drafts' graphs (`_chain`)
         self._chain_shapes: set[tuple[int, int]] = set()   # (depth, width) chains compiled (`warm_up_chain`)
-        self._compile = compiled and not sparse and self.graphs is None and model.dtype != torch.float64 and not (
-            model.mtp is not None and getattr(model.mtp, "batch_invariant", False))
         tau = confidence_stop
         # Rounded to float32: the value EP workers receive on the wire, so every rank decides alike.
         self.confidence_stop = None if tau is None else struct.unpack("<f", struct.pack("<f", tau))[0]
@@ -189,7 +192,7 @@ class MTPProposer(DraftProposer):
         prev = torch.cat(hiddens) if len(hiddens) > 1 else hiddens[0]
         if not keep:   # only fed: the rows' keys and values, and nothing past them (eager, no graph)
             token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
-            self.model.mtp.write(token_tensor, prev, KVWrites(self.cache, chunks))
+            self.model.mtp.write(token_tensor, prev, PagedAttention(self.cache, writes_plan(self.cache, chunks)))
             return out
         # Only drafting sequences' last rows go past the drafter's attention (the others only
         # write keys and values).
@@ -211,9 +214,7 @@ class MTPProposer(DraftProposer):
         active = [live[j] for j in keep]
         positions = [chunks[j].end - 1 for j in keep]
         for _ in range(max(num_drafts)):
-            # The logits [B, V], their arg-max and its probability: from the compiled step's
-            # graph, or computed here.
-            logits, top_t, top_p = dist if dist is not None else self._distribution(hidden)
+            logits, top_t, top_p = dist   # the logits [B, V], their arg-max and its probability
             masked = logits if grammars is None else grammar_masked(
                 logits, [grammars[i] for i in active], [out[i].tokens for i in active])
             spine = masked if self.masks_spine else logits
@@ -268,7 +269,7 @@ class MTPProposer(DraftProposer):
                steps: int, width: int = 1) -> tuple[list[list[int]], list[list[float]], list | None] | None:
         """`steps` drafts of each chunk in `query` as one compiled graph (`MTPLayer.draft_chain`):
         the first step feeds every chunk's rows, as `_forward` does, and each later one drafts from
-        the last, with its attention planned here beforehand (`chain_plans`). The same drafts as
+        the last, with its attention planned here beforehand (`AttentionBackend.chain_plans`). The same drafts as
         `steps` separate steps, without the host work between them (a graph call, a plan, a read
         of the draft). Returns the drafts, their probabilities and, with `width` > 1, each step's
         `width` best tokens [chunk][step][width]; None where the native attention plan cannot hold
@@ -276,8 +277,8 @@ class MTPProposer(DraftProposer):
         paged, rows, token_tensor = self._step_inputs(tokens, chunks, query)
         if not chains_natively(paged):
             return None
-        later = chain_plans(self.cache, [chunks[j].seq_id for j in query], [chunks[j].end - 1 for j in query], steps,
-                            self.attention)
+        later = self.attention.chain_plans(self.cache, [chunks[j].seq_id for j in query],
+                                           [chunks[j].end - 1 for j in query], steps)
         if self._compiled_chain is None:
             self._compiled_chain = compile_step(self.model.mtp.draft_chain)
         with forward_context(paged, self.model, chain=later) as ctx:
@@ -299,7 +300,7 @@ class MTPProposer(DraftProposer):
         plan = self.attention.plan(self.cache, chunks)
         # One row per chunk, every chunk asked: the step's own plan already attends for those rows.
         own = len(query) == len(chunks) and ends[-1] == len(chunks)
-        queries = None if own else last_row_plan(self.cache, [chunks[j] for j in query], self.attention)
+        queries = None if own else self.attention.query_plan(self.cache, [chunks[j] for j in query])
         rows = plan.last_rows if own else torch.tensor([ends[j] - 1 for j in query], dtype=torch.long,
                                                         device=self.cache.device)
         token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.cache.device)
@@ -308,24 +309,19 @@ class MTPProposer(DraftProposer):
     def _forward(self, tokens: list[int], prev_hidden: torch.Tensor, chunks: list[SeqChunk],
                  query: list[int] | None = None):
         """One drafter step over `chunks` -> (the output [B, H] of the last rows of the chunks
-        `query` (default: all), and when compiled the distribution of those rows
-        (`_distribution`), else None). Every row writes its keys and values; only those last rows
-        go on through attention, the MLP and the head."""
+        `query` (default: all), their distribution (`_distribution`)). Every row writes its keys
+        and values; only those last rows go on through attention, the MLP and the head (a static
+        bucket runs every row, then picks them)."""
         ends = list(itertools.accumulate(c.num_tokens for c in chunks))
         query = list(range(len(chunks))) if query is None else query
         shape = self.graphs.shape_of(chunks) if self.graphs is not None else None
         if shape is not None:
             h, _ = self.graphs.run(tokens, chunks, shape, prev_hidden)
-            return h[torch.tensor([ends[j] - 1 for j in query], dtype=torch.long, device=self.cache.device)], None
+            h = h[torch.tensor([ends[j] - 1 for j in query], dtype=torch.long, device=self.cache.device)]
+            return h, self._distribution(h)
         paged, rows, token_tensor = self._step_inputs(tokens, chunks, query)
-        plan = paged.plan
-        if self._compile and self._compiled_forward is None:
-            self._compiled_forward = compile_step(self.model.mtp.draft)
-        if self._compiled_forward is not None:   # the step and its distribution in one graph
-            with forward_context(paged, self.model) as ctx:
-                h, *dist = self._compiled_forward(token_tensor, prev_hidden, plan.positions, ctx, rows)
-            return h, tuple(dist)
-        return self.model.mtp.forward(token_tensor, prev_hidden, plan.positions, paged, rows), None
+        h, *dist = self.mode((token_tensor, prev_hidden), paged.plan.positions, paged, (rows,))
+        return h, tuple(dist)
 
     @property
     def compiles(self) -> bool:
@@ -340,9 +336,7 @@ class MTPProposer(DraftProposer):
         and by sequence count (one, several), dynamic otherwise."""
         rows = sum(c.num_tokens for c in chunks)
         hidden = torch.zeros(rows, self.model.config.hidden_size, dtype=self.model.dtype, device=self.cache.device)
-        out, dist = self._forward([0] * rows, hidden, chunks)
-        if dist is None:
-            self._distribution(out)
+        self._forward([0] * rows, hidden, chunks)
 
     @torch.inference_mode()
     def warm_up_chain(self, chunks: list[SeqChunk], steps: int, width: int = 1) -> bool:

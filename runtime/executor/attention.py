@@ -49,6 +49,27 @@ def ancestor_mask(parents: Sequence[int], device: torch.device | str) -> torch.T
     return torch.tensor(rows, dtype=torch.bool, device=device)
 
 
+MAX_OWN_ROWS = 64   # the paged-attention kernel's own-row visibility is one int64 bit mask
+
+
+def own_row_bits(num_rows: int, parents: tuple[int, ...] | None) -> list[int]:
+    """`row_anc` of a sequence's rows: a chain's row r sees rows 0..r, a tree row its ancestors
+    (parents as `SeqChunk`'s) and itself; the static buckets' own-row mask reads the same bits."""
+    if num_rows > MAX_OWN_ROWS:
+        raise ValueError(f"{num_rows} rows of one sequence: the kernel takes at most {MAX_OWN_ROWS}")
+    bits = []
+    for r in range(num_rows):
+        if parents is None:
+            bits.append((1 << (r + 1)) - 1)
+        else:
+            word, j = 0, r
+            while j != -1:
+                word |= 1 << j
+                j = parents[j]
+            bits.append(word)
+    return [b - (1 << 64) if b >= 1 << 63 else b for b in bits]   # as int64
+
+
 @dataclass(frozen=True, slots=True)
 class SeqChunk:
     """One sequence's rows in a step: cache rows start..start+num_tokens-1.
@@ -103,13 +124,13 @@ class StepPlan:
     q_index: torch.Tensor | None    # [B, Q] row of the step for each (sequence, query) (padding: 0)
     valid: torch.Tensor | None      # [B, Q] bool, real query rows
     mask: torch.Tensor | None       # [B, 1, Q, K] bool, True = may attend
-    last_rows: torch.Tensor      # [B] index of each sequence's last row in the step
+    last_rows: torch.Tensor | None   # [B] index of each sequence's last row in the step (None: writes only)
     # One sequence with a plain causal mask: SDPA runs unmasked (one row) or with is_causal
     # (a chunk from position 0), the faster kernels, and the ones transformers itself picks.
     # "padded" (runtime.executor.static_step): every sequence has Q rows, row b*Q + q is (b, q), the mask
     # is explicit and nothing about the layout is read back on the host.
     # "invariant" (`_invariant_plan`): an explicit mask whose every row the native op attends in place.
-    mask_mode: str = "explicit"  # "explicit" | "none" | "causal" | "padded" | "invariant"
+    mask_mode: str = "explicit"  # "explicit" | "none" | "causal" | "padded" | "invariant" | "writes"
     # Batch-invariant attention (runtime.ops.invariant_attention): the step's rows in fixed tiles, each
     # with its own key list; None runs SDPA over the padded batch.
     tiles: ia.AttentionTiles | None = None
@@ -143,7 +164,6 @@ def build_plan(cache: PagedKVCache, chunks: list[SeqChunk], *, batch_invariant: 
 def kernel_rows(cache: PagedKVCache, chunks: list[SeqChunk], kernel) -> KernelRows:
     """The kernel's rows of a step laid out as `build_plan` lays it (sequence-major), from the
     host's block tables: one host-to-device copy."""
-    from runtime.ops.kernels.paged_attention import own_row_bits
     bs = cache.block_size
     nb = max(-(-c.end // bs) for c in chunks)
     b, t = len(chunks), sum(c.num_tokens for c in chunks)
@@ -334,21 +354,20 @@ def _single_plan(chunk: SeqChunk, positions: torch.Tensor, cell_mapping: torch.T
 
 
 def last_row_plan(cache: PagedKVCache, chunks: list[SeqChunk], backend: AttentionBackend | None = None) -> StepPlan:
-    """The query plan of each chunk's last row alone (one row at position end - 1, seeing its
-    whole context), for a step whose other rows only write their keys and values
-    (`PagedAttention(queries=...)`)."""
-    return build_plan(cache, [SeqChunk(c.seq_id, c.end - 1, 1) for c in chunks], backend=backend)
+    """`backend.query_plan` (default: the cache's backend)."""
+    return (backend or attention_backend(cache)).query_plan(cache, chunks)
 
 
 def chain_plans(cache: PagedKVCache, seq_ids: list[int], positions: list[int], steps: int,
                 backend: AttentionBackend | None = None) -> list[StepPlan]:
-    """The plans of steps 1 .. steps-1 of a chain of one-row steps (a drafter's drafts): at step s
-    sequence `seq_ids[b]` has one row at position `positions[b] + s` (every such position reserved),
-    seeing its whole context, as `build_plan` plans `[SeqChunk(seq_ids[b], positions[b] + s, 1)]`
-    (the same cells, context and mask, so the same attention) from one context read and a few tensor
-    ops a step."""
+    """`backend.chain_plans` (default: the cache's backend)."""
+    return (backend or attention_backend(cache)).chain_plans(cache, seq_ids, positions, steps)
+
+
+def _chain_plans(cache: PagedKVCache, seq_ids: list[int], positions: list[int], steps: int,
+                 backend: AttentionBackend) -> list[StepPlan]:
+    """`AttentionBackend.chain_plans`: one context read and a few tensor ops a step."""
     device = cache.device
-    backend = backend or attention_backend(cache)
     b = len(seq_ids)
     last = [p + steps - 1 for p in positions]
     ctxs = [cache.cells(sid, 0, end + 1) for sid, end in zip(seq_ids, last)]
@@ -376,26 +395,18 @@ def chain_plans(cache: PagedKVCache, seq_ids: list[int], positions: list[int], s
     return plans
 
 
-class KVWrites:
-    """The context of a forward that only writes keys and values (`MTPLayer.write`): the rows
-    of `chunks` (causal, every position reserved) go to their cache cells, and nothing attends.
-    Its plan is their positions and cells alone, without the padded batch `build_plan` builds."""
-
-    def __init__(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> None:
-        if not chunks or any(c.parents is not None or c.num_tokens < 1 for c in chunks):
-            raise ValueError("key/value writes take causal, non-empty chunks")
-        device = cache.device
-        self.cache = cache
-        self.positions = torch.cat([c.positions(device) for c in chunks])
-        self.cells = torch.cat([cache.cells(c.seq_id, 0, c.end)[c.start:] for c in chunks])
-
-    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k/v [T, nkv, D] of every row into the cache layer `layer_idx`."""
-        self.cache.write(layer_idx, self.cells, k, v)
-
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
-        raise RuntimeError("KVWrites only writes keys and values; a forward that attends needs PagedAttention")
+def writes_plan(cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
+    """The plan of a forward that only writes keys and values (`MTPLayer.write`): the rows of
+    `chunks` (causal, every position reserved) go to their cache cells, and nothing attends. Its
+    fields are their positions and cells alone, without the padded batch a backend's plan builds;
+    its backend (`WRITES_ONLY`) refuses to attend."""
+    if not chunks or any(c.parents is not None or c.num_tokens < 1 for c in chunks):
+        raise ValueError("key/value writes take causal, non-empty chunks")
+    device = cache.device
+    positions = torch.cat([c.positions(device) for c in chunks])
+    cells = torch.cat([cache.cells(c.seq_id, 0, c.end)[c.start:] for c in chunks])
+    return StepPlan(positions=positions, cell_mapping=cells, gather=None, q_index=None, valid=None, mask=None,
+                    last_rows=None, mask_mode="writes", backend=WRITES_ONLY)
 
 
 class PagedAttention:
@@ -413,6 +424,16 @@ class PagedAttention:
         self.queries = queries
         # A hybrid model's step: its chunks' recurrent states (runtime.model.linear_attention.StepStates).
         self.states = None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[T] the positions of the rows whose keys and values this step writes."""
+        return self.plan.positions
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [T, nkv, D] of every row of the plan into the cache layer `layer_idx`, and nothing
+        else (a writes-only forward, `writes_plan`)."""
+        self.cache.write(layer_idx, self.plan.cell_mapping, k, v)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -450,14 +471,32 @@ class PagedAttention:
 class AttentionBackend:
     """The reference backend: every step's context copied out of the cache and one masked SDPA
     over the padded batch (or, for one sequence, unmasked / causal SDPA). Every backend plans its
-    steps (`plan`) and runs their attention (`attend(cache, writes, queries, layer, q, k, v,
-    scale)`: the k/v of `writes`' rows into the cache, the attention of `queries`' rows out);
-    the runner chooses one per cache at start (`choose_attention_backend`)."""
+    steps and runs their attention (`attend(cache, writes, queries, layer, q, k, v, scale)`: the
+    k/v of `writes`' rows into the cache, the attention of `queries`' rows out); the runner chooses
+    one per cache at start (`choose_attention_backend`). Every `StepPlan` of a dynamic step comes
+    from its backend: `plan` (a step's rows), `query_plan` (the query rows of a step whose other
+    rows only write), `chain_plans` (a drafter's chained one-row steps); a writes-only step's
+    from `WRITES_ONLY`; a static bucket fills its own in place (runtime.executor.static_step)."""
 
     name = "sdpa"
 
     def plan(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
+        """The plan of one step over `chunks` (every position reserved in `cache`)."""
         return _build_plan(cache, chunks, self)
+
+    def query_plan(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
+        """The query plan of each chunk's last row alone (one row at position end - 1, seeing its
+        whole context), for a step whose other rows only write their keys and values
+        (`PagedAttention(queries=...)`)."""
+        return self.plan(cache, [SeqChunk(c.seq_id, c.end - 1, 1) for c in chunks])
+
+    def chain_plans(self, cache: PagedKVCache, seq_ids: list[int], positions: list[int],
+                    steps: int) -> list[StepPlan]:
+        """The plans of steps 1 .. steps-1 of a chain of one-row steps (a drafter's drafts): at step s
+        sequence `seq_ids[b]` has one row at position `positions[b] + s` (every such position
+        reserved), seeing its whole context, as `plan` plans `[SeqChunk(seq_ids[b], positions[b] + s,
+        1)]` (the same cells, context and mask, so the same attention)."""
+        return _chain_plans(cache, seq_ids, positions, steps, self)
 
     def attend(self, cache: PagedKVCache, writes: StepPlan, p: StepPlan, layer_idx: int, q: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -543,7 +582,21 @@ class KernelAttention(AttentionBackend):
                         r.row_seq, r.row_start, r.row_end, r.row_anc, scale, r.max_keys)
 
 
+class WritesOnly(AttentionBackend):
+    """The backend of a writes-only plan (`writes_plan`): positions and cells, no attention."""
+
+    name = "writes-only"
+
+    def plan(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
+        return writes_plan(cache, chunks)
+
+    def attend(self, cache: PagedKVCache, writes: StepPlan, p: StepPlan, layer_idx: int, q: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        raise RuntimeError("a writes-only plan writes keys and values; a forward that attends needs a backend's plan")
+
+
 SDPA = AttentionBackend()
+WRITES_ONLY = WritesOnly()
 NATIVE = NativeCpuAttention()
 INVARIANT = InvariantAttention()
 NATIVE_INVARIANT = NativeInvariantAttention()

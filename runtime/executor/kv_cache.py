@@ -64,6 +64,36 @@ class BlockBook:
         return cls(free=OrderedDict.fromkeys(range(num_blocks)), refs=[0] * num_blocks, epochs=[0] * num_blocks)
 
 
+class LayerStates:
+    """The layer-state backend of a cache: what a model keeps per sequence besides its paged keys and
+    values, chosen once by the runner (`choose_layer_states`). This one, `NO_LAYER_STATES`, keeps
+    nothing (every mixer is attention over the paged cache, a sparse indexer's key included: it
+    sits in the MLA cell); `runtime.model.linear_attention.RecurrentStates` keeps a hybrid model's
+    conv and recurrent states. `step(chunks)` gives a step's view (handed to the layers as
+    `PagedAttention.states`), `rewind` / `free` / `move` follow the sequence's blocks, and
+    `attachable` says whether a prefix-cache hit can attach blocks (it cannot where the state at
+    a block's end is not kept)."""
+
+    name = "none"
+    attachable = True
+    bytes_per_sequence = 0
+
+    def step(self, chunks) -> None:
+        return None
+
+    def rewind(self, seq_id: int, new_length: int) -> None:
+        pass
+
+    def free(self, seq_id: int) -> None:
+        pass
+
+    def move(self, seq_id: int, src: int, dst: int) -> None:
+        pass
+
+
+NO_LAYER_STATES = LayerStates()
+
+
 class PagedKVCache:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 16, dtype: torch.dtype = torch.float32, latent_dim: int | None = None,
@@ -86,9 +116,10 @@ class PagedKVCache:
         # The attention backend of every step planned on this cache
         # (runtime.executor.attention.choose_attention_backend), chosen once at start.
         self.attention = None
-        # A hybrid model's per-sequence recurrent states (runtime.model.linear_attention.RecurrentStates):
-        # rewound and freed with the sequence's blocks.
-        self.states = None
+        # The layer-state backend (`LayerStates`): what the model keeps per sequence besides paged
+        # keys and values (a hybrid model's recurrent states, runtime.model.linear_attention),
+        # rewound and freed with the sequence's blocks; the runner sets it once.
+        self.states: LayerStates = NO_LAYER_STATES
 
     def shared_plane(self, *, num_layers: int, num_kv_heads: int, head_dim: int,
                      dtype: torch.dtype) -> "PagedKVCache":
@@ -186,9 +217,9 @@ class PagedKVCache:
         """Append the full block `block` (holding this sequence's next `block_size` positions,
         computed by another) to the table of `seq_id`, which must hold only whole blocks."""
         book = self.book
-        if self.states is not None:
-            raise ValueError("cannot attach cached blocks to a sequence with recurrent state: its state at the "
-                             "block's end is not kept")
+        if not self.states.attachable:
+            raise ValueError(f"cannot attach cached blocks to a sequence with {self.states.name} layer state: its "
+                             "state at the block's end is not kept")
         table = book.tables.setdefault(seq_id, [])
         if book.lengths.get(seq_id, 0) != len(table) * self.block_size or not 0 <= block < self.num_blocks:
             raise ValueError(f"cannot attach block {block} to sequence {seq_id} of length "
@@ -222,8 +253,7 @@ class PagedKVCache:
         if new_length < self.num_attached_tokens(seq_id):
             raise ValueError(f"cannot rewind sequence {seq_id} to {new_length} tokens: its first "
                              f"{self.num_attached_tokens(seq_id)} are in shared blocks")
-        if self.states is not None:
-            self.states.rewind(seq_id, new_length)
+        self.states.rewind(seq_id, new_length)
         table = book.tables[seq_id]
         keep = -(-new_length // self.block_size)
         if len(table) > keep:
@@ -256,8 +286,7 @@ class PagedKVCache:
         if self.journal is not None:
             self.journal.append(("free", seq_id, keep))
         book.cell_cache.pop(seq_id, None)
-        if self.states is not None:
-            self.states.free(seq_id)
+        self.states.free(seq_id)
         table = book.tables.pop(seq_id, [])
         for i in range(len(table) - 1, -1, -1):
             self._release(table[i], keep=i < keep)

@@ -8,19 +8,19 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.ops import cpu_ops, kernels
+from runtime.ops import cpu_ops
 from runtime.executor.attention import NATIVE_INVARIANT, PagedAttention, SeqChunk, StepPlan, choose_attention_backend
 from runtime.executor.sampling import choose_sampler
-from runtime.executor.step_context import forward_context
+from runtime.executor.settings import StepSettings
+from runtime.executor.step import choose_step_mode
 from runtime.ops.batch_invariant import set_batch_invariant
 from runtime.executor.compiled import compile_step
 from runtime.platform.device import kv_tokens_for_memory, use_device
-from runtime.executor.kv_cache import PagedKVCache
+from runtime.executor.kv_cache import NO_LAYER_STATES, PagedKVCache
 from runtime.model.experts import choose_experts_backends, uses_fused_experts
-from runtime.model.layers import Linear
+from runtime.model.layers import Linear, choose_gemms
 from runtime.model.linear_attention import RecurrentStates
 from runtime.model.causal_lm import CausalLM
-from runtime.model.decoder import RowTwice
 from runtime.executor.static_step import StepGraphs
 
 
@@ -44,49 +44,37 @@ class ExecutorChoice:
     Its text is the start-up line (`serving.deployment` logs it)."""
     device: str
     dtype: str
-    execution: str                  # "compiled" or "eager"
+    execution: str                  # the step mode (runtime.executor.step): "eager", "compiled", ...
     static_steps: str               # "off", "padded" (the CPU runs the buckets) or "captured" (CUDA graphs)
     batch_invariant: bool
     attention: str                  # the cache's attention backend (runtime.executor.attention)
     experts: tuple[tuple[str, int], ...]   # routed-experts backends and how many layers run each
+    linears: tuple[tuple[str, int], ...] = ()   # GEMMs of the linears (runtime.model.layers.gemm_for), counts
+    layer_states: str = "none"      # the cache's layer-state backend (runtime.executor.kv_cache.LayerStates)
     sampler: str = "torch"          # the sampler backend (runtime.executor.sampling)
 
     def __str__(self) -> str:
         experts = ", ".join(f"{name} x{n}" for name, n in self.experts) or "none"
+        linears = ", ".join(f"{name} x{n}" for name, n in self.linears) or "none"
         return (f"{self.device} {self.dtype}: {self.execution} steps, static steps {self.static_steps}, "
                 f"batch-invariant {'on' if self.batch_invariant else 'off'}, attention {self.attention}, "
-                f"routed experts {experts}, sampler {self.sampler}")
+                f"linears {linears}, routed experts {experts}, layer states {self.layer_states}, "
+                f"sampler {self.sampler}")
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, *, kv_cache_tokens: int, block_size: int = 16,
-                 compiled: bool = False, batch_invariant: bool | None = None,
-                 gpu_memory_utilization: float | None = None, static_steps: bool = False,
-                 cuda_graphs: bool = False, attention_kernel: bool | None = None,
-                 sampling_kernel: bool | None = None) -> None:
-        """The cache and every step tensor live on the model's device.
-
-        `gpu_memory_utilization` (CUDA only): size the cache from the GPU's free memory after the
-        weights (`runtime.platform.device.kv_tokens_for_memory`) instead of `kv_cache_tokens`.
-
-        `static_steps`: decode and verify steps run padded to buckets (runtime.executor.static_step);
-        `cuda_graphs` (CUDA, bfloat16 on sm90/sm100, implies static steps): each bucket's forward is
-        captured once and replayed; elsewhere a ValueError says why (`runtime.platform.device.capture_refusal`). Neither applies to batch-invariant steps, whose tiles change
-        with the step.
-
-        `compiled`: the target forward runs through `torch.compile` (inductor, dynamic shapes),
-        with paged attention and the routed experts (and in batch-invariant mode every GEMM) as
-        opaque ops; float64 always runs eager.
-        `batch_invariant`: every row's result is independent of the other rows of its step
-        (runtime.ops.batch_invariant); None: on for float64 only.
-        `attention_kernel`: decode and verify steps (static or not) attend through the Triton
-        paged-attention kernel, reading keys and values in place; None: on CUDA where triton is
-        installed (float32/bfloat16). Chosen here, once.
-        `sampling_kernel`: every step's rows are drawn by the Triton sampling kernel, on the
-        device in one launch (runtime.executor.sampling); None: on CUDA where triton is installed."""
+    def __init__(self, model: CausalLM, settings: StepSettings | None = None, **kwargs) -> None:
+        """A runner of `model`'s steps, built from `settings` (runtime.executor.settings; keyword
+        arguments instead build one: `ModelRunner(model, kv_cache_tokens=1024)`), resolved here once
+        against the model (`self.settings`). The cache and every step tensor live on the model's
+        device; every backend is chosen here, and `self.choice` says which."""
+        if settings is not None and kwargs:
+            raise TypeError("give StepSettings or its fields as keywords, not both")
+        st = self.settings = (settings or StepSettings(**kwargs)).resolve(model)
+        kv_cache_tokens, block_size = st.kv_cache_tokens, st.block_size
         cfg = model.config
         self.model = model
-        self.batch_invariant = model.dtype == torch.float64 if batch_invariant is None else batch_invariant
+        self.batch_invariant = st.batch_invariant
         set_batch_invariant(model, self.batch_invariant)
         if model.mtp is not None:
             # The MTP drafter keeps the default kernels: its drafts decide which tokens are
@@ -94,11 +82,11 @@ class ModelRunner:
             set_batch_invariant(model.mtp, False)
         # Each routed-experts module's backend, chosen now that its dtype, device and modes are set.
         self.experts_backends = choose_experts_backends(model)
+        self.gemms = choose_gemms(model)   # and every linear's GEMM
         # A compiled batch-invariant step: its GEMMs, experts and attention are opaque ops whose
         # row count never becomes a guard, so one graph (one set of generated kernels) serves
-        # every row count; a one-row step runs as two copies of its row (`forward`), so no graph
-        # is specialised to one row, except over the native ops (`plan_native`). It rounds otherwise than the eager step (both invariant), so
-        # every EP rank compiles or none does (the handshake's COMPILED_BIT).
+        # every row count (`self.mode` below). It rounds otherwise than the eager step (both
+        # invariant), so every EP rank compiles or none does (the handshake's COMPILED_BIT).
         # Sparse attention (runtime.model.sparse_attention) runs eager over the padded plan: no compiled
         # step, no batch-invariant tiles, no static steps (it reads each row's visible keys itself).
         # Linear-attention layers (runtime.model.linear_attention) run eager over a recurrent state per
@@ -106,7 +94,7 @@ class ModelRunner:
         sparse = model.sparse is not None
         hybrid = bool(cfg.linear_layers)
         self.plan_tiles = self.batch_invariant and not sparse
-        self.compiled = compiled and model.dtype != torch.float64 and not sparse and not hybrid
+        self.compiled = st.compiled
         # The step's graphs and guards are this model's own (runtime.executor.compiled). No size and stride
         # asserts around every extern kernel (over a hundred a step; design §3.4).
         options = {"size_asserts": False}
@@ -118,30 +106,25 @@ class ModelRunner:
             # A GEMM the graph calls itself (`bi.linear`'s rows) must stay that call: the
             # pattern matcher would fold a residual add into it (addmm, which rounds otherwise).
             options["pattern_matcher"] = False
-        self._compiled_forward = compile_step(model.forward, options) if self.compiled else None
         # The final norm and the head as one graph too (a fused norm kernel instead of ~6 eager ops,
         # design §3.4), where the head is this process's own linear: not a batch-invariant one on
         # GEMM plans (a batch-invariant head on the native kernel is one opaque op at every row
         # count), nor an EP rank's vocabulary shard with its gather.
         plain_head = type(model.lm_head) is Linear and (
             not self.batch_invariant or cpu_ops.invariant_linear(model.dtype, model.lm_head.weight))
-        self._compiled_logits = compile_step(model.compute_logits, options) if self.compiled and plain_head else None
+        self._logits = (compile_step(model.compute_logits, options) if self.compiled and plain_head
+                        else model.compute_logits)
+        self.logits_dtype = torch.float64 if model.dtype == torch.float64 else torch.float32   # what sampling reads
         self.config = cfg
         self.device = model.device
         use_device(self.device)   # streams, graphs and kernels that name no device go to the model's GPU
-        if gpu_memory_utilization is not None:
-            kv_cache_tokens = kv_tokens_for_memory(self.device, gpu_memory_utilization, kv_bytes_per_token(model))
+        if st.gpu_memory_utilization is not None:
+            kv_cache_tokens = kv_tokens_for_memory(self.device, st.gpu_memory_utilization, kv_bytes_per_token(model))
         num_blocks = max(1, kv_cache_tokens // block_size)
         self.cache = PagedKVCache(num_layers=cache_layers(model), num_blocks=num_blocks, block_size=block_size,
                                   dtype=model.dtype, device=self.device, **model.cache_layout())
-        if attention_kernel is None:
-            attention_kernel = (self.device.type == "cuda" and kernels.available("cuda")
-                                and model.dtype != torch.float64)
-        if attention_kernel and not kernels.available(self.device.type):
-            raise ValueError(f"the Triton attention kernel cannot run on {self.device} here (triton missing, "
-                             "or TRITON_INTERPRET not 1 for CPU tensors)")
         kernel = None
-        if attention_kernel and not self.plan_tiles:
+        if st.attention_kernel and not self.plan_tiles:
             from runtime.ops.kernels.paged_attention import paged_attention as kernel
         # Every step planned on this cache (the target's, and the drafter's on its plane) attends
         # through this backend, chosen here once.
@@ -149,24 +132,34 @@ class ModelRunner:
         # Batch-invariant attention through the native op in place (not the tiles): the one-row
         # compiled step needs no two copies of its row then (`forward`).
         self.plan_native = self.attention is NATIVE_INVARIANT
+        # How the target's steps run, chosen here once (runtime.executor.step): eager, compiled, or
+        # compiled with a one-row step as two copies of its row (batch-invariant kernels that are not
+        # row-invariant at one row: Dynamo would specialise a graph to one row; not over the native
+        # ops, where the one-row graph gives a row the bits of any other graph,
+        # test_compiled_step_rows_do_not_depend_on_the_step).
+        self.mode = choose_step_mode(model.forward, model, compiled=self.compiled,
+                                     row_twice=self.batch_invariant and not self.plan_native, options=options)
         # How every step's rows are drawn (the engine's and the verifier's), chosen here once.
-        self.sampler = choose_sampler(self.device, sampling_kernel)
+        self.sampler = choose_sampler(self.device, st.sampling_kernel)
         # The conv and recurrent states of the linear-attention layers, freed with each sequence's blocks.
-        self.states = RecurrentStates.for_model(model, dtype=model.dtype, device=self.device) if hybrid else None
+        # The layer-state backend: a hybrid model's recurrent states (the heads this rank holds), else
+        # nothing (chosen here once).
+        self.states = (RecurrentStates.for_model(model, dtype=model.dtype, device=self.device) if hybrid
+                       else NO_LAYER_STATES)
         self.cache.states = self.states
         self.graphs: StepGraphs | None = None
-        if (static_steps or cuda_graphs) and not self.batch_invariant and not sparse and not hybrid:
+        if st.static_steps:
             max_keys = min(cfg.max_position_embeddings, self.cache.capacity_tokens)
-            capture = cuda_graphs and model.dtype != torch.float64   # float64 experts sync with the host
-            self.graphs = StepGraphs(model.forward, self.cache, max_keys, capture,
-                                     attention_kernel=bool(attention_kernel), sync_free_experts=uses_fused_experts(model))
+            self.graphs = StepGraphs(self.mode, self.cache, max_keys, st.cuda_graphs,
+                                     attention_kernel=st.attention_kernel, sync_free_experts=uses_fused_experts(model))
 
         self.choice = ExecutorChoice(
             device=str(self.device), dtype=str(model.dtype).removeprefix("torch."),
-            execution="compiled" if self.compiled else "eager",
-            static_steps="off" if self.graphs is None else ("captured" if self.graphs.capture else "padded"),
+            execution=self.mode.name,
+            static_steps="off" if self.graphs is None else self.graphs.name,
             batch_invariant=self.batch_invariant, attention=self.attention.name,
-            experts=tuple(sorted(self.experts_backends.items())), sampler=self.sampler.name)
+            experts=tuple(sorted(self.experts_backends.items())), linears=tuple(sorted(self.gemms.items())),
+            layer_states=self.states.name, sampler=self.sampler.name)
 
     @torch.inference_mode()
     def forward(self, tokens: list[int], chunks: list[SeqChunk]) -> tuple[torch.Tensor, StepPlan]:
@@ -178,23 +171,10 @@ class ModelRunner:
         if shape is not None:
             return self.graphs.run(tokens, chunks, shape)
         plan = self.attention.plan(self.cache, chunks)
-        token_tensor = torch.tensor(tokens, dtype=torch.long, device=self.device)
         paged = PagedAttention(self.cache, plan)
-        if self.states is not None:
-            paged.states = self.states.step(chunks)
-        if self._compiled_forward is None:
-            return self.model(token_tensor, plan.positions, paged), plan
-        if self.batch_invariant and len(tokens) == 1 and not self.plan_native:
-            # Dynamo specialises a graph to one row (its kernels might round otherwise): the row
-            # runs twice, the copy reusing its attention (runtime.model.decoder.RowTwice). Not
-            # where GEMMs, experts and attention are the native row-invariant ops (`plan_native`):
-            # there the one-row graph gives a row the bits of any other graph
-            # (test_compiled_step_rows_do_not_depend_on_the_step).
-            with forward_context(RowTwice(paged), self.model) as ctx:
-                hidden = self._compiled_forward(token_tensor.repeat(2), plan.positions.repeat(2), ctx)
-            return hidden[:1], plan
-        with forward_context(paged, self.model) as ctx:
-            return self._compiled_forward(token_tensor, plan.positions, ctx), plan
+        paged.states = self.states.step(chunks)
+        tokens_t = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self.mode((tokens_t,), plan.positions, paged), plan
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -204,6 +184,4 @@ class ModelRunner:
             picked = hidden[first:first + len(rows)]
         else:
             picked = hidden[rows]
-        out = (self.model.compute_logits(picked) if self._compiled_logits is None
-               else self._compiled_logits(picked))
-        return out if out.dtype == torch.float64 else out.float()
+        return self._logits(picked).to(self.logits_dtype)

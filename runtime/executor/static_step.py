@@ -25,10 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from runtime.executor.attention import (AttentionBackend, KernelAttention, KernelRows, PagedAttention, SeqChunk,
-                                       StepPlan, padded_backend, row_depths)
+                                       StepPlan, own_row_bits, padded_backend, row_depths)
 from runtime.ops import kernels
 from runtime.platform.device import capture_refusal
 from runtime.executor.kv_cache import PagedKVCache
+from runtime.executor.step import EagerMode
 
 log = logging.getLogger("metrale.static_step")
 
@@ -133,12 +134,10 @@ class StaticBuffers:
                                  f"(length {cache.length(c.seq_id)})")
             blocks[b * nb:b * nb + len(table)] = table
             base = b * q * q
-            for r in range(c.num_tokens):    # a chain sees its earlier rows, a tree row its ancestors
-                j, bits = r, 0
-                while j != -1:
-                    own[base + r * q + j] = 1
-                    bits |= 1 << j
-                    j = (j - 1) if c.parents is None else c.parents[j]
+            # A chain row sees its earlier rows, a tree row its ancestors: the kernel's bits, and the mask's.
+            for r, bits in enumerate(own_row_bits(c.num_tokens, c.parents)):
+                for j in range(r + 1):
+                    own[base + r * q + j] = (bits >> j) & 1
                 row = b * q + r
                 meta[row], meta[t + row], meta[2 * t + row], meta[3 * t + row] = b, c.start, c.end, bits
         n = len(rows)
@@ -181,11 +180,12 @@ class _Entry:
 class StepGraphs:
     """Padded steps per bucket; on CUDA each bucket's forward is captured once and replayed.
 
-    `forward(tokens, positions, attention)` is the model's target forward. Capture happens the
-    first time a bucket is met (`pool_bytes` adds up what the graphs' memory pool took); on the
-    CPU the same padded forward runs eagerly."""
+    `mode` runs the forward (runtime.executor.step: eager or compiled, as the runner chose; a
+    plain function `forward(tokens, positions, attention)` runs eager). Capture happens the first
+    time a bucket is met (`pool_bytes` adds up what the graphs' memory pool took); on the CPU the
+    same padded forward runs uncaptured."""
 
-    def __init__(self, forward: Callable[..., torch.Tensor], cache: PagedKVCache, max_keys: int,
+    def __init__(self, mode: EagerMode | Callable[..., torch.Tensor], cache: PagedKVCache, max_keys: int,
                  capture: bool, hidden: tuple[int, torch.dtype] | None = None,
                  attention_kernel: bool | None = None, sync_free_experts: bool = False) -> None:
         """`hidden` (size, dtype): the forward also takes a hidden state per row, as the MTP
@@ -206,7 +206,9 @@ class StepGraphs:
         if attention_kernel:
             from runtime.ops.kernels.paged_attention import paged_attention
             self.attention = KernelAttention(paged_attention, self.attention)
-        self.forward_fn = forward
+        self.mode = mode if isinstance(mode, EagerMode) else EagerMode(mode)
+        kind = "captured" if capture else "padded"
+        self.name = f"{kind}, {self.mode.name}" if self.mode.compiles else kind
         self.cache = cache
         self.max_keys = max_keys
         self.capture = capture
@@ -252,10 +254,8 @@ class StepGraphs:
         return out[rows], entry.buffers.plan
 
     def _forward(self, buffers: StaticBuffers) -> torch.Tensor:
-        attention = PagedAttention(self.cache, buffers.plan)
-        if buffers.hidden_in is not None:
-            return self.forward_fn(buffers.tokens, buffers.hidden_in, buffers.positions, attention)
-        return self.forward_fn(buffers.tokens, buffers.positions, attention)
+        inputs = (buffers.tokens,) if buffers.hidden_in is None else (buffers.tokens, buffers.hidden_in)
+        return self.mode(inputs, buffers.positions, PagedAttention(self.cache, buffers.plan))
 
     def _prepare(self, shape: StaticShape) -> _Entry:
         buffers = StaticBuffers(shape, self.cache, self.hidden, self.attention)

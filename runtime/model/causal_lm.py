@@ -13,7 +13,7 @@ from torch import nn
 
 from runtime.ops import batch_invariant as bi
 from runtime.model.config import ModelConfig
-from runtime.model.decoder import DecoderLayer, RowTwice
+from runtime.model.decoder import DecoderLayer, RowTwice, bind_rows_twice
 from runtime.model.layers import AttentionContext, Linear, make_norm
 from runtime.model.mla import MLAttention
 from runtime.model.mtp import MTPLayer
@@ -63,8 +63,6 @@ class CausalLM(bi.InvariantSwitch, nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """tokens, positions [T] -> hidden states before the final norm [T, H]."""
-        if self.one_row_twice and tokens.shape[0] == 1:
-            return self.forward(tokens.expand(2), positions.expand(2), RowTwice(ctx))[:1]
         x = self.embed_tokens(tokens)
         rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
@@ -80,6 +78,13 @@ class CausalLM(bi.InvariantSwitch, nn.Module):
         would take the copy in too)."""
         w = self.lm_head.weight
         self.one_row_twice = on and not self.config.linear_layers and bi.gemm_plan(w, w.dtype, False)[0] > 1
+        bind_rows_twice(self, self.one_row_twice)
+
+    def _rows_twice(self, tokens: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """`forward`, a one-row step as two copies of its row (bound as `forward` by `_switched`)."""
+        if tokens.shape[0] == 1:
+            return CausalLM.forward(self, tokens.expand(2), positions.expand(2), RowTwice(ctx))[:1]
+        return CausalLM.forward(self, tokens, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm hidden [N, H] -> logits [N, V]."""

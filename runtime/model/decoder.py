@@ -63,3 +63,12 @@ class RowTwice:
         """Sparse attention's view (runtime.model.sparse_attention): the first row's, for both copies."""
         keys, seq, visible = self.ctx.visible_keys(layer_idx, k[:1])
         return keys, seq.expand(2), visible.expand(2, -1)
+
+
+def bind_rows_twice(module: nn.Module, on: bool) -> None:
+    """Bind `module.forward` to its `_rows_twice` (on) or back to the class's (off): chosen when
+    batch invariance is switched, never read per call."""
+    if on:
+        object.__setattr__(module, "forward", module._rows_twice)
+    else:
+        module.__dict__.pop("forward", None)

@@ -27,6 +27,7 @@ class RoutedExperts(nn.Module):
     column_major_weights = True   # `pack_for_inference` lays each expert's matrices out for the CPU GEMM
     packed_weights = {"gate_up_packed": "gate_up_proj", "down_packed": "down_proj"}   # and packs them
     backend: ExpertsBackend | None = None   # `choose_experts_backend`
+    fp8: tuple[int, int] | None = None   # the scale block once the weights are kept in FP8 (`keep_fp8`)
     _batch_invariant = False
     _fused = False
 
@@ -57,6 +58,25 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.register_buffer("gate_up_packed", None, persistent=False)   # cpu_ops.pack of each, or None
         self.register_buffer("down_packed", None, persistent=False)
+
+    def keep_fp8(self, block: tuple[int, int]) -> None:
+        """Keep the expert weights as an FP8 checkpoint stores them, e4m3 beside float32 block scales
+        (`gate_up_proj_scale_inv` [E, 2, ceil(I/br), ceil(H/bc)]: gate and up blocked apart, as stored;
+        `down_proj_scale_inv` [E, ceil(H/br), ceil(I/bc)]), run by the fused Triton kernels reading
+        them (`fused-fp8`, whatever the other switches: no other path reads FP8). Called once at
+        load, on the meta model (the loader fills them)."""
+        from runtime.model.quantization import FP8, scale_shape
+        e, two_i, h = self.gate_up_proj.shape
+        dev = self.gate_up_proj.device
+        self.gate_up_proj = nn.Parameter(torch.empty(e, two_i, h, dtype=FP8, device=dev), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, h, two_i // 2, dtype=FP8, device=dev), requires_grad=False)
+        self.register_buffer("gate_up_proj_scale_inv", torch.empty(e, 2, *scale_shape((two_i // 2, h), block),
+                                                                   dtype=torch.float32, device=dev))
+        self.register_buffer("down_proj_scale_inv", torch.empty(e, *scale_shape((h, two_i // 2), block),
+                                                                dtype=torch.float32, device=dev))
+        self.fp8 = tuple(block)
+        self.packed_weights = {}
+        self.backend = None
 
     @property
     def num_local_experts(self) -> int:
@@ -159,13 +179,10 @@ class RoutedExperts(nn.Module):
         is_local = (local >= 0) & (local < e_local)
         key = torch.where(is_local, local, e_local)                            # non-local: a last group
         order = torch.argsort(key, stable=True)                                # [T*k]
-        if key.device.type != "cpu":   # CUDA (and the meta device of the dispatch test)
-            # CUDA's bincount reads the largest id back on the host, which a CUDA graph capture
-            # refuses: the group ends come from the sorted keys instead.
-            groups = torch.arange(e_local, device=key.device)
-            offs = torch.searchsorted(key[order], groups, right=True).to(torch.int32)     # [E]
-        else:   # the CPU's bincount is the fastest here (measured on the compiled step)
-            offs = torch.cumsum(torch.bincount(key, minlength=e_local + 1)[:e_local], 0).to(torch.int32)  # [E]
+        # The group ends from the sorted keys: bincount would read the largest id back on the host
+        # (CUDA), which a CUDA graph capture refuses.
+        groups = torch.arange(e_local, device=key.device)
+        offs = torch.searchsorted(key[order], groups, right=True).to(torch.int32)     # [E]
         xs = x[order // k]                                                     # [T*k, H], expert-major
         gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         ys = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [T*k, H]
@@ -231,7 +248,7 @@ def _take_padded(x: torch.Tensor, ids: torch.Tensor, expert_offset: int, num_loc
     """Whether the CPU's padded path is the cheaper one for these choices (`PADDED_MIN_EXPERTS`,
     `PADDED_WASTE_ROWS`)."""
     least = PADDED_MIN_EXPERTS.get(x.dtype)
-    if least is None or x.device.type != "cpu" or ids.numel() < least:
+    if least is None or ids.numel() < least:
         return False
     local = ids[(ids >= expert_offset) & (ids < expert_offset + num_local)] - expert_offset
     counts = torch.bincount(local, minlength=num_local)
@@ -249,41 +266,42 @@ def _native_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
                                                 *(packed or ()))
 
 
-def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
-                   down_proj: torch.Tensor, expert_offset: int,
-                   packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The float32 / bfloat16 routed experts: on the CPU through the native op when it is built
-    (runtime.ops.cpu_ops: without the host cost of ~30 small tensor ops a layer; each expert's GEMMs
-    through the few-row kernel up to `cpu_ops.few_rows_max` rows, else the Python paths' kernels
-    bit for bit), or per expert, or padded batched matmuls from `PADDED_MIN_EXPERTS` touched
-    experts (16-bit types); grouped elsewhere. `packed`: the native op's packed matrices, if any."""
-    if x.device.type == "cpu" and cpu_ops.load():
-        return _native_experts(x, weights, ids, gate_up_proj, down_proj, expert_offset, packed)
+def python_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                   down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
+    """The CPU's routed experts without the native library: per expert, or padded batched matmuls
+    from `PADDED_MIN_EXPERTS` touched experts (16-bit types, `_take_padded`)."""
     experts = _Experts(gate_up_proj, down_proj, expert_offset)
-    if x.device.type != "cpu":
-        return RoutedExperts._grouped(experts, x, weights, ids)
     if _take_padded(x, ids, expert_offset, experts.num_local_experts):
         return RoutedExperts._padded(experts, x, weights, ids)
     return RoutedExperts._per_expert(experts, x, weights, ids)
 
 
+def _grouped_impl(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                  down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
+    return RoutedExperts._grouped(_Experts(gate_up_proj, down_proj, expert_offset), x, weights, ids)
+
+
 def _invariant_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
                        down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
-    """The batch-invariant routed experts: where the CPU takes padded batched matmuls for 16-bit
-    types and `bi.bmm_plan` finds row counts that give every row one result, padded on those
-    (by `PADDED_MIN_EXPERTS` when each row equals `bi.linear`'s result, else always); otherwise
-    per expert with each GEMM through `bi.linear` (always where that runs the native kernel on
-    every row count: bfloat16 without native bfloat16, whose batched matmul is far slower)."""
-    if all(cpu_ops.invariant_linear(x.dtype, w[0]) for w in (gate_up_proj, down_proj)):
-        return _native_invariant_experts(x, weights, ids, gate_up_proj, down_proj, expert_offset)
+    """The batch-invariant routed experts off the native op: per expert, each GEMM through
+    `bi.linear` (its row plans looked up once for the layer)."""
     experts = _Experts(gate_up_proj, down_proj, expert_offset)
-    if x.dtype in PADDED_MIN_EXPERTS and x.device.type == "cpu":
+    return RoutedExperts._per_expert(experts, x, weights, ids, _planned_linear(gate_up_proj, down_proj, x.dtype))
+
+
+def _invariant_cpu_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
+                           down_proj: torch.Tensor, expert_offset: int) -> torch.Tensor:
+    """`_invariant_experts` on the CPU without the native op, where 16-bit types may take padded
+    batched matmuls: where `bi.bmm_plan` finds row counts that give every row one result, padded on
+    those (by `PADDED_MIN_EXPERTS` when each row equals `bi.linear`'s result, else always)."""
+    if x.dtype in PADDED_MIN_EXPERTS:
         plans = bi.bmm_plan(gate_up_proj, x.dtype), bi.bmm_plan(down_proj, x.dtype)
         if None not in plans:
             (lo_a, hi_a, same_a), (lo_b, hi_b, same_b) = plans
+            experts = _Experts(gate_up_proj, down_proj, expert_offset)
             if not (same_a and same_b) or _take_padded(x, ids, expert_offset, experts.num_local_experts):
                 return RoutedExperts._padded(experts, x, weights, ids, (max(lo_a, lo_b), min(hi_a, hi_b)))
-    return RoutedExperts._per_expert(experts, x, weights, ids, _planned_linear(gate_up_proj, down_proj, x.dtype))
+    return _invariant_experts(x, weights, ids, gate_up_proj, down_proj, expert_offset)
 
 
 def _native_invariant_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -329,8 +347,10 @@ def _experts_op(name: str, impl):
     return getattr(torch.ops.metrale, name)
 
 
-grouped_experts = _experts_op("grouped_experts", routed_experts)          # the default experts
+grouped_experts = _experts_op("grouped_experts", _grouped_impl)            # an accelerator's experts
+cpu_experts = _experts_op("python_experts", python_experts)                 # the CPU's without the native op
 invariant_experts = _experts_op("invariant_experts", _invariant_experts)  # the batch-invariant experts
+invariant_cpu_experts = _experts_op("invariant_cpu_experts", _invariant_cpu_experts)   # and on the CPU
 
 
 def _fused_impl(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
@@ -340,6 +360,23 @@ def _fused_impl(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
 
 
 fused_experts = _experts_op("fused_experts", _fused_impl)   # the Triton kernels, opaque to a compiled step
+
+torch.library.define("metrale::fused_fp8_experts", "(Tensor x, Tensor weights, Tensor ids, Tensor gate_up_proj, "
+                     "Tensor down_proj, Tensor gate_up_scale, Tensor down_scale, int[] block, int expert_offset) -> Tensor")
+
+
+@torch.library.impl("metrale::fused_fp8_experts", "CompositeExplicitAutograd")
+def _fused_fp8_impl(x, weights, ids, gate_up_proj, down_proj, gate_up_scale, down_scale, block, expert_offset):
+    from runtime.ops.kernels.fused_moe import fused_experts as kernel
+    return kernel(x, weights, ids, gate_up_proj, down_proj, expert_offset, gate_up_scale, down_scale, tuple(block))
+
+
+torch.library.register_fake("metrale::fused_fp8_experts")(lambda x, *_: x.new_empty(x.shape))
+
+
+def _fused_fp8_call(m: RoutedExperts, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.ops.metrale.fused_fp8_experts(x, w, ids, m.gate_up_proj, m.down_proj, m.gate_up_proj_scale_inv,
+                                               m.down_proj_scale_inv, m.fp8, m.expert_offset)
 
 
 def choose_fused_experts(model: nn.Module, on: bool | None = None) -> bool:
@@ -351,6 +388,11 @@ def choose_fused_experts(model: nn.Module, on: bool | None = None) -> bool:
     if not mods:
         return False
     p = mods[0].gate_up_proj
+    if mods[0].fp8 is not None:   # kept FP8 (`RoutedExperts.keep_fp8`): the fused kernels are the one path
+        for m in mods:
+            m.fused = True
+            choose_experts_backend(m)
+        return True
     fits = p.dtype in (torch.float32, torch.bfloat16)
     if on is None:
         on = p.device.type == "cuda" and kernels.available("cuda") and fits
@@ -385,18 +427,12 @@ def _native_call(m: RoutedExperts, x: torch.Tensor, w: torch.Tensor, ids: torch.
     return _native_experts(x, w, ids, m.gate_up_proj, m.down_proj, m.expert_offset, m._packed(x))
 
 
-def _python_call(m: RoutedExperts, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    if _take_padded(x, ids, m.expert_offset, m.num_local_experts):
-        return m._padded(x, w, ids)
-    return m._per_expert(x, w, ids)
-
-
 def _native_invariant_call(m: RoutedExperts, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return _native_invariant_experts(x, w, ids, m.gate_up_proj, m.down_proj, m.expert_offset, m._packed(x))
 
 
-def _invariant_call(m: RoutedExperts, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return _invariant_experts(x, w, ids, m.gate_up_proj, m.down_proj, m.expert_offset)
+def _eager_call(impl):
+    return lambda m, x, w, ids: impl(x, w, ids, m.gate_up_proj, m.down_proj, m.expert_offset)
 
 
 EXPERTS_BACKENDS = {b.name: b for b in (
@@ -405,15 +441,18 @@ EXPERTS_BACKENDS = {b.name: b for b in (
     ExpertsBackend("reference-invariant", lambda m, x, w, ids: m._looped(x, w, ids, bi.linear),
                    lambda m, x, w, ids: m._looped(x, w, ids, bi.linear)),
     # Each touched expert's GEMMs through `bi.linear` (or padded batched matmuls on fixed tiles).
-    ExpertsBackend("invariant", _invariant_call, _op_call(invariant_experts)),
+    ExpertsBackend("invariant", _eager_call(_invariant_cpu_experts), _op_call(invariant_cpu_experts)),
+    ExpertsBackend("invariant-per-expert", _eager_call(_invariant_experts), _op_call(invariant_experts)),
     # The native op on its few-row kernel at every row count, one choice a row (design §3.2).
     ExpertsBackend("native-invariant", _native_invariant_call, _native_invariant_call),
     # The Triton fused MoE kernels: sync-free in float32 and bfloat16, so the step captures.
     ExpertsBackend("fused", _op_call(fused_experts), _op_call(fused_experts)),
+    # The same kernels reading FP8 expert weights and their block scales (an FP8 checkpoint on CUDA).
+    ExpertsBackend("fused-fp8", _fused_fp8_call, _fused_fp8_call),
     # The native CPU op (`metrale_cpu::routed_experts`), its few-row GEMMs from the packed matrices.
     ExpertsBackend("native", _native_call, _native_call),
     # The CPU without the native library: per expert, or padded batched matmuls (`_take_padded`).
-    ExpertsBackend("python", _python_call, _op_call(grouped_experts)),
+    ExpertsBackend("python", _eager_call(python_experts), _op_call(cpu_experts)),
     # An accelerator: two grouped matmuls over the choices sorted by expert, no host sync.
     ExpertsBackend("grouped", lambda m, x, w, ids: m._grouped(x, w, ids), _op_call(grouped_experts)),
 )}
@@ -423,10 +462,14 @@ def experts_backend_name(m: RoutedExperts) -> str:
     """The backend a routed-experts module runs, from what was chosen for it (its dtype, device,
     batch-invariant switch, fused kernels) and whether the native CPU ops load."""
     p = m.gate_up_proj
+    if m.fp8 is not None:
+        return "fused-fp8"
     if p.dtype == torch.float64:
         return "reference-invariant" if m.batch_invariant else "reference"
     if m.batch_invariant:
-        return "native-invariant" if m.native_invariant(p.dtype) else "invariant"
+        if m.native_invariant(p.dtype):
+            return "native-invariant"
+        return "invariant" if p.device.type == "cpu" else "invariant-per-expert"
     if m.fused:
         return "fused"
     if p.device.type != "cpu":

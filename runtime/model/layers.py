@@ -33,7 +33,8 @@ class AttentionContext(Protocol):
 
 
 class KVWriter(Protocol):
-    """Where a forward that only writes keys and values puts them (`runtime.executor.attention.KVWrites`):
+    """Where a forward that only writes keys and values puts them (a `runtime.executor.attention.PagedAttention`
+    over a `writes_plan`):
     the positions [T] of its rows, and their cache writes."""
 
     positions: torch.Tensor
@@ -48,25 +49,69 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`; on the CPU, float32 and bfloat16 GEMMs of few rows run through the native
-    few-row kernel (`runtime.ops.cpu_ops.few_rows_max`: a stream of the column-major weights, each
-    row's result its own), called straight from a compiled step (`cpu_ops.load` registers its
-    fake); from `packed` (`cpu_ops.pack` of `weight`) where one is kept, the same bits."""
-    if x.device.type != "cpu":   # the native library is the CPU's alone: never built for a GPU run
-        return F.linear(x, weight, bias)
-    if cpu_ops.LOADED is None and not torch.compiler.is_compiling():
-        cpu_ops.load()
-    if not cpu_ops.LOADED or x.dtype not in cpu_ops.FEW_ROWS or (
-            torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):   # training: autograd's
+def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 packed: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`: every device's GEMM (`packed` unused)."""
+    return F.linear(x, weight, bias)
+
+
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  packed: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU's GEMM with the native library loaded, for the dtypes it takes (`cpu_ops.FEW_ROWS`): rows up to
+    `cpu_ops.few_rows_max` through the native few-row kernel (a stream of the column-major weights,
+    each row's result its own), called straight from a compiled step (`cpu_ops.load` registered its
+    fake); from `packed` (`cpu_ops.pack` of `weight`) where one is kept, the same bits. Autograd's
+    GEMM where gradients are wanted (training)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return F.linear(x, weight, bias)
     if packed is not None and x.dtype == packed.dtype:   # the op picks: no guard on the rows in a compiled step
         return torch.ops.metrale_cpu.linear(x, weight, bias, cpu_ops.few_rows_max(x.dtype), packed)
     return torch.ops.metrale_cpu.linear(x, weight, bias, cpu_ops.few_rows_max(x.dtype))
 
 
-class Linear(bi.InvariantSwitch, nn.Linear):
+def gemm_for(weight: torch.Tensor):
+    """The GEMM for `weight` where it lives now: `native_linear` on the CPU with the native library
+    built (loading it here) for the dtypes it takes, else `plain_linear` (the native library is
+    the CPU's alone: never built for a GPU run)."""
+    if weight.device.type != "cpu" or not cpu_ops.load() or weight.dtype not in cpu_ops.FEW_ROWS:
+        return plain_linear
+    return native_linear
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """A GEMM called outside a module (tests, tools): `gemm_for(weight)` chosen for this call.
+    Modules choose theirs once (`ChosenGemm`)."""
+    return gemm_for(weight)(x, weight, bias, packed)
+
+
+class ChosenGemm:
+    """A module whose GEMM (`_gemm(x, weight, bias, packed)`) is chosen once for its weight's device
+    and dtype (`choose_gemm`, by `choose_gemms` at load and when a runner is built); until then,
+    and after a move to another dtype or device, `plain_linear`, which is right everywhere."""
+
+    _gemm = staticmethod(plain_linear)
+
+    def choose_gemm(self) -> None:
+        object.__setattr__(self, "_gemm", gemm_for(self.weight))
+
+    def _apply(self, fn, *args, **kwargs):
+        self.__dict__.pop("_gemm", None)   # a new dtype or device asks for a new choice
+        return super()._apply(fn, *args, **kwargs)
+
+
+def choose_gemms(model: nn.Module) -> dict[str, int]:
+    """`choose_gemm` for every module of `model` that has one; returns how many run each GEMM."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, ChosenGemm):
+            m.choose_gemm()
+            name = "native" if m._gemm is native_linear else "torch"
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+class Linear(ChosenGemm, bi.InvariantSwitch, nn.Linear):
     """`nn.Linear` with a batch-invariant path (`runtime.ops.batch_invariant.linear`) when switched on;
     `in_parts` > 1 sums that path over equal slices of the input features (an attention output
     projection's two halves of its heads: `runtime.ops.batch_invariant.split_linear`)."""
@@ -81,11 +126,42 @@ class Linear(bi.InvariantSwitch, nn.Linear):
         super().__init__(*args, **kwargs)
         self.register_buffer("packed", None, persistent=False)   # `pack_for_inference`: cpu_ops.pack(weight)
 
+    # (block, offset) once its weight is kept in FP8 (`keep_fp8`): the scale block shape, and the rows
+    # and columns its weight (a window of the stored one) starts inside its first block.
+    fp8: tuple[tuple[int, int], tuple[int, int]] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return self._gemm(x, self.weight, self.bias, self.packed)
+
+    def keep_fp8(self, block: tuple[int, int], offset: tuple[int, int] = (0, 0)) -> None:
+        """Keep this linear's weight as the checkpoint stores it, FP8 e4m3 beside its float32
+        `weight_scale_inv` blocks, and run it through the Triton block-scaled kernel
+        (runtime/ops/kernels/fp8_linear.py). Called once at load, before the weights are read (on
+        the meta model: the loader fills both). Binds the path now, for the default and the
+        batch-invariant switch alike (the kernel's rows do not depend on their batch)."""
+        from runtime.model.quantization import FP8, scale_shape
+        from runtime.ops.kernels import fp8_linear  # noqa: F401  (registers metrale::fp8_linear)
+        rows, cols = self.weight.shape
+        dev = self.weight.device
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8, device=dev), requires_grad=False)
+        self.register_buffer("weight_scale_inv", torch.empty(scale_shape((rows + offset[0], cols + offset[1]), block),
+                                                             dtype=torch.float32, device=dev))
+        self.fp8 = (tuple(block), tuple(offset))
+        self.packed_weights = {}   # no packed copy: the kernel reads the FP8 bytes
+        self._switched(self.batch_invariant)
+
+    def _switched(self, on: bool) -> None:
+        if self.fp8 is not None:
+            object.__setattr__(self, "_run", self._fp8)
+
+    def _fp8(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fp8_matmul(x, self.bias)
+
+    def _fp8_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.metrale.fp8_linear(x, self.weight, self.weight_scale_inv, bias, *self.fp8)
 
     def _invariant(self, x: torch.Tensor) -> torch.Tensor:
         if self.in_parts == 1:
@@ -94,7 +170,7 @@ class Linear(bi.InvariantSwitch, nn.Linear):
         return out if self.bias is None else out + self.bias
 
 
-class FusedProjection(bi.InvariantSwitch, nn.Module):
+class FusedProjection(ChosenGemm, bi.InvariantSwitch, nn.Module):
     """Linears that read the same input (an attention's q/k/v, an MLP's gate/up) as one GEMM: the
     weights concatenated along the outputs, each linear's weight left as a view of its rows (so
     loading and saving, which keep the separate linears, share the memory). One GEMM instead of
@@ -129,7 +205,7 @@ class FusedProjection(bi.InvariantSwitch, nn.Module):
         return self._run(x).split(self.sizes, dim=-1)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return self._gemm(x, self.weight, self.bias, self.packed)
 
     def _invariant(self, x: torch.Tensor) -> torch.Tensor:
         return bi.linear(x, self.weight, self.bias, self.bi_rows, self.packed)
@@ -144,11 +220,12 @@ def pack_for_inference(model: nn.Module) -> None:
     (`cpu_ops.pack`, the same bits; a non-persistent buffer, not in the state dict): the weights
     must not change after."""
     if any(p.device.type == "cpu" for p in model.parameters()):
-        cpu_ops.load()   # before any step is compiled: `linear` reads its answer as a constant
-    for mod in model.modules():
-        if isinstance(mod, Attention) and type(mod.q_proj) is Linear and mod.qkv is None:
+        cpu_ops.load()   # before any step is compiled
+    for mod in model.modules():   # an FP8-kept linear runs its own kernel: not fused
+        if isinstance(mod, Attention) and type(mod.q_proj) is Linear and mod.qkv is None \
+                and not _any_fp8(mod.q_proj, mod.k_proj, mod.v_proj):
             mod.qkv = FusedProjection([mod.q_proj, mod.k_proj, mod.v_proj])
-        elif isinstance(mod, MLP) and mod.gate_up is None:
+        elif isinstance(mod, MLP) and mod.gate_up is None and not _any_fp8(mod.gate_proj, mod.up_proj):
             mod.gate_up = FusedProjection([mod.gate_proj, mod.up_proj])
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     fused = {id(lin) for m in model.modules() if isinstance(m, Attention) and m.qkv is not None
@@ -159,7 +236,8 @@ def pack_for_inference(model: nn.Module) -> None:
         if isinstance(mod, FusedProjection) or id(mod) in fused:   # views of a fused weight: laid out there
             continue
         for name, p in mod.named_parameters(recurse=False):
-            if p.device.type != "cpu" or id(p) in tied or p.dim() < 2 or p.shape[-2] == 1:
+            if p.device.type != "cpu" or id(p) in tied or p.dim() < 2 or p.shape[-2] == 1 \
+                    or getattr(mod, "fp8", None) is not None:
                 continue
             if (isinstance(mod, nn.Linear) or getattr(mod, "column_major_weights", False)) \
                     and not p.data.transpose(-1, -2).is_contiguous():
@@ -171,6 +249,11 @@ def pack_for_inference(model: nn.Module) -> None:
             w = getattr(mod, weight)
             if getattr(mod, name) is None and cpu_ops.packs(w):
                 setattr(mod, name, cpu_ops.pack(w))
+    choose_gemms(model)   # every linear's GEMM, for its final device and dtype
+
+
+def _any_fp8(*linears: Linear) -> bool:
+    return any(lin.fp8 is not None for lin in linears)
 
 
 class RMSNorm(nn.Module):

@@ -136,7 +136,11 @@ class GatedRMSNorm(nn.Module):
 
 
 class RecurrentStates:
-    """The conv and recurrent states of every linear-attention layer, one pair per sequence."""
+    """The conv and recurrent states of every linear-attention layer, one pair per sequence: the
+    layer-state backend of a hybrid model's cache (runtime.executor.kv_cache.LayerStates)."""
+
+    name = "recurrent"
+    attachable = False   # the state at a block's end is not kept (prefix caching is off for the family)
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str,
                  heads: tuple[int, int] | None = None) -> None:

@@ -44,6 +44,9 @@ class MLAttention(bi.InvariantSwitch, nn.Module):
     q_a_proj / q_a_layernorm / q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj."""
 
     switched = {"_per_head": "_per_head_invariant"}
+    # Linears whose weight is read as a matrix (kv_b_proj: absorbed into per-head products), so an
+    # FP8 checkpoint's is dequantized on load whatever the weight format (runtime.model.weights).
+    dense_weights = ("kv_b_proj",)
     _per_head = staticmethod(per_head_linear)
     _per_head_invariant = staticmethod(per_head_linear_invariant)
 

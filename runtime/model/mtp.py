@@ -11,7 +11,7 @@ from torch import nn
 
 from runtime.ops import batch_invariant as bi
 from runtime.model.config import ModelConfig
-from runtime.model.decoder import DecoderLayer, RowTwice
+from runtime.model.decoder import DecoderLayer, RowTwice, bind_rows_twice
 from runtime.model.layers import AttentionContext, KVWriter, Linear, make_norm
 from runtime.model.sparse_attention import DsaSelection
 
@@ -65,6 +65,16 @@ class MTPLayer(bi.InvariantSwitch, nn.Module):
 
     def _switched(self, on: bool) -> None:
         self.one_row_twice = on and self.target.one_row_twice
+        bind_rows_twice(self, self.one_row_twice)
+
+    def _rows_twice(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
+                    ctx: AttentionContext, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward`, a one-row step as two copies of its row (bound as `forward` by `_switched`;
+        with one row, `rows` can only be [0])."""
+        if tokens.shape[0] == 1:
+            return MTPLayer.forward(self, tokens.expand(2), prev_hidden.expand(2, -1), positions.expand(2),
+                                    RowTwice(ctx))[:1]
+        return MTPLayer.forward(self, tokens, prev_hidden, positions, ctx, rows)
 
     def forward(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
                     ctx: AttentionContext, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,8 +83,6 @@ class MTPLayer(bi.InvariantSwitch, nn.Module):
         after `shared_head.norm` where `normed`). With
         `rows` [B] (and `ctx` attending for those rows alone), the output of those rows [B, H]:
         every row's keys and values are still written, and nothing else is computed for the rest."""
-        if self.one_row_twice and tokens.shape[0] == 1:   # one row: `rows` can only be [0]
-            return self.forward(tokens.expand(2), prev_hidden.expand(2, -1), positions.expand(2), RowTwice(ctx))[:1]
         x = self._input(tokens, prev_hidden)
         out = self.block(x, self.target.rotary(positions, x.dtype), ctx, rows)
         return self.shared_head.norm(out) if self.normed else out

@@ -5,8 +5,10 @@ Such a checkpoint stores each converted linear weight `X.weight` as float8_e4m3f
 `X.weight_scale_inv` (float32, one value per `weight_block_size` block, rows then columns): the
 real weight is `X.weight * scale_inv` block by block. Modules named in `modules_to_not_convert`
 (norms, embeddings, the head, the routers) are stored in their own dtype. The loader
-(`runtime.model.weights`) dequantizes each weight to the serving dtype as it reads it, reading only the
-rows or columns (and their scale blocks) a rank owns; docs/design.md §3 says why.
+(`runtime.model.weights`) reads only the rows or columns (and their scale blocks) a rank owns, and
+either keeps a linear's weight in FP8 with its scales (`choose_fp8_kept`: on CUDA with triton; the
+Triton block-scaled kernel runs it) or dequantizes it to the serving dtype as it reads it (the CPU,
+routed experts); docs/design.md §3 says why.
 """
 from __future__ import annotations
 
@@ -62,6 +64,25 @@ def quantization_scheme(raw: dict[str, Any], source: str = "config.json") -> Fp8
     return Fp8BlockScheme(block=(block[0], block[1]), not_converted=tuple(skip))
 
 
+def choose_fp8_kept(scheme: Fp8BlockScheme | None, device: torch.device, dtype: torch.dtype,
+                    on: bool | None = None) -> bool:
+    """Whether an FP8 checkpoint's linear weights stay FP8 on `device` (run by the Triton block-scaled
+    kernel, runtime/ops/kernels/fp8_linear.py) rather than being dequantized to `dtype` on load; chosen
+    once, at load. `on` None keeps them on CUDA with triton installed, for float32 and bfloat16 serving
+    (float64, the reference mode, and the CPU dequantize); True insists (the CPU under the Triton
+    interpreter: the tests), refused in one line where the kernel cannot run."""
+    if scheme is None:
+        return False
+    from runtime.ops import kernels
+    fits = dtype in (torch.float32, torch.bfloat16)
+    if on is None:
+        return device.type == "cuda" and fits and kernels.available("cuda")
+    if on and not (fits and kernels.available(device.type)):
+        raise ValueError(f"FP8 weights cannot be kept here ({dtype} on {device}): the block-scaled kernel needs "
+                         "triton (and TRITON_INTERPRET=1 for CPU tensors), float32 or bfloat16")
+    return bool(on)
+
+
 def scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
     """Blocks along rows and columns of a weight of `shape` (partial blocks at the end count)."""
     return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
@@ -103,7 +124,7 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     rows, cols = weight.shape
     nr, nc = scale_shape((rows, cols), block)
     w = weight.to(torch.float32)
-    padded = torch.zeros(nr * br, nc * bc, dtype=torch.float32)
+    padded = torch.zeros(nr * br, nc * bc, dtype=torch.float32, device=weight.device)
     padded[:rows, :cols] = w
     amax = padded.view(nr, br, nc, bc).abs().amax(dim=(1, 3))
     scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))

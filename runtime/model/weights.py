@@ -19,10 +19,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from runtime.model.config import ModelConfig, load_config
-from runtime.model.experts import choose_fused_experts
+from runtime.model.experts import RoutedExperts, choose_fused_experts
 from runtime.model.layers import pack_for_inference
 from runtime.model.causal_lm import CausalLM
-from runtime.model.quantization import FP8, SCALE_SUFFIX, Fp8BlockScheme, dequantize, quantization_scheme, scale_window
+from runtime.model.quantization import (FP8, SCALE_SUFFIX, Fp8BlockScheme, choose_fp8_kept, dequantize,
+                                         quantization_scheme, scale_window)
 
 _EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.*)$")
@@ -133,11 +134,17 @@ ShardSpecs = dict[str, tuple[int, int, int]]  # param -> (dim, start, stop) of t
 def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
                expert_range: range | None = None,
                transform: Callable[[CausalLM], ShardSpecs] | None = None,
-               mtp_only: bool = False, *, device: torch.device | str) -> CausalLM:
+               mtp_only: bool = False, *, device: torch.device | str, keep_fp8: bool | None = None) -> CausalLM:
     """Build the model on `device` and fill it from the checkpoint.
 
     `mtp_only`: no target layers (a drafter on its own): embeddings, final norm, head and the MTP
     layer; the target layers' tensors are never read.
+
+    `keep_fp8` (an FP8 checkpoint): whether its linear and routed-expert weights stay FP8 beside
+    their scales, run by the Triton kernels (`Linear.keep_fp8`, `RoutedExperts.keep_fp8`), or are
+    dequantized to `dtype` as they are read; None picks once (`quantization.choose_fp8_kept`: kept
+    on CUDA with triton). Linears a module reads as matrices (its `dense_weights`) and weights of
+    other modules are dequantized either way.
 
     `expert_range` restricts the routed experts read (global ids, the same for every layer);
     None reads all. `transform` runs on the meta-device model before any weight exists (the EP
@@ -193,6 +200,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
     with torch.device("meta"):  # parallel layers are swapped in without allocating
         specs = transform(model) if transform is not None else {}
     device = torch.device(device)
+    kept = (_keep_fp8_weights(model, sorted(scales), cfg, scheme, specs)
+            if choose_fp8_kept(scheme, device, dtype, keep_fp8) else set())
     _cast(model, dtype)   # on the meta device: every weight is allocated in its serving dtype, no float32 copy first
     model.to_empty(device=device)
     with torch.device(device):
@@ -200,6 +209,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
     params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
 
     filled: set[str] = set()
+    kept_tensors = dequantized_tensors = 0   # FP8 checkpoint tensors read as such, and dequantized
     expert_rows: dict[str, set[int]] = {}
     with ExitStack() as stack:
         handles = {p: stack.enter_context(open_safetensors(p)) for p in set(files.values())}
@@ -234,17 +244,38 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
                                       f"expected {tuple(want)}")
             if spec is None:
                 src = handles[path].get_tensor(hf_name)
-                if hf_name in scales:
-                    src = _dequantized(src, hf_name, handles[scales[hf_name]], scheme, None, dtype)
+            elif len(windows) > 1:   # several windows (a split DeltaNet's q, k, v channels): read and joined
+                parts = [src_slice[lo:hi] if d == 0 else src_slice[:, lo:hi] for d, lo, hi in windows]
+                if hf_name in scales:   # never kept as FP8 (`_keep_fp8_weights`): each window dequantized
+                    parts = [_dequantized(part, hf_name, handles[scales[hf_name]], scheme, w, dtype)
+                             for part, w in zip(parts, windows)]
+                    dequantized_tensors += 1
+                elif parts[0].dtype == FP8:
+                    raise CheckpointError(f"tensor {hf_name!r} is FP8 but the checkpoint has no "
+                                          f"{hf_name + SCALE_SUFFIX!r}")
+                src = torch.cat(parts, dim=spec[0])
+            elif spec[0] == 0:
+                src = src_slice[spec[1]:spec[2]]
             else:
-                parts = []
-                for window in windows:
-                    part = src_slice[window[1]:window[2]] if window[0] == 0 else src_slice[:, window[1]:window[2]]
-                    if hf_name in scales:
-                        part = _dequantized(part, hf_name, handles[scales[hf_name]], scheme, window, dtype)
-                    parts.append(part)
-                src = parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec[0])
-            if hf_name not in scales and src.dtype == FP8:
+                src = src_slice[:, spec[1]:spec[2]]
+            if len(windows) > 1:
+                pass   # read (and dequantized) window by window above
+            elif hf_name in scales and target.param in kept:   # FP8 as stored, and the scale blocks it needs
+                if src.dtype != FP8:
+                    raise CheckpointError(f"tensor {hf_name!r} has {hf_name + SCALE_SUFFIX!r} but is {src.dtype}, not FP8")
+                scale, _, _ = _scale_blocks(src, hf_name, handles[scales[hf_name]], scheme, spec)
+                scale_dest = params[target.param + SCALE_SUFFIX]
+                if target.expert is not None:   # stacked experts: gate and up blocked apart, as stored
+                    scale_dest = scale_dest[target.expert - experts.start]
+                    scale_dest = scale_dest if target.half is None else scale_dest[target.half]
+                with torch.no_grad():
+                    scale_dest.copy_(scale)
+                filled.add(target.param + SCALE_SUFFIX)
+                kept_tensors += 1
+            elif hf_name in scales:
+                src = _dequantized(src, hf_name, handles[scales[hf_name]], scheme, spec, dtype)
+                dequantized_tensors += 1
+            elif src.dtype == FP8:
                 raise CheckpointError(f"tensor {hf_name!r} is FP8 but the checkpoint has no {hf_name + SCALE_SUFFIX!r}")
             with torch.no_grad():
                 dest.copy_(src)
@@ -265,18 +296,64 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32,
             lost = sorted(set(experts) - rows)
             raise CheckpointError(f"checkpoint lacks expert(s) {lost[:5]} for {param}")
     # What the start-up line reports: how the stored weights became the served ones.
-    model.weight_format = (f"{scheme.describe()} in the checkpoint, dequantized to {str(dtype).removeprefix('torch.')} "
-                           "on load" if scheme is not None else str(dtype).removeprefix("torch."))
+    model.weight_format = weight_format(scheme, dtype, kept_tensors, dequantized_tensors)
     pack_for_inference(model)
     choose_fused_experts(model)   # on CUDA with triton: the sync-free Triton experts
     model.eval()
     return model
 
 
-def _dequantized(src: torch.Tensor, hf_name: str, handle, scheme: Fp8BlockScheme,
-                 spec: tuple[int, int, int] | None, dtype: torch.dtype) -> torch.Tensor:
-    """The FP8 weight `src` (the whole stored tensor, or the window `spec` of it) times its block
-    scales, read only for the blocks that window covers."""
+def weight_format(scheme: Fp8BlockScheme | None, dtype: torch.dtype, kept: int, dequantized: int) -> str:
+    """What the start-up line says of the weights: their dtype, or how an FP8 checkpoint's are served
+    (`kept`, `dequantized`: how many of its FP8 tensors this process read each way)."""
+    dt = str(dtype).removeprefix("torch.")
+    if scheme is None:
+        return dt
+    if not kept:
+        return f"{scheme.describe()} in the checkpoint, dequantized to {dt} on load"
+    br, bc = scheme.block
+    rest = f", the other {dequantized} dequantized to {dt} on load" if dequantized else ""
+    return (f"{scheme.describe()} in the checkpoint: fp8 e4m3 {br}x{bc} kept for {kept} of {kept + dequantized} "
+            f"FP8 tensors (triton block-scaled matmul and fused MoE kernels){rest}")
+
+
+def _keep_fp8_weights(model: CausalLM, names: list[str], cfg: ModelConfig, scheme: Fp8BlockScheme,
+                      specs: ShardSpecs) -> set[str]:
+    """On the meta model: each `Linear` and `RoutedExperts` whose checkpoint weights (among `names`)
+    are FP8 keeps them so (`keep_fp8`), an EP rank its window of a linear with the scale blocks
+    covering it (offsets inside the first block included). A linear its module reads as a matrix
+    (`dense_weights`) is left to dequantize. Returns the parameters kept."""
+    from runtime.model.layers import Linear
+    dense = {id(getattr(m, n)) for m in model.modules() for n in getattr(m, "dense_weights", ())}
+    kept: set[str] = set()
+    for hf_name in names:
+        target = map_name(hf_name, cfg)
+        if target is None or target.param in kept:
+            continue
+        owner, _, leaf = target.param.rpartition(".")
+        try:
+            mod = model.get_submodule(owner)
+        except AttributeError:   # not in this model (a drafter on its own): never read
+            continue
+        if target.expert is not None and isinstance(mod, RoutedExperts):
+            if mod.fp8 is None:
+                mod.keep_fp8(scheme.block)
+            kept.add(target.param)
+        elif leaf == "weight" and isinstance(mod, Linear) and id(mod) not in dense and mod.fp8 is None \
+                and len(specs.get(target.param, ())) <= 3:   # one window (several: dequantized on load)
+            spec = specs.get(target.param)
+            offset = (0, 0)
+            if spec is not None:
+                offset = (spec[1] % scheme.block[0], 0) if spec[0] == 0 else (0, spec[1] % scheme.block[1])
+            mod.keep_fp8(scheme.block, offset)
+            kept.add(target.param)
+    return kept
+
+
+def _scale_blocks(src: torch.Tensor, hf_name: str, handle, scheme: Fp8BlockScheme,
+                  spec: tuple[int, int, int] | None) -> tuple[torch.Tensor, int, int]:
+    """The scale blocks covering the FP8 weight `src` (the whole stored tensor, or the window `spec`
+    of it), read only for those blocks, and the window's first stored row and column."""
     scale_slice = handle.get_slice(hf_name + SCALE_SUFFIX)
     full = tuple(handle.get_slice(hf_name).get_shape()) if spec is not None else tuple(src.shape)
     want = (-(-full[0] // scheme.block[0]), -(-full[1] // scheme.block[1])) if len(full) == 2 else None
@@ -292,12 +369,19 @@ def _dequantized(src: torch.Tensor, hf_name: str, handle, scheme: Fp8BlockScheme
     else:
         lo, hi = scale_window(1, spec[1], spec[2], scheme.block)
         scale, col0 = scale_slice[:, lo:hi], spec[1]
+    return scale, row0, col0
+
+
+def _dequantized(src: torch.Tensor, hf_name: str, handle, scheme: Fp8BlockScheme,
+                 spec: tuple[int, int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 weight `src` (the whole stored tensor, or the window `spec` of it) times its block
+    scales, read only for the blocks that window covers."""
+    scale, row0, col0 = _scale_blocks(src, hf_name, handle, scheme, spec)
     work = torch.float64 if dtype == torch.float64 else torch.float32
     return dequantize(src, scale, scheme.block, row0, col0, dtype=work)
 
 
 def _shrink_experts(model: CausalLM, num_local: int, offset: int) -> None:
-    from runtime.model.experts import RoutedExperts
     for mod in model.modules():
         if isinstance(mod, RoutedExperts):
             for name in ("gate_up_proj", "down_proj"):
@@ -309,6 +393,8 @@ def _shrink_experts(model: CausalLM, num_local: int, offset: int) -> None:
 def _cast(model: CausalLM, dtype: torch.dtype) -> None:
     for name, p in model.named_parameters():
         p.requires_grad_(False)
+        if p.dtype == FP8:   # kept as the checkpoint stores it (`Linear.keep_fp8`)
+            continue
         p.data = p.data.to(torch.float32 if name.endswith(_FP32_SUFFIXES) else dtype)
 
 
@@ -327,14 +413,15 @@ def iter_hf_state(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
             hf = name
         else:
             hf = "model." + name
-        m = re.match(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$", hf)
+        m = re.match(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_scale_inv)?$", hf)
         if m:
+            suffix = m.group(3) or ""   # kept FP8 (`RoutedExperts.keep_fp8`): gate and up scales stacked apart
             for e in range(tensor.shape[0]):
                 if m.group(2) == "down_proj":
-                    yield f"{m.group(1)}.{e}.down_proj.weight", tensor[e].contiguous()
+                    yield f"{m.group(1)}.{e}.down_proj.weight{suffix}", tensor[e].contiguous()
                 else:
-                    gate, up = tensor[e].chunk(2, dim=0)
-                    yield f"{m.group(1)}.{e}.gate_proj.weight", gate.contiguous()
-                    yield f"{m.group(1)}.{e}.up_proj.weight", up.contiguous()
+                    gate, up = tensor[e].unbind(0) if suffix else tensor[e].chunk(2, dim=0)
+                    yield f"{m.group(1)}.{e}.gate_proj.weight{suffix}", gate.contiguous()
+                    yield f"{m.group(1)}.{e}.up_proj.weight{suffix}", up.contiguous()
         else:
             yield hf, tensor.contiguous()

@@ -297,6 +297,8 @@ def set_batch_invariant(model: torch.nn.Module, on: bool) -> None:
     for module in model.modules():
         if hasattr(module, "batch_invariant"):
             module.batch_invariant = on
+        if getattr(module, "fp8", None) is not None:   # an FP8-kept linear: its kernel is batch-invariant already
+            continue
         if hasattr(module, "bi_rows"):
             parts = getattr(module, "in_parts", 1)
             bias = module.bias is not None and getattr(module, "gemm_takes_bias", True)

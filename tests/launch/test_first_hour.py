@@ -131,7 +131,7 @@ def test_ctrl_c_on_an_idle_mp_server_and_on_mp_generate_is_quiet(ckpt_plain, tmp
     time.sleep(12)     # loading, the group's start or generating: Ctrl-C is quiet in each
     os.killpg(gen.pid, signal.SIGINT)
     code, err = finish(gen)
-    if code == 0:
+    if code == 0 or "tok/s generating]" in err:   # done, or stopping after its summary when the signal came
         pytest.skip("generate finished before the signal on this host")
     assert code == 130 and err.strip().splitlines()[-1] == "metrale generate: interrupted", (code, err)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

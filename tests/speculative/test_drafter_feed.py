@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import engine.engine as engine_module
-from runtime.executor.attention import KVWrites, PagedAttention, SeqChunk, build_plan, drafter_attention, last_row_plan
+from runtime.executor.attention import PagedAttention, SeqChunk, build_plan, drafter_attention, last_row_plan, writes_plan
 from runtime.ops.batch_invariant import set_batch_invariant
 from runtime.sample.sampler import SamplingParams
 from serving.llm import LLM
@@ -43,7 +43,7 @@ def test_last_rows_alone_equal_the_full_drafter_step(ckpt_mtp, family_ckpt, case
         if cache.latent_dim is None:
             cache.v[layer].copy_(context)
         if query == "write":   # rows that draft nothing: keys and values alone (`MTPLayer.write`)
-            assert model.mtp.write(tokens, prev, KVWrites(cache, chunks)) is None
+            assert model.mtp.write(tokens, prev, PagedAttention(cache, writes_plan(cache, chunks))) is None
             return None, written()
         if query is None:
             return model.mtp.forward(tokens, prev, plan.positions, PagedAttention(cache, plan)), written()
@@ -92,7 +92,7 @@ def test_a_write_only_feed_of_one_batch_invariant_row_writes_what_the_step_write
         want = cache.k[layer][cell].clone(), cache.v[layer][cell].clone()
         cache.k[layer].zero_()
         cache.v[layer].zero_()
-        model.mtp.write(tokens, prev, KVWrites(cache, [chunk]))
+        model.mtp.write(tokens, prev, PagedAttention(cache, writes_plan(cache, [chunk])))
     assert torch.equal(cache.k[layer][cell], want[0]) and torch.equal(cache.v[layer][cell], want[1])
     assert want[0].abs().sum() > 0
 
@@ -150,3 +150,20 @@ def test_generated_rows_are_fed_once_a_batch_is_due(ckpt_mtp, monkeypatch):
     # block: no call at the end.
     assert engine.num_steps == 40
     assert steps == [1, 17, 33]
+
+
+def test_a_writes_only_plan_refuses_to_attend_and_odd_chunks():
+    from runtime.executor.attention import WRITES_ONLY
+    from runtime.executor.kv_cache import PagedKVCache
+    cache = PagedKVCache(num_layers=1, num_blocks=4, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                         device="cpu")
+    cache.reserve(0, 3)
+    plan = writes_plan(cache, [SeqChunk(0, 1, 2)])
+    assert plan.backend is WRITES_ONLY and plan.positions.tolist() == [1, 2] and plan.mask_mode == "writes"
+    ctx = PagedAttention(cache, plan)
+    ctx.write(0, torch.ones(2, 1, 2), torch.ones(2, 1, 2))
+    assert cache.k[0].view(-1, 2).sum() == 4
+    with pytest.raises(RuntimeError, match="writes-only plan"):
+        ctx.attend(0, torch.ones(2, 1, 2), torch.ones(2, 1, 2), torch.ones(2, 1, 2), 1.0)
+    with pytest.raises(ValueError, match="causal, non-empty"):
+        writes_plan(cache, [SeqChunk(0, 0, 2, (-1, 0))])

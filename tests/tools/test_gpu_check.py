@@ -59,9 +59,10 @@ def test_gpu_check_smoke_on_the_cpu_with_the_gpu_image_packages(tmp_path):
     lines = [json.loads(x) for x in (out / "cells.jsonl").read_text().splitlines()]
     assert lines == record["kernels"] + record["rows"]
     # the kernel bench under the interpreter: each kernel against the path it replaces
-    assert {c["kernel"] for c in record["kernels"]} == {"paged_attention", "fused_moe", "sampling"}
+    assert {c["kernel"] for c in record["kernels"]} == {"paged_attention", "fused_moe", "sampling", "fp8_linear"}
     assert all(c["same_tokens"] for c in record["kernels"] if c["kernel"] == "sampling")
-    assert all(c.get("kernel_us", c.get("fused_us", 0)) > 0 for c in record["kernels"])
+    assert all(c.get("kernel_us", c.get("fused_us", c.get("fp8_us", 0))) > 0 for c in record["kernels"])
+    assert all(c["max_abs_diff"] < 1e-5 for c in record["kernels"] if c["kernel"] == "fp8_linear")
     files = sorted(p.name for p in out.rglob("*"))
     assert files == ["cells.jsonl", "cuda_tests.xml", "gpu_check.json", "stages.log"]
     assert all((out / f).stat().st_size < 1 << 20 for f in files)

@@ -11,12 +11,8 @@ expert loads are the trace's per-layer Lorenz curve (cumulative share of rows ov
 by load) resampled at the target's expert count, so the skew (the Gini) carries over while the
 count changes; the hot experts land on random ids (seeded), as they do in a trained model.
 
-EPLB (DeepSeek's published hierarchical policy, github.com/deepseek-ai/EPLB, written here from its
-description): when the expert groups divide evenly over the nodes, pack groups to nodes by load,
-replicate the hottest experts inside each node until the node's slots are full (a replica takes an
-equal share of its expert's rows), then pack the physical experts to the node's GPUs; otherwise
-the same replicate-and-pack over all GPUs at once (the "global" policy). Packing is greedy
-longest-first into the least-loaded pack with a free slot. A placement is made from the trace's
+EPLB is the runtime's own (`ep.eplb`: DeepSeek's hierarchical policy, which `--eplb-redundant-experts`
+serves with); this module judges it on traces. A placement is made from the trace's
 mean loads (in-distribution, as SGLang's 96-GPU run did) and judged on steps drawn from them at the
 target's rows a step (multinomial), so batch size sets the per-step noise on top of the skew.
 """
@@ -31,6 +27,12 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:   # run as a script: the runtime's packages import from the checkout
+    sys.path.insert(0, str(ROOT))
+
+from ep.eplb import (balanced_packing, contiguous_placement, eplb_placement, imbalance,  # noqa: E402,F401
+                     replicate)
+
 DEFAULT_TRACE = ROOT / "bench" / "records" / "routing_trace_tiny_glm_moe.json"
 
 
@@ -79,86 +81,6 @@ def target_loads(trace: Trace, num_experts: int, seed: int = 0) -> np.ndarray:
     return np.asarray(out)
 
 
-def balanced_packing(weights: np.ndarray, num_packs: int) -> np.ndarray:
-    """Pack index of each item: heaviest first into the lightest pack that still has room; every
-    pack gets len(weights) / num_packs items."""
-    n = len(weights)
-    if n % num_packs:
-        raise ValueError(f"{n} items do not split evenly over {num_packs} packs")
-    per = n // num_packs
-    pack_of = np.empty(n, dtype=np.int64)
-    load, count = np.zeros(num_packs), np.zeros(num_packs, dtype=np.int64)
-    for item in np.argsort(-weights, kind="stable"):
-        open_packs = np.flatnonzero(count < per)
-        p = open_packs[np.argmin(load[open_packs])]
-        pack_of[item], load[p], count[p] = p, load[p] + weights[item], count[p] + 1
-    return pack_of
-
-
-def replicate(weights: np.ndarray, num_slots: int) -> np.ndarray:
-    """Replicas per expert (at least one each) filling `num_slots`: each extra slot goes to the
-    expert with the highest load per replica."""
-    if num_slots < len(weights):
-        raise ValueError(f"{num_slots} slots cannot hold {len(weights)} experts")
-    reps = np.ones(len(weights), dtype=np.int64)
-    for _ in range(num_slots - len(weights)):
-        reps[np.argmax(weights / reps)] += 1
-    return reps
-
-
-def _replicate_and_pack(weights: np.ndarray, num_slots: int, num_gpus: int) -> np.ndarray:
-    """[G, E] share of each expert's rows on each GPU after replication and packing."""
-    reps = replicate(weights, num_slots)
-    experts = np.repeat(np.arange(len(weights)), reps)              # one entry per physical expert
-    gpu_of = balanced_packing(weights[experts] / reps[experts], num_gpus)
-    share = np.zeros((num_gpus, len(weights)))
-    np.add.at(share, (gpu_of, experts), 1.0 / reps[experts])
-    return share
-
-
-def eplb_placement(weights: np.ndarray, *, num_redundant: int, num_gpus: int, gpus_per_node: int,
-                   num_groups: int) -> np.ndarray:
-    """[G, E] fraction of each expert's rows each GPU serves, from the hierarchical policy
-    (or the global one when the groups or GPUs do not split evenly over the nodes)."""
-    num_experts = len(weights)
-    num_slots = num_experts + num_redundant
-    if num_slots % num_gpus:
-        raise ValueError(f"{num_experts} experts + {num_redundant} redundant = {num_slots} slots do not split "
-                         f"evenly over EP {num_gpus}")
-    num_nodes = num_gpus // gpus_per_node if num_gpus % gpus_per_node == 0 else 0
-    if num_nodes < 2 or num_groups % num_nodes or num_experts % num_groups or num_slots % num_nodes:
-        return _replicate_and_pack(weights, num_slots, num_gpus)
-    group_size = num_experts // num_groups
-    group_load = weights.reshape(num_groups, group_size).sum(axis=1)
-    node_of_group = balanced_packing(group_load, num_nodes)
-    share = np.zeros((num_gpus, num_experts))
-    for node in range(num_nodes):
-        experts = np.concatenate([np.arange(g * group_size, (g + 1) * group_size)
-                                  for g in np.flatnonzero(node_of_group == node)])
-        local = _replicate_and_pack(weights[experts], num_slots // num_nodes, gpus_per_node)
-        share[node * gpus_per_node:(node + 1) * gpus_per_node][:, experts] = local
-    return share
-
-
-def contiguous_placement(num_experts: int, num_gpus: int) -> np.ndarray:
-    """[G, E]: today's split, rank r owns a contiguous range (the first E % G ranks one more)."""
-    share = np.zeros((num_gpus, num_experts))
-    base, extra = divmod(num_experts, num_gpus)
-    start = 0
-    for r in range(num_gpus):
-        stop = start + base + (r < extra)
-        share[r, start:stop] = 1.0
-        start = stop
-    return share
-
-
-def imbalance(share: np.ndarray, loads: np.ndarray) -> float:
-    """max / mean of the rows each GPU serves for expert loads `loads` ([E] or [S, E]; mean over S)."""
-    per_gpu = np.atleast_2d(loads) @ share.T                        # [S, G]
-    mean = per_gpu.mean(axis=1)
-    return float(np.mean(per_gpu.max(axis=1) / np.where(mean > 0, mean, 1.0)))
-
-
 def choose_placement(mean: np.ndarray, *, ep: int, eplb_redundant: int | None, gpus_per_node: int,
                      num_groups: int) -> np.ndarray:
     """[G, E] placement for expert loads `mean`: contiguous without EPLB (`eplb_redundant` None),
@@ -191,7 +113,6 @@ def layout_imbalance(trace: Trace, *, num_experts: int, ep: int, eplb_redundant:
 def record(model: str, out: Path, num_prompts: int, max_tokens: int) -> dict:
     """Route real prompts through the embedded model (greedy decode of a batch of its held-out
     prompts, float32 on the CPU) and write, per MoE layer and decode step, the rows each expert got."""
-    sys.path.insert(0, str(ROOT))
     import torch
 
     from runtime.sample.sampler import SamplingParams

@@ -8,10 +8,15 @@ plan) through the paged kernel against the context copy + padded SDPA, for decod
 sequences over contexts of C keys (GLM-4.5-Air-like heads: 96 query, 8 kv, dim 128), with the
 bytes of keys and values read over the time (GB/s). experts: the fused MoE kernels against the
 grouped-matmul path (`RoutedExperts._grouped`) for T rows (128 experts, k 8, hidden 4096,
-intermediate 1536 on a GPU). sampling: the sampling kernel's backend against the reference
+intermediate 1536 on a GPU), and the same kernels reading the experts in FP8 with 128x128 block
+scales (`fused_fp8`, as an FP8 checkpoint's experts are served on CUDA). sampling: the sampling kernel's backend against the reference
 sampler (`sample_rows`: per-row processing and sort), N rows of a 151552-token vocabulary at
-temperature 0.8, top-k 50, top-p 0.95, each arm ending in its host read of the tokens. Each cell
-alternates the two arms and keeps the median of the timings (CUDA events on a GPU).
+temperature 0.8, top-k 50, top-p 0.95, each arm ending in its host read of the tokens. fp8_linear:
+the block-scaled FP8 linear kernel (weights kept in e4m3 with 128x128 scale blocks, as an FP8
+checkpoint is served on CUDA) against `F.linear` on the same weights dequantized to the serving
+dtype (what the CPU serves), for M rows through DeepSeek-V3 / GLM-5-like projections (half an o_proj,
+7168x8192, q_b_proj 24576x1536), with the weight bytes each arm reads over its time (GB/s). Each
+cell alternates the two arms and keeps the median of the timings (CUDA events on a GPU).
 """
 from __future__ import annotations
 
@@ -29,11 +34,13 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 FULL = {"attention": {"heads": (96, 8, 128), "seqs": (1, 8, 64), "keys": (1024, 8192)},
-        "experts": {"shape": (128, 8, 4096, 1536), "rows": (1, 8, 64, 512)},
-        "sampling": {"vocab": 151552, "rows": (1, 8, 64)}}
+        "experts": {"shape": (128, 8, 4096, 1536), "rows": (1, 8, 64, 512), "block": (128, 128)},
+        "sampling": {"vocab": 151552, "rows": (1, 8, 64)},
+        "fp8_linear": {"shapes": ((7168, 8192), (24576, 1536)), "block": (128, 128), "rows": (1, 16, 512)}}
 SMOKE = {"attention": {"heads": (4, 2, 16), "seqs": (1,), "keys": (40,)},
-         "experts": {"shape": (8, 2, 32, 32), "rows": (4,)},
-         "sampling": {"vocab": 300, "rows": (2,)}}
+         "experts": {"shape": (8, 2, 32, 32), "rows": (4,), "block": (16, 16)},
+         "sampling": {"vocab": 300, "rows": (2,)},
+         "fp8_linear": {"shapes": ((48, 80),), "block": (16, 32), "rows": (3,)}}
 
 
 def timed(fns: dict, device: torch.device, reps: int) -> dict:
@@ -103,17 +110,36 @@ def expert_cells(device: torch.device, dtype: torch.dtype, sizes: dict, reps: in
         m.gate_up_proj.copy_(torch.randn(m.gate_up_proj.shape, generator=g) * 0.02)
         m.down_proj.copy_(torch.randn(m.down_proj.shape, generator=g) * 0.02)
     m = m.to(device=device, dtype=dtype).requires_grad_(False)
+    fp8 = fp8_experts(m, sizes["block"])
     for t in sizes["rows"]:
         x = torch.randn(t, h, generator=g).to(device=device, dtype=dtype)
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(device)
         w = torch.rand(t, k, generator=g).to(device=device, dtype=dtype)
         fns = {"fused": lambda: fused_experts(x, w, ids, m.gate_up_proj, m.down_proj, 0),
-               "grouped": lambda: RoutedExperts._grouped(m, x, w, ids)}
+               "grouped": lambda: RoutedExperts._grouped(m, x, w, ids),
+               "fused_fp8": lambda: fused_experts(x, w, ids, fp8[0], fp8[1], 0, fp8[2], fp8[3], sizes["block"])}
         with torch.inference_mode():
             med = timed(fns, device, reps)
         yield {"kernel": "fused_moe", "rows": t, "experts": f"{e} k{k} {h}x{i}", "dtype": str(dtype).removeprefix("torch."),
                "fused_us": round(med["fused"] * 1e6, 1), "grouped_us": round(med["grouped"] * 1e6, 1),
-               "grouped_over_fused": round(med["grouped"] / med["fused"], 2)}
+               "grouped_over_fused": round(med["grouped"] / med["fused"], 2), "fused_fp8_us": round(med["fused_fp8"] * 1e6, 1),
+               "fused_over_fused_fp8": round(med["fused"] / med["fused_fp8"], 2)}
+
+
+def fp8_experts(m, block: tuple[int, int]):
+    """`m`'s experts quantized as an FP8 checkpoint stores them and the loader keeps them: (gate_up
+    [E, 2I, H] e4m3, down [E, H, I] e4m3, gate_up scales [E, 2, ...] with gate and up blocked apart,
+    down scales [E, ...]), quantized on `m`'s device one matrix at a time."""
+    from runtime.model.quantization import quantize
+    gu, gu_s, dn, dn_s = [], [], [], []
+    for e in range(m.num_local_experts):
+        halves = [quantize(h, block) for h in m.gate_up_proj[e].chunk(2)]
+        gu.append(torch.cat([q for q, _ in halves]))
+        gu_s.append(torch.stack([s for _, s in halves]))
+        q, s = quantize(m.down_proj[e], block)
+        dn.append(q)
+        dn_s.append(s)
+    return tuple(torch.stack(t) for t in (gu, dn, gu_s, dn_s))
 
 
 def sampling_cells(device: torch.device, dtype: torch.dtype, sizes: dict, reps: int):
@@ -134,6 +160,29 @@ def sampling_cells(device: torch.device, dtype: torch.dtype, sizes: dict, reps: 
                "reference_over_kernel": round(med["reference"] / med["kernel"], 2)}
 
 
+def fp8_linear_cells(device: torch.device, dtype: torch.dtype, sizes: dict, reps: int):
+    import torch.nn.functional as F
+
+    from runtime.model.quantization import dequantize, quantize
+    from runtime.ops.kernels.fp8_linear import fp8_linear
+    block = sizes["block"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for n, k in sizes["shapes"]:
+        q, s = quantize(torch.randn(n, k, generator=g).to(device) * 0.02, block)   # on the device: seconds less
+        dense = dequantize(q, s, block).to(dtype)
+        for m in sizes["rows"]:
+            x = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
+            fns = {"fp8": lambda: fp8_linear(x, q, s, None, block), "dense": lambda: F.linear(x, dense)}
+            with torch.inference_mode():
+                med = timed(fns, device, reps)
+                err = (fns["fp8"]().float() - fns["dense"]().float()).abs().max().item()
+            yield {"kernel": "fp8_linear", "rows": m, "weight": f"{n}x{k}", "block": f"{block[0]}x{block[1]}",
+                   "dtype": str(dtype).removeprefix("torch."), "fp8_us": round(med["fp8"] * 1e6, 1),
+                   "dense_us": round(med["dense"] * 1e6, 1), "dense_over_fp8": round(med["dense"] / med["fp8"], 2),
+                   "fp8_gb_s": round((q.nbytes + s.nbytes) / med["fp8"] / 1e9, 1),
+                   "dense_gb_s": round(dense.nbytes / med["dense"] / 1e9, 1), "max_abs_diff": err}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -152,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     for cell in [*attention_cells(device, dtype, sizes["attention"], reps),
                  *expert_cells(device, dtype, sizes["experts"], reps),
-                 *sampling_cells(device, dtype, sizes["sampling"], reps)]:
+                 *sampling_cells(device, dtype, sizes["sampling"], reps),
+                 *fp8_linear_cells(device, dtype, sizes["fp8_linear"], reps)]:
         line = json.dumps(cell)
         print(line, flush=True)
         if args.json_out:

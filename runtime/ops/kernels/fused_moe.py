@@ -8,6 +8,12 @@ of a token are summed in a fixed order after, so a row's result does not depend 
 float32 runs its GEMMs in IEEE float32 (no TF32), bfloat16 on bfloat16 inputs with float32
 accumulation; intermediates are stored in the input type, as the reference path rounds them.
 
+FP8 experts (an FP8 checkpoint's, kept on the device: `fused_fp8_experts`): the weights as e4m3
+bytes beside float32 block scales (gate_up_scale [E, 2, ceil(I/br), ceil(H/bc)], gate and up each
+blocked as the checkpoint stores them; down_scale [E, ceil(H/br), ceil(I/bc)]); each weight tile is
+decoded (runtime/ops/kernels/fp8_linear.py), multiplied by its elements' block scales and rounded to
+the input type, the very values dequantizing on load gives, then multiplied as above.
+
 Shapes: T rows, k choices per row, E local experts, H hidden, I expert intermediate, C = T*k.
 """
 from __future__ import annotations
@@ -16,14 +22,33 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.ops.kernels.fp8_linear import _e4m3_to_f32, _round_bfloat16
+
 BLOCK_M = 16
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, offs, rows, cols, mask, dtype: tl.constexpr, stride_sn, stride_sk,
+                 BR: tl.constexpr, BC: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """A [BK, BN] weight tile at `offs`: as stored, or FP8 bytes decoded times the scale of each
+    element's block (`rows`, `cols`: its row and column in the stored matrix), rounded to `dtype`."""
+    if FP8:
+        bits = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.int32)
+        scale = tl.load(s_ptr + (rows // BR) * stride_sn + (cols // BC) * stride_sk, mask=mask, other=0.0)
+        w = _e4m3_to_f32(bits) * scale
+        if UPCAST and dtype == tl.bfloat16:   # the interpreter's cast truncates
+            w = _round_bfloat16(w)
+        return w.to(dtype)
+    else:
+        return tl.load(w_ptr + offs, mask=mask, other=0.0)
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, block_expert_ptr, block_row_ptr, expert_end_ptr,
                     num_choices, hidden, inter, topk, stride_xt, stride_we, stride_wn, stride_wk, stride_hc,
+                    s_ptr, stride_se, stride_sh, stride_sn, stride_sk,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                    UPCAST: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FP8: tl.constexpr):
     pid = tl.program_id(0)
     nt = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid).to(tl.int64)
@@ -42,10 +67,14 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, block_expert_ptr, block_row_
             kk = k0 + tl.arange(0, BK)
             kmask = kk < hidden
             a = tl.load(x_ptr + token[:, None] * stride_xt + kk[None, :], mask=live[:, None] & kmask[None, :], other=0.0)
-            wg = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk,
-                         mask=nmask[None, :] & kmask[:, None], other=0.0)                    # [BK, BN]
-            wu = tl.load(w_ptr + e * stride_we + (n[None, :] + inter) * stride_wn + kk[:, None] * stride_wk,
-                         mask=nmask[None, :] & kmask[:, None], other=0.0)
+            wmask = nmask[None, :] & kmask[:, None]
+            wg = _weight_tile(w_ptr, s_ptr + e * stride_se, e * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk,
+                              n[None, :], kk[:, None], wmask, x_ptr.dtype.element_ty, stride_sn, stride_sk,
+                              BR, BC, FP8, UPCAST)                                                    # [BK, BN]
+            wu = _weight_tile(w_ptr, s_ptr + e * stride_se + stride_sh,
+                              e * stride_we + (n[None, :] + inter) * stride_wn + kk[:, None] * stride_wk,
+                              n[None, :], kk[:, None], wmask, x_ptr.dtype.element_ty, stride_sn, stride_sk,
+                              BR, BC, FP8, UPCAST)
             if UPCAST:   # the interpreter's dot takes no bfloat16: the same products in float32
                 a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
             if IEEE:
@@ -65,8 +94,9 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, block_expert_ptr, block_row_
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, out_ptr, order_ptr, weight_ptr, block_expert_ptr, block_row_ptr, expert_end_ptr,
                  hidden, inter, stride_hc, stride_we, stride_wn, stride_wk, stride_oc,
+                 s_ptr, stride_se, stride_sn, stride_sk,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                 UPCAST: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FP8: tl.constexpr):
     pid = tl.program_id(0)
     nt = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid).to(tl.int64)
@@ -83,8 +113,9 @@ def _down_kernel(h_ptr, w_ptr, out_ptr, order_ptr, weight_ptr, block_expert_ptr,
             kk = k0 + tl.arange(0, BK)
             kmask = kk < inter
             a = tl.load(h_ptr + rows[:, None] * stride_hc + kk[None, :], mask=live[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w_ptr + e * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk,
-                        mask=nmask[None, :] & kmask[:, None], other=0.0)                     # [BK, BN]
+            w = _weight_tile(w_ptr, s_ptr + e * stride_se, e * stride_we + n[None, :] * stride_wn + kk[:, None] * stride_wk,
+                             n[None, :], kk[:, None], nmask[None, :] & kmask[:, None], h_ptr.dtype.element_ty,
+                             stride_sn, stride_sk, BR, BC, FP8, UPCAST)                               # [BK, BN]
             if UPCAST:
                 a, w = a.to(tl.float32), w.to(tl.float32)
             if IEEE:
@@ -126,10 +157,13 @@ def block_layout(ids: torch.Tensor, expert_offset: int, num_local: int, block_m:
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up_proj: torch.Tensor,
-                  down_proj: torch.Tensor, expert_offset: int = 0) -> torch.Tensor:
+                  down_proj: torch.Tensor, expert_offset: int = 0, gate_up_scale: torch.Tensor | None = None,
+                  down_scale: torch.Tensor | None = None, block: tuple[int, int] = (1, 1)) -> torch.Tensor:
     """x [T, H], weights/ids [T, k] (global expert ids), gate_up_proj [E, 2I, H] (gate rows first),
     down_proj [E, H, I] -> [T, H]: sum over the k choices of weight * down(SiLU(gate) * up) for
-    choices whose expert is local, zero for the others. No host synchronisation."""
+    choices whose expert is local, zero for the others. No host synchronisation. With
+    `gate_up_scale` and `down_scale` the weights are FP8 (float8_e4m3fn or their uint8 bytes) in
+    `block` scale blocks (shapes in the module docstring)."""
     t, topk = ids.shape
     e_local, two_i, h = gate_up_proj.shape
     inter = two_i // 2
@@ -145,12 +179,20 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
     ieee = x.dtype == torch.float32
     upcast = x.device.type == "cpu"   # the interpreter
     bn_i, bn_h = _pow2(inter), _pow2(h)
+    fp8 = gate_up_scale is not None
+    if fp8:
+        gate_up_proj, down_proj = gate_up_proj.view(torch.uint8), down_proj.view(torch.uint8)
+        gs, ds = gate_up_scale, down_scale
+    else:   # never read: any float32 tensor for the pointer, zero strides
+        gs = ds = weights
+    gs_strides = gs.stride() if fp8 else (0, 0, 0, 0)
+    ds_strides = ds.stride() if fp8 else (0, 0, 0)
     _gate_up_kernel[(nb, triton.cdiv(inter, bn_i))](
         x, gate_up_proj, hbuf, order, block_expert, block_row, end, c, h, inter, topk,
-        x.stride(0), *gate_up_proj.stride(), hbuf.stride(0),
-        BM=BLOCK_M, BN=bn_i, BK=_pow2(h, 16, 32), IEEE=ieee, UPCAST=upcast)
+        x.stride(0), *gate_up_proj.stride(), hbuf.stride(0), gs, *gs_strides,
+        BM=BLOCK_M, BN=bn_i, BK=_pow2(h, 16, 32), IEEE=ieee, UPCAST=upcast, BR=block[0], BC=block[1], FP8=fp8)
     _down_kernel[(nb, triton.cdiv(h, bn_h))](
         hbuf, down_proj, per_choice, order, w, block_expert, block_row, end, h, inter,
-        hbuf.stride(0), *down_proj.stride(), per_choice.stride(0),
-        BM=BLOCK_M, BN=bn_h, BK=_pow2(inter, 16, 32), IEEE=ieee, UPCAST=upcast)
+        hbuf.stride(0), *down_proj.stride(), per_choice.stride(0), ds, *ds_strides,
+        BM=BLOCK_M, BN=bn_h, BK=_pow2(inter, 16, 32), IEEE=ieee, UPCAST=upcast, BR=block[0], BC=block[1], FP8=fp8)
     return per_choice.view(t, topk, h).sum(dim=1)

@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_OWN_ROWS = 64   # the own-row visibility is one int64 bit mask
 
 
 @triton.jit
@@ -151,19 +150,3 @@ def paged_attention(q: torch.Tensor, k_plane: torch.Tensor, v_plane: torch.Tenso
     return (out * w[..., None]).sum(dim=2).to(q.dtype)
 
 
-def own_row_bits(num_rows: int, parents: tuple[int, ...] | None) -> list[int]:
-    """`row_anc` of a sequence's rows: a chain's row r sees rows 0..r, a tree row its ancestors
-    (parents as `runtime.executor.attention.SeqChunk`) and itself."""
-    if num_rows > MAX_OWN_ROWS:
-        raise ValueError(f"{num_rows} rows of one sequence: the kernel takes at most {MAX_OWN_ROWS}")
-    bits = []
-    for r in range(num_rows):
-        if parents is None:
-            bits.append((1 << (r + 1)) - 1)
-        else:
-            word, j = 0, r
-            while j != -1:
-                word |= 1 << j
-                j = parents[j]
-            bits.append(word)
-    return [b - (1 << 64) if b >= 1 << 63 else b for b in bits]   # as int64

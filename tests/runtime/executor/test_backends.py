@@ -26,8 +26,9 @@ STEPS = [([11, 12, 13], [SeqChunk(0, 5, 1), SeqChunk(1, 9, 1), SeqChunk(2, 3, 1)
 def combinations() -> list[tuple[str, str]]:
     """The (attention, experts) backends a runner's start-up chooses: on the CPU with and without
     the native library, batch-invariant, and an accelerator's (the Triton kernels under the
-    interpreter, and its SDPA with grouped matmuls)."""
-    combos = [("sdpa", "python"), ("invariant", "invariant"), ("sdpa", "grouped")]
+    interpreter, its SDPA with grouped matmuls, and its batch-invariant experts)."""
+    combos = [("sdpa", "python"), ("invariant", "invariant"), ("invariant", "invariant-per-expert"),
+              ("sdpa", "grouped")]
     if cpu_ops.load():
         combos += [("native", "native"), ("native-invariant", "native-invariant")]
     if kernels.available("cpu"):

@@ -55,7 +55,7 @@ def test_compiled_float32_equals_eager_on_the_embedded_model():
     assert counters["stats"]["unique_graphs"] == graphs
     # Warm, the steps skip Dynamo (runtime.executor.compiled.CompiledStep), the target's and the drafter's.
     proposer = mtp.engine.proposer
-    assert runner._compiled_forward.direct_calls > 0 and proposer._compiled_forward.direct_calls > 0
+    assert runner.mode.fn.direct_calls > 0 and proposer.mode.fn.direct_calls > 0
     assert proposer._compiled_chain.direct_calls > 0
     # One sequence's drafts chained in one graph are the drafts of the separate steps, bit for bit
     # in float32 (probabilities too), and so are the tokens.

@@ -98,3 +98,20 @@ def test_arrangements_of_one_depth_multiset_share_a_bucket_and_padding_stays_in_
         torch.testing.assert_close(static.cache.k[:, cells], eager.cache.k[:, cells], rtol=1e-12, atol=1e-12)
         assert not torch.equal(static.cache.k[:, scratch], torch.zeros_like(static.cache.k[:, scratch]))
     assert set(static.graphs.entries) - before == {StaticShape(4, 4, 256)}
+
+
+def test_static_buckets_run_the_chosen_mode_compiled_for_target_and_drafter():
+    """One step executor: with compiled steps on, the static buckets run the compiled forward (the
+    target's and the MTP drafter's, the same mode classes), and give the eager buckets' tokens."""
+    kw = dict(dtype="float32", kv_cache_tokens=2048, batch_invariant=False, device="cpu", static_steps=True,
+              spec="mtp", num_drafts=2)
+    eager = LLM(MODEL, enforce_eager=True, **kw)
+    want = [o.token_ids for o in eager.generate(PROMPTS[:2], GREEDY)]
+    llm = LLM(MODEL, enforce_eager=False, **kw)
+    got = [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)]
+    assert got == want
+    runner, proposer = llm.engine.runner, llm.engine.proposer
+    assert runner.graphs.name == "padded, compiled" and eager.engine.runner.graphs.name == "padded"
+    assert proposer.graphs.mode.compiles and proposer.mode.compiles
+    assert "static steps padded, compiled" in str(runner.choice)
+    assert runner.graphs.entries and proposer.graphs.entries

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.ops import cpu_ops
-from runtime.model.experts import PADDED_MIN_EXPERTS, RoutedExperts, routed_experts
+from runtime.model.experts import PADDED_MIN_EXPERTS, RoutedExperts, _native_experts
 from runtime.model.layers import pack_for_inference
 
 
@@ -110,7 +110,7 @@ def test_the_native_op_equals_the_python_paths_bit_for_bit(dtype, offset, num_lo
         assert got.dtype == dtype and got.shape == (t, 256)
         assert torch.equal(got, want), (t, padded)
         assert not got[~local.any(dim=1)].any()                                  # no local choice: zero
-        served = routed_experts(x, weights, ids, *args)                          # the few-row kernel
+        served = _native_experts(x, weights, ids, *args)                         # the few-row kernel
         assert served.dtype == dtype and served.shape == (t, 256)
         # bfloat16: the kernel keeps float between the projections, the Python path rounds each op
         tol = 1e-5 if dtype == torch.float32 else 2e-2 * max([1.0, *want.abs().flatten().tolist()])

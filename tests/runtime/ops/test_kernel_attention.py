@@ -19,7 +19,7 @@ SEQS = [(37, 1, None), (20, 4, None), (9, 5, (-1, 0, 0, 1, 2)), (50, 4, (-1, 0, 
 
 def rows_of(seqs, pad: int = 2):
     """Row metadata lists (seq, start, end, anc) and each real row's (b, r); `pad` padding rows."""
-    from runtime.ops.kernels.paged_attention import own_row_bits
+    from runtime.executor.attention import own_row_bits
     meta, where = [], []
     for b, (start, n, parents) in enumerate(seqs):
         for r, bits in enumerate(own_row_bits(n, parents)):
@@ -91,7 +91,7 @@ def test_split_count_from_the_shape_alone():
 
 def test_too_many_own_rows_is_one_line():
     kernel_device()
-    from runtime.ops.kernels.paged_attention import own_row_bits
+    from runtime.executor.attention import own_row_bits
     with pytest.raises(ValueError, match="at most 64"):
         own_row_bits(65, None)
 

@@ -78,6 +78,58 @@ def test_fused_experts_on_the_gpu(dtype):
           hidden=256, inter=128)
 
 
+def fp8_experts(num: int, hidden: int, inter: int, block: tuple[int, int], seed: int = 0):
+    """FP8 expert weights and scales as the loader keeps them (gate and up blocked apart), and the
+    same weights dequantized (float32)."""
+    from runtime.model.quantization import dequantize, quantize
+    g = torch.Generator().manual_seed(seed)
+    gu, gu_s, dn, dn_s = [], [], [], []
+    for _ in range(num):
+        halves = [quantize(torch.randn(inter, hidden, generator=g) * 0.2, block) for _ in range(2)]
+        gu.append(torch.cat([q for q, _ in halves]))
+        gu_s.append(torch.stack([s for _, s in halves]))
+        q, s = quantize(torch.randn(hidden, inter, generator=g) * 0.2, block)
+        dn.append(q)
+        dn_s.append(s)
+    gu, gu_s, dn, dn_s = map(torch.stack, (gu, gu_s, dn, dn_s))
+    gu_dense = torch.stack([torch.cat([dequantize(w, s, block) for w, s in zip(gu[e].chunk(2), gu_s[e])])
+                            for e in range(num)])
+    dn_dense = torch.stack([dequantize(dn[e], dn_s[e], block) for e in range(num)])
+    return (gu, dn, gu_s, dn_s), (gu_dense, dn_dense)
+
+
+def check_fp8(device, dtype, t, k, e_local, offset, num_global, hidden, inter, block):
+    """The FP8 experts equal the fused kernels on the dequantized weights rounded to `dtype`, which
+    are what dequantizing on load serves: each tile is decoded, scaled and rounded the same way."""
+    from runtime.ops.kernels.fused_moe import fused_experts
+    (gu, dn, gu_s, dn_s), (gu_dense, dn_dense) = fp8_experts(e_local, hidden, inter, block)
+    ids, w = case(t, k, num_global, skew=True)
+    x = torch.randn(t, hidden, generator=torch.Generator().manual_seed(3)).to(dtype).to(device)
+    w, ids = w.to(dtype).to(device), ids.to(device)
+    got = fused_experts(x, w, ids, gu.to(device), dn.to(device), offset, gu_s.to(device), dn_s.to(device), block)
+    want = fused_experts(x, w, ids, gu_dense.to(dtype).to(device), dn_dense.to(dtype).to(device), offset)
+    assert got.dtype == dtype and want.abs().max() > 0.1
+    if device.type == "cpu":   # the interpreter: the same products in the same order, bit for bit
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    else:   # compiled, the two may be scheduled apart: within a rounding of the output
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_experts_equal_the_dequantized_ones(dtype):
+    dev = kernel_device()
+    check_fp8(dev, dtype, t=20, k=2, e_local=4, offset=0, num_global=4, hidden=48, inter=40, block=(16, 24))
+    check_fp8(dev, dtype, t=7, k=3, e_local=3, offset=3, num_global=9, hidden=40, inter=24, block=(16, 16))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_experts_on_the_gpu(dtype):
+    check_fp8(torch.device("cuda", 0), dtype, t=64, k=4, e_local=16, offset=0, num_global=16, hidden=256,
+              inter=192, block=(128, 128))
+
+
 def test_the_model_through_the_fused_experts_matches_the_default():
     """The embedded model's forward with every routed expert layer on the fused kernels equals the
     default path (float32), and the choice is refused in one line where the kernels cannot run."""

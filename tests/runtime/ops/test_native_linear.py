@@ -144,12 +144,26 @@ def test_the_layer_compiles_into_one_graph_with_the_same_bits():
     lin = Linear(64, 48)
     with torch.no_grad():
         lin.weight.data = lin.weight.data.t().contiguous().t()
+    lin.choose_gemm()
     x = torch.randn(3, 64)
     with torch.no_grad():
         compiled = torch.compile(lin, fullgraph=True, dynamic=False)
         assert torch.equal(compiled(x), lin(x))
         assert torch.equal(lin(x), torch.ops.metrale_cpu.linear(x, lin.weight, lin.bias, BIG))   # the kernel ran
         assert cpu_ops.few_rows_max(torch.float32) >= 3
+
+
+def test_a_linear_chooses_its_gemm_once_and_again_after_a_move():
+    """The GEMM is chosen per module (`choose_gemm`), not per call: F.linear until chosen, the native
+    kernel on the CPU once chosen, F.linear again after a move to another dtype, until chosen anew."""
+    from runtime.model.layers import choose_gemms, native_linear, plain_linear
+    lin = Linear(16, 8)
+    assert lin._gemm is plain_linear
+    assert choose_gemms(torch.nn.Sequential(lin)) == {"native": 1}
+    assert lin._gemm is native_linear
+    lin.to(torch.float16)          # no native kernel for float16
+    assert lin._gemm is plain_linear
+    assert choose_gemms(torch.nn.Sequential(lin)) == {"torch": 1}
 
 
 def test_training_keeps_autograd():
