@@ -409,7 +409,9 @@ def engine_outputs(dtype: str) -> dict:
     runs: dict[str, list[list[int]]] = {}
     # Every speculating arm drafts at all 16 sequences (the model folder's width cap is lower).
     wide = dict(mtp_max_seqs=16)
-    arms = {"none": {}, "k1": dict(spec="mtp", num_drafts=1, **wide), "k3": dict(spec="mtp", num_drafts=3, **wide),
+    # (k1's two-row verifies are covered at float64 by tests/speculative/test_lossless.py; each arm
+    # here is a compiled engine, ~14 s.)
+    arms = {"none": {}, "k3": dict(spec="mtp", num_drafts=3, **wide),
             "tree": dict(spec="mtp", num_drafts=3, tree_shape="2,2,1", **wide), "ngram": dict(spec="ngram", num_drafts=3)}
     for arm, spec in arms.items():
         llm = LLM(MODEL, dtype, kv_cache_tokens=16384, batch_invariant=True, enforce_eager=False, **spec)
@@ -417,7 +419,7 @@ def engine_outputs(dtype: str) -> dict:
         if arm in ("none", "k3"):
             runs[arm + "-seeded"] = [o.token_ids for o in llm.generate(PROMPTS, seeded)]
         if arm == "none":
-            runs["alone"] = [llm.generate([p], greedy)[0].token_ids for p in PROMPTS]
+            runs["alone"] = [llm.generate([p], greedy)[0].token_ids for p in PROMPTS[:8]]
         llm.shutdown()
     # The eager step (`enforce_eager`) is invariant too (it rounds otherwise than the compiled one).
     eager = LLM(MODEL, dtype, kv_cache_tokens=16384, batch_invariant=True, enforce_eager=True, spec="mtp",
@@ -440,17 +442,18 @@ def engine_outputs(dtype: str) -> dict:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_every_arm_gives_the_tokens_of_one_sequence_alone(dtype):
     """At concurrency 16 with batch-invariant kernels: a sequence alone equals it among fifteen
-    others; MTP k1, k3, a tree and n-gram speculation equal no speculation; a small cache that
+    others (the first 8 prompts); MTP k3, a tree and n-gram speculation equal no speculation; a small cache that
     preempts and recomputes equals it; seeded sampling with k3 equals seeded sampling without; and
     the eager step is invariant too."""
     runs = engine_outputs(dtype)
     wrong = []
     differ = lambda arm, ref="none": [i for i in range(16) if runs[arm][i] != runs[ref][i]]
-    if differ("alone"):
-        wrong.append(f"alone differs from among fifteen others: prompts {differ('alone')}")
+    alone = [i for i in range(8) if runs["alone"][i] != runs["none"][i]]
+    if alone:
+        wrong.append(f"alone differs from among fifteen others: prompts {alone}")
     if runs["eager-alone"] != runs["eager-k3"][:6]:
         wrong.append("eager: alone differs from k3 among fifteen others")
-    for arm in ("k1", "k3", "tree", "ngram"):
+    for arm in ("k3", "tree", "ngram"):
         if differ(arm):
             wrong.append(f"{arm}: prompts {differ(arm)} differ from no speculation")
     if runs["num_preemptions"] == 0:
