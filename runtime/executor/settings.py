@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from runtime.executor.sampling import KERNEL, choose_sampler
 from runtime.ops import kernels
 from runtime.platform.device import capture_refusal
 
@@ -68,8 +69,6 @@ class StepSettings:
         if attention and not kernels.available(device.type):
             raise ValueError(f"the Triton attention kernel cannot run on {device} here (triton missing, "
                              "or TRITON_INTERPRET not 1 for CPU tensors)")
-        sampling = self.sampling_kernel
-        if sampling is None:
-            sampling = on_cuda and kernels.available("cuda")
+        sampling = choose_sampler(device, self.sampling_kernel) is KERNEL   # its default and refusal, once
         return replace(self, compiled=compiled, batch_invariant=batch_invariant, static_steps=static,
                        cuda_graphs=graphs, attention_kernel=bool(attention), sampling_kernel=bool(sampling))
