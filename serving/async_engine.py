@@ -49,9 +49,9 @@ from serving.deployment import Deployment
 log = logging.getLogger("metrale.async_engine")
 
 DEFAULT_MAX_WAITING = 512
-# `on_step` (the server's metrics, ~10-16 µs a call) runs at most this often while steps go on, and
-# always after a step that ended a sequence and before the loop idles: about 2% of a lone request's
-# step otherwise.
+# `on_step` (the server's metrics) runs at most this often while steps go on, and always after a
+# step that ended a sequence and before the loop idles: on every step it cost a lone request a
+# measurable share of its step (design §2, the engine thread's hand-offs).
 ON_STEP_INTERVAL_S = 0.05
 TIMEOUT = "timeout"      # finish reason of a request that passed --request-timeout
 SHUTDOWN = "shutdown"    # finish reason of a request the server ended while shutting down

@@ -272,15 +272,15 @@ class Deployment:
         (one row, and several rows: prefill, verify, batched decode; dynamic shapes make those two
         graphs cover every row count) on every EP rank, and the drafter's when it compiles.
         Otherwise a request would wait for a compile the first time a step meets a new row count
-        (a one-row step comes only when a speculative step drafts nothing): ~1 s with a warm
-        inductor cache, tens of seconds with a cold one. The server warms up before it listens;
+        (a one-row step comes only when a speculative step drafts nothing): seconds with a warm
+        inductor cache, far longer with a cold one. The server warms up before it listens;
         otherwise the first step does (after its requests were checked, so a bad one is refused
         without a compile), and a restarted group before it serves again. A progress bar shows on
         a terminal; `compile_report` says what compiled and in how many seconds. Inductor keeps
         its cache on disk (TORCHINDUCTOR_CACHE_DIR, by default under /tmp), so a restart or a
         restarted EP group compiles from it in seconds. Then, compiled or not, the heap built so
         far is frozen out of the garbage collector's reach (runtime.platform.heap): a full collection
-        would otherwise stall some step by 130-260 ms."""
+        would otherwise stall some step (design §3, the warm heap)."""
         if self.warm:
             return
         runner, proposer = self.runner, self.proposer

@@ -364,8 +364,8 @@ def tiled_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     s = s.masked_fill(~seen, float("-inf"))
     top = s.amax(dim=(2, 4), keepdim=True)                                                     # exact, any order
     # exp of a score far below its row's top: clamped at e^-80 (a weight below 2e-35 of the top's),
-    # because exp's results below float32's normal range (and of -inf) take a slow path, 10-80x
-    # slower per element; masked keys are then exactly 0. A key's weight still depends on its own
+    # because exp's results below float32's normal range (and of -inf) take a much slower path
+    # (design §3.4); masked keys are then exactly 0. A key's weight still depends on its own
     # score and the row's top only.
     p = torch.exp((s - top).clamp_min(-80.0)) * seen                                            # [nkv, N, nc, M, C]
     total = p.sum(dim=-1).cumsum(dim=2)[:, :, -1]                                              # [nkv, N, M]
