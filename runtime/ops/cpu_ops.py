@@ -13,7 +13,7 @@ other types) the op runs the Python path's ATen calls, bit for bit its results. 
 (`PagedAttention.attend` over a padded batch) is the other op: the same cache write, then the
 decode and verify rows read the cache in place (prefills gather for SDPA), in one native call.
 
-The library is built on first use (~15 s; `make venv` builds it ahead) into `CACHE_DIR`
+The library is built on first use (seconds; `make venv` builds it ahead) into `CACHE_DIR`
 (`~/.cache/metrale/cpu_ops`), under a name that hashes the source, the torch version and the
 compiler flags, so a changed source or torch rebuilds it. The compiler is the first of `COMPILERS`
 on the PATH. When none is found or the build fails, `load` logs why once and returns False, and
@@ -61,7 +61,7 @@ def library_path(cache_dir: Path = CACHE_DIR) -> Path:
 def build(path: Path, compilers: tuple[str, ...] = COMPILERS) -> None:
     """Compile the library into `path` (atomically: a temp file renamed into place) with the first
     of `compilers` on the PATH. Raises RuntimeError with the compiler's output on failure."""
-    from torch.utils import cpp_extension   # its import costs ~0.3 s: only when building
+    from torch.utils import cpp_extension   # a slow import: only when building
     cxx = next((name for name in compilers if shutil.which(name)), None)
     if cxx is None:
         raise RuntimeError(f"no C++ compiler found ({', '.join(compilers)})")
