@@ -1,6 +1,6 @@
 // The CPU's routed experts, paged attention and few-row linears as native ops. The routed experts
 // sort choices by expert and keep their books on plain host vectors instead of ~30 small tensor
-// ops a layer (each 5-30 us of host time here); their GEMMs run the few-row kernel below up to
+// ops a layer (their host cost: docs/design.md §3.4); their GEMMs run the few-row kernel below up to
 // `few_rows_max` rows an expert, else the same ATen kernels, in the same order, as the Python
 // paths of runtime/model/experts.py (`RoutedExperts._per_expert`, `RoutedExperts._padded`), bit for bit.
 // Built and loaded by runtime/ops/cpu_ops.py.
@@ -65,9 +65,9 @@ at::Tensor long_tensor(const std::vector<int64_t>& values) {
 
 // ---- Few-row GEMMs: y[M, N] = x[M, K] . W^T, W [N, K] stored column-major (W^T [K, N] rows of
 // stride ldw, as runtime.model.layers.pack_for_inference lays linears and experts out on the CPU).
-// Why: at the few rows of a decode or verify step a GEMM is a stream of its weights; MKL reads a
-// column-major 256 x 512 float32 matrix at 4-7 GB/s for 4-16 rows, and oneDNN's bfloat16 GEMM on a
-// CPU without native bfloat16 (AVX2) takes ~200 us a row (16 rows 3.1 ms; row-major 255 us). This
+// Why: at the few rows of a decode or verify step a GEMM is a stream of its weights, which MKL's
+// GEMM reads far below the memory's bandwidth, and oneDNN's bfloat16 GEMM on a CPU without native
+// bfloat16 (AVX2) is slower still (the figures: docs/design.md §3.4). This
 // kernel streams W^T once per 4 rows, 16 columns at a time, with float accumulators (double for
 // float64 weights).
 // Each output is sum_k x[m, k] * w[k, n] in k order, one rounding per multiply and per add (no
@@ -151,10 +151,9 @@ void tile(int64_t mr, const A* x, int64_t ldx, const W* wt, int64_t ldw, A* y, i
 
 // The float tile on AVX-512: 16 columns (one 64-byte vector) x MR rows over the whole depth, the
 // same multiplies and adds in the same order as tile16 (so the same bits), 8 rows at a time in its
-// 32 registers. Against tile16's AVX2 clone, weights in L3, interleaved, two threads, us: 16 rows
-// 512 x 256 38.2 -> 26.3, 768 x 256 57.6 -> 48.6, 4096 x 256 364 -> 207; 8 rows 1.16-1.31x. (12
-// or 16 rows at a time: the same, or slower on the widest.) From DRAM, as the embedded float32
-// model's 16-sequence step reads them, it gains nothing measurable (in-model 1.00x).
+// 32 registers. Faster than tile16's AVX2 clone with the weights in L3 (12 or 16 rows at a time
+// were no faster); from DRAM, as the embedded float32 model's 16-sequence step reads them, it gains
+// nothing measurable (docs/design.md §3.4).
 template <int MR>
 __attribute__((target("avx512f")))
 void tile16_avx512(const float* x, int64_t ldx, const float* wt, int64_t ldw, float* y, int64_t ldy, int64_t depth) {
@@ -188,10 +187,9 @@ void tile_avx512(int64_t mr, const float* x, int64_t ldx, const float* wt, int64
 // Span `span` (kSpan tiles of 16 columns, fewer at the end) of y[M, N] = x[M, K] . wt[K, N].
 // Up to 4 rows: the span's tiles take turns over kDepth weight rows at a time, a stream of whole
 // spans of the weight rows. More rows: each tile's 16-column strip is read down the whole depth
-// by every 4 (AVX-512: 8) rows in turn. With the weights in L3 the strip was faster from 2 rows
-// (4 rows, 512 x 256: 35.0 against 17.0 us), but a float32 model's weights come from DRAM (the
-// embedded model's 50 MB against 32 MB of L3), and there the stream was faster in the model: 16
-// sequences 1.044x, one sequence with 3 drafts 1.06x (one process, runs interleaved, same tokens).
+// by every 4 (AVX-512: 8) rows in turn. With the weights in L3 the strip was faster from 2 rows,
+// but a float32 model's weights come from DRAM (the embedded model's 50 MB against 32 MB of L3),
+// and there the stream was faster in the model (docs/design.md §3.4).
 template <typename A, typename W>
 void gemm_span(const A* x, int64_t m_rows, int64_t kdim, const W* wt, int64_t ldw, int64_t n_cols,
                A* y, int64_t ldy, int64_t span, int64_t span_tiles) {
@@ -233,11 +231,11 @@ void gemm_span(const A* x, int64_t m_rows, int64_t kdim, const W* wt, int64_t ld
 //   for each pair (2p, 2p + 1): acc = (acc + x[2p + 1] * w[2p + 1]) + x[2p] * w[2p]
 // from acc = 0, the pairs in k order (an odd K's last k pairs with a zero). A product of two
 // bfloat16 values is exact in float (8-bit significands) and each add rounds to nearest even.
-// On a CPU with AVX512-BF16 the tile runs the instruction (two a cycle here: 117 GMAC/s a core,
-// against 58 for float multiplies and adds); elsewhere, or after `use_bf16_dot_products(false)`,
+// On a CPU with AVX512-BF16 the tile runs the instruction (twice the rate of float multiplies and
+// adds here, docs/design.md §3.4); elsewhere, or after `use_bf16_dot_products(false)`,
 // the same sums run as float multiplies and adds, with the same bits (checked against the
 // instruction on this host: 20,000 random 4-pair sums, and the GEMMs in
-// tests/runtime/test_native_linear.py). Only sums below float's smallest normal (1.2e-38) differ:
+// tests/runtime/ops/test_native_linear.py). Only sums below float's smallest normal (1.2e-38) differ:
 // the instruction keeps such products exact and flushes such sums to zero.
 // A row's result is its own in any batch, and a column's in any slice of the weight, as above.
 constexpr int64_t kPairColumns = 32;   // output columns of one bfloat16 tile: two 16-float vectors
@@ -256,8 +254,7 @@ inline uint32_t bf16_pair(const c10::BFloat16* p, bool single) {   // (p[0], p[1
 // Rows [0, MR) of x (bfloat16, row stride ldx) against T tiles side by side, columns [0, 32 T) of
 // wt, over its kdim rows: y[m, 0:32 T] = ... in float. Each k-pair reads T x 64 contiguous bytes of
 // two weight rows; with one 64-byte strip a tile at a time down the whole depth, the 8 KB steps of
-// a wide matrix's rows left too few reads in flight (4096 x 256, one row, from L3: 57 against
-// 33 us with 8 tiles side by side).
+// a wide matrix's rows left too few reads in flight (docs/design.md §3.4).
 template <int MR, int T>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 void pair_tile_native(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wt, int64_t ldw, float* y,
@@ -415,16 +412,15 @@ float pair_column(const c10::BFloat16* x, const c10::BFloat16* w, int64_t ldw, i
 // Span `span` (kPairSpan tiles of 32 columns, fewer at the end) of y[M, N] = x[M, K] . wt[K, N],
 // x and wt bfloat16, y float: each tile's column strip read down the whole depth by every
 // kPairRows rows of x in turn before the next tile's. (Reading it 16 to 256 rows at a time, with
-// the sums kept in y in between, was slower at every depth: 512 x 256, 16 rows, 58 / 30 / 25 us
-// at 16 / 64 / 256; a stream of 16-row slices over the span's tiles, as the float kernel's few
-// rows take, cost 1.7-3.4x at 2-4 rows.)
+// the sums kept in y in between, was slower at every depth, and a stream of 16-row slices over the
+// span's tiles, as the float kernel's few rows take, slower at 2-4 rows: docs/design.md §3.4.)
 void pair_gemm_span(const c10::BFloat16* x, int64_t m_rows, int64_t kdim, const c10::BFloat16* wt, int64_t ldw,
                     int64_t n_cols, float* y, int64_t ldy, int64_t span, int64_t span_tiles) {
   const int64_t n0 = span * span_tiles * kPairColumns;
   const int64_t n1 = std::min(n_cols, n0 + span_tiles * kPairColumns);
   const int64_t full_end = n0 + (n1 - n0) / kPairColumns * kPairColumns;
   // One row: 8 tiles side by side (4 where the span has 4-7 left), two rows: 4; more: one tile, 8
-  // rows at a time. (3-4 rows with 2 tiles side by side: 4096 x 256 at 4 rows 64 -> 72 us.)
+  // rows at a time. (3-4 rows with 2 tiles side by side were slower: docs/design.md §3.4.)
   const int64_t side = m_rows <= 2 ? kPairRows / m_rows : 1;
   for (int64_t c = n0; c < full_end;) {
     const int64_t left = (full_end - c) / kPairColumns;
@@ -448,12 +444,10 @@ void pair_gemm_span(const c10::BFloat16* x, int64_t m_rows, int64_t kdim, const 
 // panel instead of two weight rows N x 2 bytes apart, the pairs interleaved as the dot-product
 // instruction takes them, and a panel's whole depth (K = 256: 16 KB) stays in L1 while every
 // 4 rows of x pass over it. Same sums in the same order as the unpacked tiles above, so the same
-// bits (tests/runtime/test_native_linear.py). AVX-512 EPYC, two threads, weights hot, us a call,
-// unpacked / packed: 4096 x 256 1 row 24.1 / 18.8, 4 rows 60.3 / 28.7; 512 x 256 16 rows ~27 /
-// 15.8. (Panels of 256 columns, one row's 8 tiles a single stream, gave 4096 x 256 1 row 16.3 and
-// 4 rows 24.8 but 512 x 256 16 rows 27: at a 1 KB pair-row stride the 4-row passes over a
-// 2-tile strip missed L1. In the model, bfloat16, 256 -> 64 columns: 16 sequences 1.05-1.5x,
-// 3 drafts at one sequence 1.24-1.35x, processes alternating.)
+// bits (tests/runtime/ops/test_native_linear.py). (Panels of 256 columns, one row's 8 tiles a single
+// stream, were faster still for a wide matrix's few rows but no faster at 16 rows: at a 1 KB
+// pair-row stride the 4-row passes over a 2-tile strip missed L1. Timings in and out of the model:
+// docs/design.md §3 and §3.4.)
 constexpr int64_t kPanel = 64;
 
 // The first element of tile `tile` (of 32 columns) of a packed weight with `pairs` pair rows, and
@@ -554,7 +548,7 @@ void packed_tile(int64_t mr, int64_t tiles, const c10::BFloat16* x, int64_t ldx,
 
 // Span `span` (span_tiles tiles of 32 columns) of y[M, N] = x[M, K] . w^T from the packed w: one
 // row 8 tiles side by side (4 panels, 4 streams), two 4, more 2 (one panel) for every 4 rows
-// (measured against 8 rows of one tile: the same at 8 and 16 rows, 4096 x 256 45 / 47 us). A tile
+// (no slower than 8 rows of one tile at 8 and 16 rows: docs/design.md §3.4). A tile
 // that starts a group off a panel's first tile, or lies in a 32-wide last panel, goes alone.
 void packed_gemm_span(const c10::BFloat16* x, int64_t m_rows, int64_t kdim, const c10::BFloat16* packed,
                       int64_t n_cols, float* y, int64_t ldy, int64_t span, int64_t span_tiles) {
@@ -581,12 +575,12 @@ void packed_gemm_span(const c10::BFloat16* x, int64_t m_rows, int64_t kdim, cons
 // while every group of rows passes over it) and several tiles side by side are several streams.
 // The unpacked column-major weight's tile reads 64 bytes a row N x 4 bytes apart. Same sums in
 // the same order (each column: its products added in k order from zero), so the same bits
-// (tests/runtime/test_native_linear.py).
+// (tests/runtime/ops/test_native_linear.py).
 
 // MR rows of x against T panels side by side (T streams): MR x T accumulators of 16 floats. From
-// 5 rows (one panel a pass) the panel's rows are prefetched 32 ahead: at 16 sequences of the
-// float32 model, weights from DRAM, 1.059x [1.04-1.08] (one process, interleaved); for 1-4 rows,
-// several panels a pass, it cost 0.93-0.96x at one sequence.
+// 5 rows (one panel a pass) the panel's rows are prefetched 32 ahead, which paid at 16 sequences of
+// the float32 model (weights from DRAM); for 1-4 rows, several panels a pass, it cost time at one
+// sequence (docs/design.md §3.4).
 template <int MR, int T>
 __attribute__((target("avx512f")))
 void packed_f32_native(const float* x, int64_t ldx, const float* wp, int64_t ps, float* y, int64_t ldy,
@@ -649,12 +643,8 @@ void packed_f32_tile(int64_t mr, int64_t tiles, const float* x, int64_t ldx, con
 
 // Span `span` (span_tiles tiles of 16 columns) of y[M, N] = x[M, K] . w^T from the packed float32
 // w: one row 8 panels side by side, two 4, 3-4 rows 2, more one panel for every 8 rows (as the
-// unpacked AVX-512 tile; 4 rows x 4 panels and 8 x 2 were slower: 512 x 256 at 4 rows 18.5
-// against 14.6 us unpacked, at 16 rows 32.5 against 26.4). Two threads, hot, us, unpacked /
-// packed: 512 x 256 1 row 10.1 / 7.2, 4 rows 14.9 / 11.4, 16 rows 26.0 / 25.4; 1536 x 256 1 row
-// 22.5 / 14.6, 4 rows 35.2 / 26.8; 256 x 768 4 rows 42.4 / 18.1. In the model (float32, one
-// process, two engines interleaved, same tokens): one sequence 1.68x, 3 drafts 1.53x, 16
-// sequences 1.31x.
+// unpacked AVX-512 tile; 4 rows x 4 panels and 8 x 2 were slower than the unpacked tile). Timings
+// in and out of the model: docs/design.md §3 and §3.4.
 void packed_f32_span(const float* x, int64_t m_rows, int64_t kdim, const float* packed, int64_t n_cols, float* y,
                      int64_t ldy, int64_t span, int64_t span_tiles) {
   const int64_t t0 = span * span_tiles, t1 = std::min(n_cols / kColumns, t0 + span_tiles);
@@ -778,9 +768,8 @@ void round_to_bf16(const float* src, c10::BFloat16* dst, int64_t n) {
 }
 
 // A float buffer of the calling thread for a GEMM's sums before they are rounded to bfloat16:
-// reused from call to call, so a GEMM allocates only its output. (Against a float output rounded
-// by at::to, in the embedded bfloat16 model, one sequence, interleaved in one process: no
-// speculation 1.027x, 1 draft 1.062x, 3 drafts 1.027x.)
+// reused from call to call, so a GEMM allocates only its output. (Faster than a float output rounded
+// by at::to in the embedded bfloat16 model: docs/design.md §3.4.)
 float* scratch_floats(int64_t n) {
   thread_local std::vector<float> buf;
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
@@ -824,9 +813,9 @@ at::Tensor bf16_linear(const at::Tensor& x, int64_t rows, int64_t kdim, int64_t 
 // pack_weight of w, or none) is read instead of w by that kernel, the same bits: the choice stays
 // in here, so a compiled step's graph holds for every row count (no guard on the rows). With bfloat16 weights
 // each task rounds its own columns' float sums to the bfloat16 output (bias added first, in float).
-// Measured and not kept: GEMMs of up to 256 KB of bfloat16 weights on the calling thread alone
-// (faster alone, e.g. 256 x 256 at one row 6.4 against 7.1 us) gave the embedded model 1.08x with
-// no speculation but 0.90x / 0.89x with 1 / 3 drafts (one process, interleaved).
+// Measured and not kept: GEMMs of up to 256 KB of bfloat16 weights on the calling thread alone,
+// faster alone, made the embedded model faster without speculation but slower with drafts
+// (docs/design.md §3.4).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, int64_t max_rows,
                   const c10::optional<at::Tensor>& packed) {
   const KernelClock clock;
@@ -934,8 +923,7 @@ inline vec_t<float> load_lanes(const float* p, int64_t count) {
 inline void store_lanes(float* p, const vec_t<float>& v, int64_t count) { std::memcpy(p, &v, count * sizeof(float)); }
 
 // silu(gate) * up for n values: gate / (1 + exp(-gate)) * up with exp_lanes (within 2.4 ulp of the
-// double result; std::exp's version 2.3). 8,192 values (16 rows' routed experts of one layer
-// here): 28.8 us with std::exp, 5.8 us so, one thread.
+// double result; std::exp's version 2.3), several times faster than std::exp (docs/design.md §3.4).
 __attribute__((target_clones("avx2", "default")))
 void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
   map_lanes(n, [&](int64_t j, int64_t count) {
@@ -1007,7 +995,8 @@ at::Tensor few_row_experts(const at::Tensor& xs, const at::Tensor& gate_up, cons
   // From packed matrices, each expert's columns in at least two spans (more where there are fewer
   // experts than threads), so the balanced tasks below can split every expert's work between
   // threads: a span of panels is still whole streams. Unpacked column-major ones keep spans of
-  // whole rows where they can (from DRAM, float32 at 16 sequences: half rows a task 0.91x).
+  // whole rows where they can (from DRAM, float32 at 16 sequences, half rows a task were slower:
+  // docs/design.md §3.4).
   const int64_t columns = pairs ? kPairColumns : kColumns, most = pairs ? kPairSpan : kSpan;
   const int64_t want = std::max<int64_t>(2, (at::get_num_threads() + nt - 1) / std::max<int64_t>(nt, 1));
   const auto tiles_of = [&](int64_t n_cols) {
@@ -1037,8 +1026,8 @@ at::Tensor few_row_experts(const at::Tensor& xs, const at::Tensor& gate_up, cons
   };
   // Elements of one expert's packed matrix of `n` x `kdim`.
   const auto packed_size = [&](int64_t n, int64_t kdim) { return pairs ? n * ((kdim + 1) / 2) * 2 : n * kdim; };
-  // Always on the pool: each expert's GEMMs on a thread of their own beat one thread (2 experts of
-  // 256 x 512 and 256 x 256 at one row, 17.1 against 21.6 us).
+  // Always on the pool: each expert's GEMMs on a thread of their own beat one thread
+  // (docs/design.md §3.4).
   run_balanced(costs(gb, gt), [&](int64_t i) {
     const int64_t e = touched[i / gb];
     span_gemm(xp + first[e] * h, counts[e], h, gw + e * gs, two_i, gp + first[e] * two_i, i % gb, gt,
@@ -1173,10 +1162,9 @@ at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& weights, const 
     }
     const at::Tensor xs = x.index_select(0, long_tensor(rows));                    // [L, H], expert-major
     const at::Tensor choice = long_tensor(order);
-    // Padding saves a GEMM pair's call per touched expert (~60 us in bfloat16 here, about 64 rows of
-    // an expert's GEMMs) and costs the rows it adds: with routing skewed to a few experts (a long
-    // prefill) the busiest count padded over every expert can triple the rows (16 prompts of 64
-    // tokens: padded 77.5 ms a forward against 63.7 per expert).
+    // Padding saves a GEMM pair's call per touched expert (in bfloat16 about 64 rows of an expert's
+    // GEMMs) and costs the rows it adds: with routing skewed to a few experts (a long prefill) the
+    // busiest count padded over every expert can triple the rows (docs/design.md §3.4).
     const bool padded = padded_min_experts > 0 && n >= padded_min_experts && touched >= padded_min_experts &&
                         e_local * busiest - mine <= kPaddedWasteRows * touched;
     if (padded) {
@@ -1493,13 +1481,10 @@ struct PagedRows {
 // of its own so that it has AVX-512, AVX2 and default clones (the lambda of at::parallel_for has
 // none: the library is built without -march; AVX-512's clone keeps the 32-byte vectors, with 32
 // registers). The scores are `lane_dot`s; the softmax and the weighted sum of the values are per
-// element, so no clone rounds differently. 16 sequences of 150 cached tokens, 4 query and 2
-// key/value heads of 64, one layer, two threads: bfloat16 158 -> 98 us, float32 140 -> 87 us
-// (values summed in registers, 32 elements of two heads at a time, instead of through memory; a
-// vector bfloat16 widening); 98 -> 72-76 us, float32 79 -> 58 (float accumulation: two query heads'
-// scores a pass over the keys in 16-float vectors, transposed by shuffles, and the value sums 64
-// elements of two heads at a time; the same bits, in the model bf16 / f32 at 16 sequences 1.037x /
-// 1.025x, one process, interleaved).
+// element, so no clone rounds differently. The values are
+// summed in registers (64 elements of two heads a pass over the keys, a vector bfloat16 widening)
+// and, with float accumulation, two query heads' scores are taken in one pass over the keys in
+// 16-float vectors, transposed by shuffles; the same bits (the timings: docs/design.md §3.4).
 template <typename scalar_t>
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void paged_tasks(const PagedRows<scalar_t>& a, const int64_t* tasks, int64_t n_tasks) {
@@ -1875,7 +1860,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 // The attention plan of the compiled forward running on this thread: set once a step by
 // `runtime.executor.attention.forward_context`, so each layer's attention in the graph is one native call
 // with its q, k, v, layer and scale (`planned_attention`) rather than a Python op that looks the
-// plan up (~25 us a layer of host time).
+// plan up (the host time saved: docs/design.md §3).
 struct AttentionPlan {
   at::Tensor k_planes, v_planes;   // the cache's [L, N, nkv, D] / [L, N, nkv, Dv]
   bool write_v = true;
