@@ -24,8 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ep_balance  # noqa: E402
-from ep_cost import (COLLECTIVE_FLOOR_S, EFFICIENCY, Layout, alltoall_bytes, allreduce_bytes,  # noqa: E402,F401
-                     expert_load, memory_per_rank, run, simulate)
+import ep_cost  # noqa: E402,F401
+from ep_cost import (COLLECTIVE_FLOOR_S, DEEPEP_LOW_LATENCY_US, EFFICIENCY, Layout, alltoall_bytes,  # noqa: E402,F401
+                     allreduce_bytes, exchange_us, expert_load, memory_per_rank, run, simulate)
 from ep_models import HARDWARE, MODELS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,37 +40,56 @@ SGLANG_96_H100 = dict(
     # command the blog links (github.com/sgl-project/sglang/issues/6017).
     layout=Layout(ep=72, batch=256, context=2000, dp_attention=True, eplb=32, overlap=True),
     tok_s_per_node=22282.0,
+    # The same blog's two-batch-overlap ablation (decode, "Real Test Cases"): "The speedup reaches 25.5%
+    # at 256 tokens with a performance of 22,310 tokens per second", so without overlap 22,310 / 1.255;
+    # "-27% at 32 tokens/device"; the gain turns positive "between 64 and 128".
+    no_overlap_tok_s_per_node=22310.0 / 1.255, overlap_gain_at=((32, 1 - 0.27), (256, 1.255)),
 )
 
 
 DEEPSEEK_PROFILE = dict(
     # The same blog's decode table, "DeepSeek Profile" column, from github.com/deepseek-ai/profile-data
     # (decode: EP128, batch 128 requests a GPU, 4K prompts, two micro-batches; "we simulate an
-    # absolutely balanced MoE routing strategy for profiling"): 18,598 tokens/s per node. Whether
-    # that counts MTP's extra tokens is not stated, so both are predicted.
-    layout=Layout(ep=128, batch=128, context=4096, dp_attention=True, eplb=0, overlap=True),
+    # absolutely balanced MoE routing strategy for profiling"): 18,598 tokens/s per node. The blog sets
+    # it beside its own "simulated MTP" run that processes "128 requests to generate 256 tokens per
+    # decode step", so the profile is read as one MTP draft a request with both tokens counted
+    # (acceptance 1); the same layout without MTP is predicted too.
+    layout=Layout(ep=128, batch=128, context=4096, dp_attention=True, eplb=0, overlap=True, mtp=1, accept=(1.0,)),
     load=1.0, tok_s_per_node=18598.0,
 )
 
 
 def reproduce_sglang(trace: Path = ep_balance.DEFAULT_TRACE) -> dict:
-    """SGLang's layout, and today's tensor-parallel attention on one 8-GPU node of H100 (where
-    DeepSeek-V3's FP8 weights alone exceed 80 GB a GPU: `fits` is false) and of H200."""
-    model = MODELS["deepseek-v3"]
-    theirs = run(model, HARDWARE["h100"], SGLANG_96_H100["layout"], trace)
+    """SGLang's layout with and without two-batch overlap, DeepSeek's decode profile, and today's
+    tensor-parallel attention on one 8-GPU node of H100 (where DeepSeek-V3's FP8 weights alone
+    exceed 80 GB a GPU: `fits` is false) and of H200."""
+    model, h100 = MODELS["deepseek-v3"], HARDWARE["h100"]
+    layout = SGLANG_96_H100["layout"]
+    theirs = run(model, h100, layout, trace)
+    serial = run(model, h100, replace(layout, overlap=False), trace)
+    gains = [{"batch": b, "published": g,
+              "predicted": simulate(model, h100, replace(layout, batch=b), trace)["tok_s_per_node"]
+              / simulate(model, h100, replace(layout, batch=b, overlap=False), trace)["tok_s_per_node"]}
+             for b, g in SGLANG_96_H100["overlap_gain_at"]]
     today = [run(model, HARDWARE[hw], Layout(ep=8, batch=b, context=2000), trace)
              for hw in ("h100", "h200") for b in (4, 8, 16, 32, 64)]
-    profile = [run(model, HARDWARE["h100"], replace(DEEPSEEK_PROFILE["layout"], mtp=k, accept=(0.85,) * k), trace,
-                   DEEPSEEK_PROFILE["load"]) for k in (0, 1)]
+    base = DEEPSEEK_PROFILE["layout"]
+    profile = [run(model, h100, replace(base, mtp=k, accept=base.accept[:k]), trace, DEEPSEEK_PROFILE["load"])
+               for k in (base.mtp, 0)]
     return {"sglang_layout": theirs, "published_tok_s_per_node": SGLANG_96_H100["tok_s_per_node"],
-            "ratio": theirs["tok_s_per_node"] / SGLANG_96_H100["tok_s_per_node"], "today_tp_attention_ep8": today,
+            "ratio": theirs["tok_s_per_node"] / SGLANG_96_H100["tok_s_per_node"],
+            "sglang_no_overlap": serial,
+            "published_no_overlap_tok_s_per_node": SGLANG_96_H100["no_overlap_tok_s_per_node"],
+            "no_overlap_ratio": serial["tok_s_per_node"] / SGLANG_96_H100["no_overlap_tok_s_per_node"],
+            "overlap_gains": gains, "today_tp_attention_ep8": today,
             "deepseek_profile": profile, "deepseek_profile_tok_s_per_node": DEEPSEEK_PROFILE["tok_s_per_node"],
             "deepseek_profile_ratios": [r["tok_s_per_node"] / DEEPSEEK_PROFILE["tok_s_per_node"] for r in profile]}
 
 
 COLUMNS = ("layout", "model", "hw", "ep", "batch", "context", "dp_attention", "eplb", "overlap", "mtp",
            "load_max_over_mean",
-           "step_ms", "compute_ms", "comm_ms", "tok_s_per_node", "dominant", "weights_gb", "cache_gb", "fits")
+           "step_ms", "compute_ms", "comm_ms", "exposed_comm_ms", "imbalance_ms", "tok_s_per_node", "limit",
+           "weights_gb", "cache_gb", "fits")
 
 
 def print_table(rows: list[dict]) -> None:
@@ -80,6 +100,18 @@ def print_table(rows: list[dict]) -> None:
     print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths)))
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def print_reproduction(rep: dict) -> None:
+    """The predicted / published ratios of `reproduce_sglang`, one line each."""
+    print("DeepSeek's balanced-routing decode profile: predicted / published "
+          + ", ".join(f"{r:.3f}" for r in rep["deepseek_profile_ratios"]) + " (one draft counted as 2 tokens; no MTP)")
+    print("SGLang two-batch overlap gain, predicted / published: "
+          + ", ".join(f"batch {g['batch']} {g['predicted']:.3f} / {g['published']:.3f}" for g in rep["overlap_gains"]))
+    print(f"SGLang layout without overlap predicted {rep['sglang_no_overlap']['tok_s_per_node']:.0f} tok/s per node, "
+          f"published {rep['published_no_overlap_tok_s_per_node']:.0f}: ratio {rep['no_overlap_ratio']:.3f}")
+    print(f"SGLang layout predicted {rep['sglang_layout']['tok_s_per_node']:.0f} tok/s per node, published "
+          f"{rep['published_tok_s_per_node']:.0f}: ratio {rep['ratio']:.3f}")
 
 
 def plot(series: dict[str, list[dict]], path: Path, title: str,
@@ -194,11 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.reproduce_sglang:
             rep = reproduce_sglang(args.trace)
-            print_table([rep["sglang_layout"], *rep["today_tp_attention_ep8"], *rep["deepseek_profile"]])
-            print("DeepSeek's balanced-routing decode profile: predicted / published "
-                  + ", ".join(f"{r:.3f}" for r in rep["deepseek_profile_ratios"]) + " (no MTP, one draft at 0.85)")
-            print(f"SGLang layout predicted {rep['sglang_layout']['tok_s_per_node']:.0f} tok/s per node, published "
-                  f"{rep['published_tok_s_per_node']:.0f}: ratio {rep['ratio']:.3f}")
+            print_table([rep["sglang_layout"], rep["sglang_no_overlap"], *rep["today_tp_attention_ep8"],
+                         *rep["deepseek_profile"]])
+            print_reproduction(rep)
             if args.json_out:
                 args.json_out.parent.mkdir(parents=True, exist_ok=True)
                 args.json_out.write_text(json.dumps(rep, indent=1) + "\n")
@@ -238,8 +268,7 @@ def _write_grid(args: argparse.Namespace) -> int:
     for r in rows:
         if "refused" in r:
             print(f"{r['model']} {r['hw']} EP{r['ep']} {r['layout']}: refused: {r['refused']}")
-    print(f"SGLang layout predicted {rep['sglang_layout']['tok_s_per_node']:.0f} tok/s per node, published "
-          f"{rep['published_tok_s_per_node']:.0f}: ratio {rep['ratio']:.3f}")
+    print_reproduction(rep)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps({**start, "trace": str(Path(args.trace).name), "efficiency": EFFICIENCY,
