@@ -214,3 +214,21 @@ def test_record_writes_the_embedded_models_decode_routing(tmp_path):
     assert trace.steps.shape[0] == 5 and trace.steps.shape[1] >= 3
     # a decode step routes each running sequence's one row to top_k experts
     assert set(trace.steps.sum(axis=2).ravel().tolist()) <= {2.0, 4.0}
+
+
+def test_grid_crosses_eplb_overlap_and_mtp_and_its_summary_names_the_limit():
+    layouts = sim.grid_layouts(72)
+    assert len(layouts) == 1 + 2 * 2 * 4          # today's, then EPLB x overlap x (no MTP, three acceptances)
+    assert {(v.eplb, v.overlap, v.mtp) for k, v in layouts.items() if k.startswith("dp")} == {
+        (e, o, m) for e in (None, 32) for o in (False, True) for m in (0, 1)}
+    rows = []
+    for label in ("today tp-attn b32", "dp", "dp+eplb+tbo+mtp1 a0.85"):
+        try:
+            rows.append({"layout": label, **sim.run(MODELS["deepseek-v3"], HARDWARE["h200"], layouts[label])})
+        except ValueError as exc:
+            rows.append({"layout": label, "model": "deepseek-v3", "hw": "h200", "ep": 72, "refused": str(exc)})
+    table = sim.summary_markdown(rows).splitlines()
+    assert len(table) == 3 and table[2].startswith("| deepseek-v3 | H200 | 72 | 1.8k* | - | ")
+    full = rows[2]
+    assert full["limit"] == "network" and f"imbalance +{full['imbalance_ms']:.1f}" in table[2]
+    assert full["step_ms"] == pytest.approx(sum(full["ms_by_limit"].values()), rel=1e-3)

@@ -150,16 +150,46 @@ ACCEPT_EMBEDDED, ACCEPT_DEEPSEEK = 0.8201, (0.85, 0.90)
 
 
 def grid_layouts(ep: int) -> dict[str, Layout]:
-    """The layouts measured at each EP size: today's, DP attention alone, with EPLB (32 redundant
-    experts), with two-batch overlap, and with one MTP draft at three acceptances."""
+    """The layouts measured at each EP size: today's (32 sequences a GPU), and DP attention (128)
+    with and without EPLB (32 redundant experts), two-batch overlap and one MTP draft at the
+    embedded model's and DeepSeek's published acceptances."""
     dp = Layout(ep=ep, batch=128, context=2000, dp_attention=True)
-    eplb = replace(dp, eplb=32)
-    tbo = replace(eplb, overlap=True)
-    out = {"today tp-attn b32": Layout(ep=ep, batch=32, context=2000), "dp": dp, "dp+eplb": eplb,
-           "dp+eplb+tbo": tbo, "dp+eplb+tbo+mtp1 a0.82": replace(tbo, mtp=1, accept=(ACCEPT_EMBEDDED,))}
-    for a in ACCEPT_DEEPSEEK:
-        out[f"dp+eplb+tbo+mtp1 a{a:.2f}"] = replace(tbo, mtp=1, accept=(a,))
+    out = {"today tp-attn b32": Layout(ep=ep, batch=32, context=2000)}
+    for eplb in (None, 32):
+        for overlap in (False, True):
+            base = replace(dp, eplb=eplb, overlap=overlap)
+            label = "dp" + ("+eplb" if eplb else "") + ("+tbo" if overlap else "")
+            out[label] = base
+            for a in (ACCEPT_EMBEDDED, *ACCEPT_DEEPSEEK):
+                out[f"{label}+mtp1 a{a:.2f}"] = replace(base, mtp=1, accept=(a,))
     return out
+
+
+SUMMARY = (("today", "today tp-attn b32"), ("DP", "dp"), ("+EPLB", "dp+eplb"), ("+TBO", "dp+tbo"),
+           ("+EPLB+TBO", "dp+eplb+tbo"), ("+EPLB+MTP .85", "dp+eplb+mtp1 a0.85"),
+           ("+EPLB+TBO+MTP .82", "dp+eplb+tbo+mtp1 a0.82"), ("+EPLB+TBO+MTP .85", "dp+eplb+tbo+mtp1 a0.85"),
+           ("+EPLB+TBO+MTP .90", "dp+eplb+tbo+mtp1 a0.90"))
+
+
+def summary_markdown(rows: list[dict]) -> str:
+    """The grid as one markdown row per model, GPU and EP size: tokens/s a node in the `SUMMARY`
+    layouts (* where weights and cache exceed the GPU's memory, "-" where refused), and what limits
+    the full layout (EPLB + overlap + MTP at 0.85): ms a step by limit and what the imbalance adds."""
+    def cell(r: dict | None) -> str:
+        if r is None or "refused" in r:
+            return "-"
+        return f"{r['tok_s_per_node'] / 1e3:.1f}k" + ("" if r["fits"] else "*")
+    index = {(r["model"], r["hw"], r["ep"], r["layout"]): r for r in rows}
+    head = ["model", "GPU", "EP", *(h for h, _ in SUMMARY), "limits, full layout (ms a step)"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for model, hw, ep in dict.fromkeys((r["model"], r["hw"], r["ep"]) for r in rows):
+        full = index.get((model, hw, ep, "dp+eplb+tbo+mtp1 a0.85"))
+        lim = "-" if full is None or "refused" in full else (
+            f"{full['limit']}: " + ", ".join(f"{k} {v:.0f}" for k, v in full["ms_by_limit"].items())
+            + f"; imbalance +{full['imbalance_ms']:.1f}")
+        out.append("| " + " | ".join([model, hw.upper(), str(ep), *(cell(index.get((model, hw, ep, label)))
+                                                                      for _, label in SUMMARY), lim]) + " |")
+    return "\n".join(out)
 
 
 def measure_grid(trace: Path = ep_balance.DEFAULT_TRACE) -> list[dict]:
@@ -268,6 +298,7 @@ def _write_grid(args: argparse.Namespace) -> int:
     for r in rows:
         if "refused" in r:
             print(f"{r['model']} {r['hw']} EP{r['ep']} {r['layout']}: refused: {r['refused']}")
+    print(summary_markdown(rows))
     print_reproduction(rep)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
