@@ -20,9 +20,11 @@ trace (`tools/ep/ep_balance.py`), with EPLB's placement when `Layout.eplb` is se
 projections, its combine under the other's core attention and output projection; what an exchange
 takes beyond that compute stalls the step (`exposed_comm_ms`). The step is split by what limits it
 (`ms_by_limit`: compute-bound terms, HBM-bound terms, exposed network time) and `run` adds the time
-the expert-load imbalance costs against max/mean 1. With MTP a step verifies K drafts a sequence and runs K drafter passes (one decoder layer and
-the LM head); tokens a step = 1 + the sum of the running products of per-position acceptance.
-Not modelled: norms, rotary, activation quantisation and other small kernels, launch gaps.
+the expert-load imbalance costs against max/mean 1. With MTP a step verifies K drafts a sequence
+and runs K drafter passes (one decoder layer and the LM head); tokens a step = 1 + the sum of the
+running products of per-position acceptance.
+Not modelled: norms, rotary, activation quantisation and other small kernels, launch gaps, the
+send/receive part of an exchange occupying SMs, an exchange slower inside a full step than alone.
 """
 from __future__ import annotations
 
