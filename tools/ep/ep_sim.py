@@ -1,6 +1,8 @@
 """Predicts the decode step time and output tokens/s per node of a MoE model served with expert
 parallelism, for a model (DeepSeek-V3, GLM-5, Qwen3.5-397B-A17B), a GPU (H100, H200, B200) and a
-layout, from roofline terms (`tools/ep/ep_cost.py`) and a routing trace (`tools/ep/ep_balance.py`).
+layout, from roofline terms at the kernel libraries' published achieved rates, DeepEP's published
+exchange times and DeepSeek's two-micro-batch schedule (`tools/ep/ep_cost.py`) and a routing trace
+(`tools/ep/ep_balance.py`).
 
     python tools/ep/ep_sim.py --model deepseek-v3 --hw h100 --ep 72 --dp-attention --eplb 32 --overlap \\
         --mtp 1 --accept 0.85 [--batch 256] [--context 2000] [--sweep 8,16,...] [--json-out F] [--plot F]
@@ -9,9 +11,10 @@ layout, from roofline terms (`tools/ep/ep_cost.py`) and a routing trace (`tools/
 
 `--dp-attention`: data-parallel attention with the all-to-all expert exchange (otherwise today's
 tensor-parallel attention over all EP ranks); `--eplb R`: EPLB with R redundant experts;
-`--overlap`: two-batch overlap; `--mtp K --accept a[,b...]`: K drafts at per-position acceptance;
+`--overlap`: two-batch overlap (with --dp-attention); `--mtp K --accept a[,b...]`: K drafts at per-position acceptance;
 `--load X`: a measured max/mean expert load instead of the trace's. Prints a table (one row per
-batch of `--sweep`) and, with `--plot`, tokens/s per node against sequences per GPU.
+batch of `--sweep`: step, exposed exchange, what the imbalance adds, tokens/s a node and what limits
+the step: compute, hbm or network) and, with `--plot`, tokens/s per node against sequences per GPU.
 """
 from __future__ import annotations
 
