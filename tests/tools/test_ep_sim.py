@@ -218,9 +218,11 @@ def test_record_writes_the_embedded_models_decode_routing(tmp_path):
 
 def test_grid_crosses_eplb_overlap_and_mtp_and_its_summary_names_the_limit():
     layouts = sim.grid_layouts(72)
-    assert len(layouts) == 1 + 2 * 2 * 4          # today's, then EPLB x overlap x (no MTP, three acceptances)
+    # today's, EPLB x overlap x (no MTP, one draft at three acceptances), and two drafts at the embedded model's
+    assert len(layouts) == 1 + 2 * 2 * 4 + 1
     assert {(v.eplb, v.overlap, v.mtp) for k, v in layouts.items() if k.startswith("dp")} == {
-        (e, o, m) for e in (None, 32) for o in (False, True) for m in (0, 1)}
+        (e, o, m) for e in (None, 32) for o in (False, True) for m in (0, 1)} | {(32, True, 2)}
+    assert layouts["dp+eplb+tbo+mtp2 embedded"].tokens_per_seq_step == pytest.approx(2.403)
     rows = []
     for label in ("today tp-attn b32", "dp", "dp+eplb+tbo+mtp1 a0.85"):
         try:
