@@ -370,32 +370,23 @@ def chain_plans(cache: PagedKVCache, seq_ids: list[int], positions: list[int], s
 
 def _chain_plans(cache: PagedKVCache, seq_ids: list[int], positions: list[int], steps: int,
                  backend: AttentionBackend) -> list[StepPlan]:
-    """`AttentionBackend.chain_plans`: one context read and a few tensor ops a step."""
+    """`AttentionBackend.chain_plans`: each step's plan laid out as `_build_plan` lays one-row causal
+    chunks (`_single_plan`, `_causal_batch_plan`), over one read of the contexts at the last step."""
     device = cache.device
-    b = len(seq_ids)
     last = [p + steps - 1 for p in positions]
-    ctxs = [cache.cells(sid, 0, end + 1) for sid, end in zip(seq_ids, last)]
     plans = []
-    if b == 1:
-        ctx = ctxs[0]
+    if len(seq_ids) == 1:
+        ctx = cache.cells(seq_ids[0], 0, last[0] + 1)
         for s in range(1, steps):
             p = positions[0] + s
-            plans.append(StepPlan(positions=ctx.new_full((1,), p), cell_mapping=ctx[p:p + 1], gather=ctx[None, :p + 1],
-                                  q_index=None, valid=None, mask=None, last_rows=ctx.new_zeros(1), mask_mode="none",
-                                  backend=backend))
+            plans.append(_single_plan(SeqChunk(seq_ids[0], p, 1), ctx.new_full((1,), p), ctx[p:p + 1], ctx[:p + 1],
+                                      ctx.new_zeros(1), backend))
         return plans
-    gather = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)              # [B, K at the last step]
-    base = torch.tensor(positions, device=device)
-    seqs = torch.arange(b, device=device)
-    q_index = seqs[:, None]
-    valid = torch.ones(b, 1, dtype=torch.bool, device=device)
-    keys = torch.arange(gather.shape[1], device=device)
+    gather = cache.context_cells(seq_ids, [end + 1 for end in last])              # [B, K at the last step]
     for s in range(1, steps):
-        pos = base + s
+        chunks = [SeqChunk(sid, p + s, 1) for sid, p in zip(seq_ids, positions)]
         k_max = max(positions) + s + 1
-        mask = (keys[None, None, :k_max] <= pos[:, None, None])[:, None]             # [B, 1, 1, K]
-        plans.append(StepPlan(positions=pos, cell_mapping=gather[seqs, pos], gather=gather[:, :k_max], q_index=q_index,
-                              valid=valid, mask=mask, last_rows=seqs, backend=backend))
+        plans.append(_causal_batch_plan(chunks, gather[:, :k_max], 1, k_max, device, backend))
     return plans
 
 
