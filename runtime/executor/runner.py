@@ -124,11 +124,12 @@ class ModelRunner:
         self.cache = PagedKVCache(num_layers=cache_layers(model), num_blocks=num_blocks, block_size=block_size,
                                   dtype=model.dtype, device=self.device, **model.cache_layout())
         kernel = None
-        if st.attention_kernel and not self.plan_tiles:
+        if st.attention_kernel and not self.plan_tiles and not sparse:
             from runtime.ops.kernels.paged_attention import paged_attention as kernel
         # Every step planned on this cache (the target's, and the drafter's on its plane) attends
         # through this backend, chosen here once.
-        self.attention = choose_attention_backend(self.cache, batch_invariant=self.plan_tiles, kernel=kernel)
+        self.attention = choose_attention_backend(self.cache, batch_invariant=self.plan_tiles, kernel=kernel,
+                                                  sparse=sparse)
         # Batch-invariant attention through the native op in place (not the tiles): the one-row
         # compiled step needs no two copies of its row then (`forward`).
         self.plan_native = self.attention is NATIVE_INVARIANT
