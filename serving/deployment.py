@@ -120,14 +120,19 @@ class DeploymentConfig:
     # EPLB (ep.placement): redundant expert slots (None: off) and the forwards between re-placements.
     eplb_redundant_experts: int | None = None
     eplb_interval_steps: int | None = None
+    # The engine's running-sequence limit: a cache sized from free memory leaves their layer states room.
+    max_num_seqs: int = 64
 
-    def step_settings(self) -> StepSettings:
+    def step_settings(self, rows_per_seq: int = 1) -> StepSettings:
         """The settings rank 0's runner resolves against its model (runtime.executor.settings):
         compiled unless `enforce_eager`; static steps by default on CUDA for a compiled step, and
-        captured there where the step can be (None: the resolution decides)."""
+        captured there where the step can be (None: the resolution decides); a cache sized from
+        free memory leaves room for `max_num_seqs` sequences' layer states at `rows_per_seq`
+        rows a step (`Deployment.rows_per_seq`)."""
         return StepSettings(kv_cache_tokens=self.kv_cache_tokens, block_size=self.kv_block_size,
                             compiled=not self.enforce_eager, batch_invariant=self.batch_invariant,
-                            gpu_memory_utilization=self.gpu_memory_utilization, static_steps=self.static_steps,
+                            gpu_memory_utilization=self.gpu_memory_utilization, max_num_seqs=self.max_num_seqs,
+                            max_rows_per_seq=rows_per_seq, static_steps=self.static_steps,
                             cuda_graphs=None if not self.enforce_eager else False)
 
     def __post_init__(self) -> None:
@@ -233,7 +238,7 @@ class Deployment:
         cfg = self.config
         if self.comm is None:
             model = load_model(cfg.model_dir, cfg.dtype, device=cfg.device)
-            runner = ModelRunner(model, cfg.step_settings())
+            runner = ModelRunner(model, cfg.step_settings(self.rows_per_seq))
             log.info("step: %s", runner.choice)
         else:
             runner = self._join_group(self.comm)
@@ -250,6 +255,17 @@ class Deployment:
         if drafter is not None and drafter is not runner.model and self.rank_weight_bytes:  # rank 0's own drafter
             self.rank_weight_bytes[0] += sum(p.numel() * p.element_size() for p in drafter.parameters())
         return runner, proposer
+
+    @property
+    def rows_per_seq(self) -> int:
+        """The most rows one sequence steps at once: a verify of its drafts (1 + the deepest chain,
+        or a tree's nodes), else 1 (a decode; a prefill keeps no snapshots past `SNAPSHOT_ROWS`)."""
+        spec = self.spec
+        if not spec.is_speculating:
+            return 1
+        if spec.tree_shape is not None:
+            return 1 + spec.tree_shape.num_nodes
+        return 1 + spec.num_drafts
 
     def _capture_at_start(self, runner: ModelRunner | DriverRunner, proposer: DraftProposer | None) -> None:
         """With CUDA graphs, capture the buckets of one sequence's decode, verify and draft steps
@@ -365,7 +381,8 @@ class Deployment:
             if self._shard is None or self._shard[0] is not comm or cfg.eplb_redundant_experts is not None:
                 self._shard = comm, load_shard_model(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a)
             local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a, cfg.kv_cache_tokens, batch_invariant,
-                               self._shard[1], cfg.gpu_memory_utilization, compiled, cfg.eplb_redundant_experts)
+                               self._shard[1], cfg.gpu_memory_utilization, compiled, cfg.eplb_redundant_experts,
+                               (cfg.max_num_seqs, self.rows_per_seq))
             self.rank_weight_bytes = gather_weight_bytes(comm, local)
             info = gather_rank_info(comm)
             comm.started()

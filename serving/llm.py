@@ -91,7 +91,7 @@ class LLM:
                              warm_standby=warm_standby, device=str(resolved),
                              gpu_memory_utilization=gpu_memory_utilization, static_steps=static_steps,
                              kv_block_size=kv_block_size, eplb_redundant_experts=eplb_redundant_experts,
-                             eplb_interval_steps=eplb_interval_steps),
+                             eplb_interval_steps=eplb_interval_steps, max_num_seqs=max_num_seqs),
             self.spec, launcher, comm)
         runner = self.deployment.runner
         # Every setting this LLM runs by, resolved once (serving.settings).
