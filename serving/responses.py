@@ -12,7 +12,9 @@ pieces of one character all sit at that character's offset.
 from __future__ import annotations
 
 import codecs
+import json
 from collections.abc import Sequence as Seq
+from json.encoder import encode_basestring_ascii as json_str
 
 from runtime.sample.sampler import TokenLogprobs
 from engine.sequence import Sequence
@@ -181,14 +183,16 @@ class ChoiceStream:
 
     def next(self, seq: Sequence, num_output: int, finished: bool) -> dict | None:
         """The choice's next chunk after an update of its sequence (None when there is nothing to
-        say yet): the text delta and the logprobs of the tokens committed since the last chunk; a
+        say yet, never for a completion's first token, whose chunk is what a client times its
+        first token by, as vLLM's server sends one for every token): the text delta and the logprobs of the tokens committed since the last chunk; a
         completion's first chunk carries the echoed prompt (and its logprobs) in front."""
         delta = self.text.delta(seq.text, finished)
         span = slice(seq.prompt_len + self.num_tokens, seq.prompt_len + num_output)
         tokens = seq.token_ids[span]
         entries = seq.logprobs[num_output - len(tokens):num_output] if self.logprobs else []
         self.num_tokens = num_output
-        echo = not self.started and not self.chat and self.echo is not None
+        first = not self.started
+        echo = first and not self.chat and self.echo is not None
         self.started = True
         lp = None
         if self.logprobs and self.chat:
@@ -213,7 +217,45 @@ class ChoiceStream:
             if not (parts or finished or (self.logprobs and tokens)):
                 return None
             return {"index": self.index, "delta": parts, "logprobs": lp, "finish_reason": finish}
-        if not (delta or echo or finished or (self.logprobs and tokens)):
-            return None
+        if not (delta or first or finished or (self.logprobs and tokens)):
+            return None     # the first token always has a chunk (empty text if it ends inside a character)
         return {"index": self.index, "text": (self.echo if echo else "") + delta, "logprobs": lp,
                 "finish_reason": finish}
+
+
+class EventEncoder:
+    """A stream's server-sent events as the bytes `"data: " + json.dumps(chunk) + "\\n\\n"` gives,
+    written from a template: every chunk of one stream shares its id, object, created and model,
+    which are encoded once, and a plain choice (a completion's text, or a chat delta holding only
+    content, without logprobs) is spliced in with json's C string encoder. Anything else goes
+    through `json.dumps`. Per streamed token this replaces a dict of the whole chunk and its
+    `json.dumps` on the event loop's thread, which shares the step's cores."""
+
+    def __init__(self, rid: str, obj: str, created: int, model: str) -> None:
+        self.head = "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model})[:-1] \
+            + ', "choices": ['
+
+    def event(self, choices: list[dict], **extra) -> str:
+        """One event: the chunk with these choices (and extra top-level fields, e.g. usage)."""
+        body = ", ".join(map(choice_json, choices))
+        if extra:
+            body += "], " + json.dumps(extra)[1:] + "\n\n"
+        else:
+            body += "]}\n\n"
+        return self.head + body
+
+
+def choice_json(c: dict) -> str:
+    """`json.dumps(c)` of a streamed choice, without building the encoder's state for the plain ones."""
+    if c.get("logprobs", 0) is None and len(c) == 4:
+        finish = c.get("finish_reason", 0)
+        finish = "null" if finish is None else json_str(finish) if isinstance(finish, str) else None
+        text = c.get("text")
+        if finish is not None and isinstance(text, str):
+            return f'{{"index": {c["index"]:d}, "text": {json_str(text)}, "logprobs": null, "finish_reason": {finish}}}'
+        delta = c.get("delta")
+        if finish is not None and type(delta) is dict and (not delta or (len(delta) == 1 and
+                                                                         isinstance(delta.get("content"), str))):
+            inner = f'{{"content": {json_str(delta["content"])}}}' if delta else "{}"
+            return f'{{"index": {c["index"]:d}, "delta": {inner}, "logprobs": null, "finish_reason": {finish}}}'
+    return json.dumps(c)
