@@ -29,6 +29,7 @@ from ep.channel import (CommandRefused, driver_handshake, gather_rank_info, gath
                         load_shard_model)
 from ep.comm import CommError, Communicator
 from ep.driver import DriverRunner, ShardedMTPProposer
+from ep.parallel import DP_MODE
 from ep.protocol import MAX_SLOT
 from ep.local_drafter import load_local_drafter
 from runtime.model.causal_lm import CausalLM
@@ -120,6 +121,16 @@ class DeploymentConfig:
     # EPLB (ep.placement): redundant expert slots (None: off) and the forwards between re-placements.
     eplb_redundant_experts: int | None = None
     eplb_interval_steps: int | None = None
+    # Data-parallel attention (ep.dp, docs/design.md §4.3): each rank attends over its own sequences
+    # and the routed experts exchange rows; `dp_row_budget` is the padded decode exchange's rows a rank.
+    dp_attention: bool = False
+    dp_row_budget: int = 64
+
+    @property
+    def shard_mode(self) -> str:
+        """What every rank's shard is loaded and parallelised by: the MoE dispatch mode, or the
+        data-parallel layout."""
+        return DP_MODE if self.dp_attention else self.moe_a2a
 
     def step_settings(self) -> StepSettings:
         """The settings rank 0's runner resolves against its model (runtime.executor.settings):
@@ -151,6 +162,12 @@ class DeploymentConfig:
             raise ValueError(f"--eplb-interval-steps {s}: needs --eplb-redundant-experts (0 for no copies)")
         if s is not None and s < 1:
             raise ValueError(f"--eplb-interval-steps {s}: must be at least 1")
+        if self.dp_attention and self.ep < 2:
+            raise ValueError("--dp-attention splits sequences over EP ranks; it needs --ep 2 or more")
+        if self.dp_attention and self.moe_a2a != "auto":
+            raise ValueError(f"--dp-attention exchanges the routed experts' rows itself; drop --moe-a2a {self.moe_a2a}")
+        if self.dp_attention and self.dp_row_budget < 1:
+            raise ValueError(f"dp_row_budget={self.dp_row_budget} must be at least 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +220,7 @@ class Deployment:
                              "blocks only (its workers size their caches alike)")
         if config.ep > 1 and comm is None:
             self.group = launcher(GroupConfig(model_dir=str(config.model_dir), dtype=config.dtype, ep=config.ep,
-                                              moe_a2a=config.moe_a2a, kv_cache_tokens=config.kv_cache_tokens,
+                                              moe_a2a=config.shard_mode, kv_cache_tokens=config.kv_cache_tokens,
                                               timeout_s=config.ep_timeout_s, device=config.device,
                                               gpu_memory_utilization=config.gpu_memory_utilization,
                                               warm_standby=config.warm_standby and config.max_restarts > 0))
@@ -358,13 +375,14 @@ class Deployment:
             batch_invariant = cfg.dtype == "float64" if cfg.batch_invariant is None else cfg.batch_invariant
             compiled = not cfg.enforce_eager and cfg.dtype != "float64"
             driver_handshake(comm, cfg.model_dir, cfg.dtype, self.spec.confidence_stop, batch_invariant,
-                             getattr(self.group, "generation", 0), compiled, cfg.eplb_redundant_experts)
+                             getattr(self.group, "generation", 0), compiled, cfg.eplb_redundant_experts,
+                             cfg.dp_attention)
             if comm.device != torch.device(cfg.device):
                 raise ValueError(f"rank 0's communicator is on {comm.device}, the deployment on {cfg.device}")
             # EPLB moves experts between ranks: a restarted group starts again from the loaded split.
             if self._shard is None or self._shard[0] is not comm or cfg.eplb_redundant_experts is not None:
-                self._shard = comm, load_shard_model(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a)
-            local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a, cfg.kv_cache_tokens, batch_invariant,
+                self._shard = comm, load_shard_model(cfg.model_dir, cfg.dtype, comm, cfg.shard_mode)
+            local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.shard_mode, cfg.kv_cache_tokens, batch_invariant,
                                self._shard[1], cfg.gpu_memory_utilization, compiled, cfg.eplb_redundant_experts)
             self.rank_weight_bytes = gather_weight_bytes(comm, local)
             info = gather_rank_info(comm)
@@ -376,7 +394,7 @@ class Deployment:
             raise
         nodes = self.group.nodes() if self.group is not None else [r["host"] for r in info]
         self.rank_info = [{**r, "node": node} for r, node in zip(info, nodes)]
-        return DriverRunner(local, comm, cfg.eplb_interval_steps)
+        return DriverRunner(local, comm, cfg.eplb_interval_steps, cfg.dp_row_budget if cfg.dp_attention else None)
 
     def _make_proposer(self, runner: ModelRunner | DriverRunner) -> DraftProposer | None:
         """The drafter the settings ask for: the checkpoint's MTP layer (sharded across the EP

@@ -1,0 +1,86 @@
+"""Data-parallel attention (`--dp-attention`, ep.dp): each rank attends over its own sequences and
+the routed experts exchange rows; EP groups of real processes on gloo give one rank's tokens."""
+from __future__ import annotations
+
+import pytest
+
+from ep.dp import DPBook, row_budget
+from ep.parallel import EPMoE
+from ep.protocol import ProtocolError, decode, encode, forward_command, parse_forward
+from launch.mp import MPGroup
+from runtime.executor.attention import SeqChunk
+from runtime.sample.sampler import SamplingParams
+from serving.llm import LLM
+
+PROMPTS = [[5, 17, 200, 3], [9, 9, 9, 100, 250, 31, 7, 64, 12], [300], [7, 7, 8]]
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=5)
+
+
+def runs(llm: LLM, prompts=PROMPTS) -> list[tuple]:
+    """Tokens, then drafts and acceptance, of a greedy and a seeded batch."""
+    out = []
+    for p in (GREEDY, SEEDED):
+        got = llm.generate(prompts, p)
+        out.append(([o.token_ids for o in got], [(o.drafted_tokens, o.accepted_tokens) for o in got]))
+    return out
+
+
+def dp_layers(llm: LLM) -> list[EPMoE]:
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, EPMoE) and m.mode == "dp"]
+
+
+# --- the wire and the book -------------------------------------------------------------------------
+def test_a_dp_forward_carries_each_chunks_rank_and_the_budget():
+    cmd = decode(*encode(forward_command([], [(3, 0, 2), (4, 5, 1)], [7, 8, 9], owners=[1, 0], budget=4)))
+    p = parse_forward(cmd, vocab_size=16, dp_size=2)
+    assert (p.owners, p.budget, p.chunks) == ([1, 0], 4, [(3, 0, 2), (4, 5, 1)])
+    with pytest.raises(ProtocolError, match="owner rank 2 outside 0..1"):
+        parse_forward(decode(*encode(forward_command([], [(3, 0, 2)], [7, 8], owners=[2], budget=0))),
+                      vocab_size=16, dp_size=2)
+    with pytest.raises(ProtocolError, match="above the padded budget of 1"):
+        parse_forward(decode(*encode(forward_command([], [(3, 0, 2)], [7, 8], owners=[0], budget=1))),
+                      vocab_size=16, dp_size=2)
+    with pytest.raises(ProtocolError, match="needs 2"):   # a plain FORWARD to a DP-attention rank
+        parse_forward(decode(*encode(forward_command([], [(3, 0, 2)], [7, 8]))), vocab_size=16, dp_size=2)
+
+
+def test_the_book_balances_blocks_then_sequences_and_pads_decode_only():
+    class Cache:
+        tables = {1: [0, 1, 2], 2: [3]}
+
+        def block_table(self, seq):
+            return self.tables.get(seq, [])
+
+    book = DPBook(2, row_budget(4, 2, 4))                       # 2 sequences a rank, 4 rows each: 8
+    assert book.budget == 8 and row_budget(64, 4, 1) == 16 and row_budget(3, 2, 3) == 8
+    assert book.assign([SeqChunk(1, 0, 9)], Cache()) == [0]
+    assert book.assign([SeqChunk(2, 0, 4), SeqChunk(1, 9, 1)], Cache()) == [1, 0]
+    assert book.assign([SeqChunk(5, 0, 1)], Cache()) == [1]     # rank 1 holds 1 block, rank 0 three
+    assert book.step_budget([SeqChunk(1, 9, 4), SeqChunk(2, 4, 4)], [0, 1]) == 8
+    assert book.step_budget([SeqChunk(1, 9, 9)], [0]) == 0      # a prefill: exact counts
+    book.free(1)
+    assert book.assign([SeqChunk(1, 0, 3)], Cache()) == [0] and book.assigned == [2, 2]
+
+
+# --- EP groups ---------------------------------------------------------------------------------------
+def test_dp_attention_ep2_equals_one_rank_in_float64_with_mtp_chains(ckpt_mtp):
+    """EP 2 with data-parallel attention, MTP chains (greedy, then seeded): one rank's tokens,
+    drafts and acceptance; both ranks ran sequences; every padded decode exchange of a layer had
+    one shape, whatever the batch's width."""
+    one = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048)
+    want = runs(one)
+    llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048, ep=2, dp_attention=True,
+              max_num_seqs=4, launcher=MPGroup, ep_timeout_s=60, warm_standby=False)
+    try:
+        assert runs(llm) == want
+        assert sum(d for d, _ in want[0][1]) > 0
+        assert min(llm.engine.runner.dp.assigned) >= 2
+        layers = dp_layers(llm)
+        assert layers and all(len(m.dp_shapes) == 1 for m in layers)
+        budget = llm.engine.runner.dp.budget                     # 2 sequences a rank of 4 rows: 8
+        assert budget == 8
+        rows = 2 * budget * layers[0].gate.top_k                 # N * B * k
+        assert {s for m in layers for s in m.dp_shapes} == {((rows, 64), (rows, 2), (rows, 64))}
+    finally:
+        llm.shutdown()
