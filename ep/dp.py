@@ -35,6 +35,7 @@ class DPBook:
         self.budget = budget
         self.owner: dict[int, int] = {}
         self.assigned = [0] * dp_size   # sequences given to each rank since start
+        self.idle_rank_steps = 0        # forwards in which some rank had no rows of its own
 
     def assign(self, chunks: list[SeqChunk], cache) -> list[int]:
         """Each chunk's rank; a sequence seen for the first time goes to the rank with the fewest
@@ -48,7 +49,9 @@ class DPBook:
                 rank = min(range(self.dp_size), key=lambda r: (blocks[r], seqs[r], r))
                 self.owner[c.seq_id] = rank
                 self.assigned[rank] += 1
-        return [self.owner[c.seq_id] for c in chunks]
+        owners = [self.owner[c.seq_id] for c in chunks]
+        self.idle_rank_steps += len(set(owners)) < self.dp_size
+        return owners
 
     def step_budget(self, chunks: list[SeqChunk], owners: list[int]) -> int:
         """The padded budget when every rank's rows fit it (decode and verify steps), else 0."""
