@@ -60,6 +60,10 @@ class DPBook:
             rows[r] += c.num_tokens
         return self.budget if max(rows, default=0) <= self.budget else 0
 
+    def pin(self, seq_id: int, rank: int) -> None:
+        """Run `seq_id` on `rank` from now on (the warm-up's scratch sequence visits every rank)."""
+        self.owner[seq_id] = rank
+
     def free(self, seq_id: int) -> None:
         self.owner.pop(seq_id, None)
 

@@ -335,8 +335,14 @@ class Deployment:
                     bar.set_postfix_str(name)
                     if what == "target":
                         rows = chunks[0].num_tokens
-                        hidden, _ = runner.forward([0] * rows, chunks)
-                        runner.logits(hidden, list(range(rows)))   # one row, or several: the head's graphs too
+                        # DP attention: each rank compiles its own step, so each runs the scratch rows once
+                        # (a rank compiling later would keep the others waiting in the exchange).
+                        dp = getattr(runner, "dp", None)
+                        for rank in range(dp.dp_size) if dp is not None else (None,):
+                            if rank is not None:
+                                dp.pin(seq, rank)
+                            hidden, _ = runner.forward([0] * rows, chunks)
+                            runner.logits(hidden, list(range(rows)))   # one row, or several: the head's graphs too
                     elif what.startswith("drafter chain"):
                         depth, width = map(int, what.split()[2:])
                         drafter.warm_up_chain(chunks, depth, width)
