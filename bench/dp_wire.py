@@ -1,0 +1,82 @@
+"""Bytes rank 0 puts on the wire in one decode step, tensor-parallel attention (today's layout,
+`--moe-a2a auto`) against `--dp-attention`, counted from the collectives' tensors
+(`ep.comm.Communicator.wire_bytes`), not timed.
+
+    python -m bench.dp_wire --json-out bench/records/dp_wire_SHA.json
+
+For each EP size, layout, speculation (none, MTP 3 drafts) and concurrency: `c` requests are
+admitted and prefilled, then one step in which every sequence decodes (a verify with MTP) is
+counted by collective; per MoE layer, the exchange's all_to_all bytes (DP) or the all-reduces of a
+layer (TP: its attention output projection and its experts) are given beside the formulas of
+docs/design.md §4.3.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "models" / "tiny-glm-moe"
+
+
+def count(ep: int, dp: bool, spec: str, concurrency: list[int], max_num_seqs: int) -> list[dict]:
+    from launch.mp import MPGroup
+    from runtime.sample.sampler import SamplingParams
+    from serving.llm import LLM
+    llm = LLM(MODEL, dtype="float32", ep=ep, dp_attention=dp, launcher=MPGroup, enforce_eager=True,
+              warm_standby=False, max_num_seqs=max_num_seqs, spec=spec, num_drafts=3, draft_policy="fixed",
+              mtp_max_seqs=max_num_seqs if spec != "none" else None, kv_cache_tokens=16384, prefix_cache=False)
+    cfg = llm.engine.runner.config
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    out = []
+    try:
+        engine, comm = llm.engine, llm.deployment.comm
+        for c in concurrency:
+            seqs = [engine.add_request([(7 * i + j) % 300 + 1 for j in range(8)],
+                                       SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(c)]
+            while any(s.num_output == 0 for s in seqs):
+                llm.step()
+            before = dict(comm.wire_bytes)
+            llm.step()
+            step = {k: v - before.get(k, 0) for k, v in comm.wire_bytes.items() if v - before.get(k, 0)}
+            rows = sum(1 for _ in seqs) * (1 + (3 if spec != "none" else 0))
+            cell = {"ep": ep, "layout": "dp" if dp else "tp", "spec": spec, "concurrency": c, "rows": rows,
+                    "bytes_per_step": step}
+            if dp:
+                cell["budget"] = llm.engine.runner.dp.budget
+                cell["exchange_bytes_per_moe_layer"] = step.get("all_to_all", 0) // moe_layers
+            else:
+                # 8-byte status words of the commands aside, every all-reduce is a layer's attention
+                # output or its experts' sum, of the same size.
+                per = step.get("all_reduce", 0) // (cfg.num_hidden_layers + moe_layers) if step.get("all_reduce") else 0
+                cell["allreduce_bytes_per_moe_layer"] = 2 * per
+            out.append(cell)
+            while engine.has_unfinished():
+                llm.step()
+    finally:
+        llm.shutdown()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ep", default="2,4")
+    p.add_argument("--concurrency", default="1,16,64")
+    p.add_argument("--json-out", required=True)
+    args = p.parse_args(argv)
+    conc = [int(x) for x in args.concurrency.split(",")]
+    cells = []
+    for ep in (int(x) for x in args.ep.split(",")):
+        for spec in ("none", "mtp"):
+            for dp in (False, True):
+                cells += count(ep, dp, spec, conc, max(conc))
+                print(json.dumps(cells[-len(conc):]), flush=True)
+    Path(args.json_out).write_text(json.dumps({"model": "models/tiny-glm-moe", "dtype": "float32",
+                                               "command": " ".join(sys.argv), "cells": cells}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
