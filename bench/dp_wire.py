@@ -60,12 +60,39 @@ def count(ep: int, dp: bool, spec: str, concurrency: list[int], max_num_seqs: in
     return out
 
 
+def plot(cells: list[dict], path: str) -> None:
+    """Bytes a MoE layer puts on rank 0's wire in a decode step, by concurrency: one panel per
+    EP size and speculation, TP attention's all-reduces against DP attention's exchange."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = sorted({(c["ep"], c["spec"]) for c in cells})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
+    for ax, (ep, spec) in zip(axes[0], panels):
+        for layout, key in (("tp", "allreduce_bytes_per_moe_layer"), ("dp", "exchange_bytes_per_moe_layer")):
+            pts = sorted((c["concurrency"], c[key]) for c in cells if (c["ep"], c["spec"], c["layout"]) == (ep, spec, layout))
+            ax.plot([x for x, _ in pts], [y / 1024 for _, y in pts], marker="o",
+                    label="TP attention (all-reduces)" if layout == "tp" else "DP attention (padded exchange)")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"EP {ep}, {'MTP 3 drafts' if spec == 'mtp' else 'no speculation'}")
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("KiB a MoE layer a decode step (rank 0)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ep", default="2,4")
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--json-out", required=True)
+    p.add_argument("--plot-out", default=None)
+    p.add_argument("--from-json", default=None, help="plot a record already written instead of counting")
     args = p.parse_args(argv)
+    if args.from_json:
+        plot(json.loads(Path(args.from_json).read_text())["cells"], args.plot_out)
+        return 0
     conc = [int(x) for x in args.concurrency.split(",")]
     cells = []
     for ep in (int(x) for x in args.ep.split(",")):
@@ -75,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(cells[-len(conc):]), flush=True)
     Path(args.json_out).write_text(json.dumps({"model": "models/tiny-glm-moe", "dtype": "float32",
                                                "command": " ".join(sys.argv), "cells": cells}, indent=1))
+    if args.plot_out:
+        plot(cells, args.plot_out)
     return 0
 
 
