@@ -338,22 +338,28 @@ class Engine:
         """Phase 5: a `SeqUpdate` per scheduled sequence. Verifying sequences accept drafts; plain
         rows that reach the end of their known tokens sample one token with the (seed, position)
         generator after the same per-row processing as verify rows; prefill chunks that do not only
-        feed the drafter (and score the prompt when asked)."""
+        feed the drafter (and score the prompt when asked). Every row whose logits the step needs
+        (verify rows, prompt-scoring rows, last rows) goes through the head in one call."""
         updates: list[SeqUpdate] = []
-        if items:
-            updates += self.verifier.verify(items, self.runner.logits(hidden, vplan.logits_rows))
         plain: list[tuple[Sequence, int, int]] = []        # (sequence, its first row, rows)
         row = sum(c.num_tokens for c in chunks[:len(items)])
         for item, chunk in zip(batch[len(items):], chunks[len(items):]):
             plain.append((item.seq, row, item.num_tokens))
             row += chunk.num_tokens
-        self.score_prompts(plain, hidden)
+        scored = self.prompt_rows(plain)
         last = [(s, r + n - 1) for s, r, n in plain if s.num_computed + n == len(s.token_ids)]
+        verify_rows = vplan.logits_rows if items else []
+        score_rows = [x for _, rows, _ in scored for x in rows]
+        rows = [*verify_rows, *score_rows, *(r for _, r in last)]
+        logits = self.runner.logits(hidden, rows) if rows else None
+        if items:
+            updates += self.verifier.verify(items, logits[:len(verify_rows)])
+        self.score_prompts(scored, logits[len(verify_rows):len(verify_rows) + len(score_rows)] if scored else None)
         sampled = {}
         if last:
-            logits = self.runner.logits(hidden, [r for _, r in last])
             rows = [RowSpec(s.params, s.seed, len(s.token_ids), s.history()) for s, _ in last]
-            sampled = {s.seq_id: x for (s, _), x in zip(last, self.runner.sampler.sample_rows(logits, rows))}
+            drawn = self.runner.sampler.sample_rows(logits[len(verify_rows) + len(score_rows):], rows)
+            sampled = {s.seq_id: x for (s, _), x in zip(last, drawn)}
         for seq, r, n in plain:
             x = sampled.get(seq.seq_id)
             updates.append(SeqUpdate(seq=seq, num_computed=seq.num_computed + n,
@@ -362,10 +368,12 @@ class Engine:
                                      logprobs=[x.logprobs] if x is not None and x.logprobs is not None else None))
         return updates
 
-    def score_prompts(self, plain: list[tuple[Sequence, int, int]], hidden: torch.Tensor) -> None:
-        """Prompt logprobs of the prompt positions this step's prefill rows predict for the first
-        time (a recompute after preemption or restart scores nothing twice)."""
-        want = []                                           # (sequence, forward rows, prompt tokens)
+    @staticmethod
+    def prompt_rows(plain: list[tuple[Sequence, int, int]]) -> list[tuple[Sequence, list[int], list[int]]]:
+        """The forward rows whose logits score prompt positions this step's prefill rows predict
+        for the first time (a recompute after preemption or restart scores nothing twice): per
+        sequence asking for prompt logprobs, (sequence, its rows, the prompt tokens they predict)."""
+        want = []
         for seq, r, n in plain:
             if seq.prompt_logprobs is None:
                 continue
@@ -374,11 +382,13 @@ class Engine:
             if first < end:
                 rows = [r + p - 1 - seq.num_computed for p in range(first, end)]
                 want.append((seq, rows, seq.token_ids[first:end]))
-        if not want:
-            return
-        logits = self.runner.logits(hidden, [x for _, rows, _ in want for x in rows])
+        return want
+
+    @staticmethod
+    def score_prompts(scored: list[tuple[Sequence, list[int], list[int]]], logits: torch.Tensor | None) -> None:
+        """Prompt logprobs of `prompt_rows`' positions from their logits rows, in that order."""
         at = 0
-        for seq, rows, tokens in want:
+        for seq, rows, tokens in scored:
             seq.prompt_logprobs += prompt_token_logprobs(logits[at:at + len(rows)], tokens, seq.params,
                                                          seq.params.prompt_logprobs)
             at += len(rows)

@@ -28,7 +28,7 @@ from runtime.model.config import load_config
 from runtime.platform.device import kv_tokens_for_memory
 from runtime.model.causal_lm import CausalLM
 from runtime.executor.settings import StepSettings
-from runtime.executor.runner import ModelRunner, kv_bytes_per_token
+from runtime.executor.runner import ModelRunner, choose_layer_states, kv_bytes_per_token
 from runtime.model.weights import checkpoint_files, load_model
 
 MAX_BULK_WORDS = 1 << 24
@@ -80,23 +80,30 @@ def load_shard_model(model_dir: str | Path, dtype: str, comm: Communicator, moe_
 def load_shard(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: str,
                kv_cache_tokens: int, batch_invariant: bool, model: CausalLM | None = None,
                gpu_memory_utilization: float | None = None, compiled: bool = False,
-               eplb_redundant: int | None = None) -> ModelRunner:
+               eplb_redundant: int | None = None, states_for: tuple[int, int] = (0, 1)) -> ModelRunner:
     """This rank's model shard (`model` when loaded already, as loaded: contiguous experts) and a
     fresh KV cache, on the communicator's device; `compiled`: its step runs through
     `torch.compile` (every rank of a group alike: the handshake's COMPILED_BIT); `eplb_redundant`:
-    EPLB with that many redundant experts (`ep.placement.enable`, collective; None: off)."""
+    EPLB with that many redundant experts (`ep.placement.enable`, collective; None: off).
+    `states_for`: rank 0's (running sequences, rows a step) whose layer states a cache sized from
+    free memory leaves room for; the workers learn them in the same collective (give (0, 1))."""
     if model is None:
         model = load_shard_model(model_dir, dtype, comm, moe_mode)
     if eplb_redundant is not None:
         from ep.placement import enable
         enable(model, comm, eplb_redundant)
+    seqs, rows = states_for
     if gpu_memory_utilization is not None:
-        # Every rank replays rank 0's allocator, so all ranks take the smallest cache any GPU holds.
-        mine = kv_tokens_for_memory(comm.device, gpu_memory_utilization, kv_bytes_per_token(model))
+        # Rank 0's sequence limit and rows a step reach every rank; every rank replays rank 0's
+        # allocator, so all ranks take the smallest cache any GPU holds.
+        seqs, rows = (int(x) for x in comm.all_reduce(torch.tensor([seqs, rows], dtype=torch.int64,
+                                                                   device=comm.device), "max"))
+        reserved = choose_layer_states(model).bytes_reserved(seqs, rows)
+        mine = kv_tokens_for_memory(comm.device, gpu_memory_utilization, kv_bytes_per_token(model), reserved)
         kv_cache_tokens = -int(comm.all_reduce(torch.tensor([-mine], dtype=torch.int64, device=comm.device),
                                                "max")[0])
     return ModelRunner(model, StepSettings(kv_cache_tokens=kv_cache_tokens, batch_invariant=batch_invariant,
-                                           compiled=compiled))
+                                           compiled=compiled, max_num_seqs=max(1, seqs), max_rows_per_seq=rows))
 
 
 def weight_bytes(runner: ModelRunner) -> int:

@@ -29,6 +29,7 @@ from ep.channel import (CommandRefused, driver_handshake, gather_rank_info, gath
                         load_shard_model)
 from ep.comm import CommError, Communicator
 from ep.driver import DriverRunner, ShardedMTPProposer
+from ep.dp import row_budget
 from ep.parallel import DP_MODE
 from ep.protocol import MAX_SLOT
 from ep.local_drafter import load_local_drafter
@@ -121,10 +122,11 @@ class DeploymentConfig:
     # EPLB (ep.placement): redundant expert slots (None: off) and the forwards between re-placements.
     eplb_redundant_experts: int | None = None
     eplb_interval_steps: int | None = None
+    # The engine's running-sequence limit: a cache sized from free memory leaves their layer states room.
+    max_num_seqs: int = 64
     # Data-parallel attention (ep.dp, docs/design.md §4.3): each rank attends over its own sequences
-    # and the routed experts exchange rows; `dp_row_budget` is the padded decode exchange's rows a rank.
+    # and the routed experts exchange rows (padded in decode to `ep.dp.row_budget` rows a rank).
     dp_attention: bool = False
-    dp_row_budget: int = 64
 
     @property
     def shard_mode(self) -> str:
@@ -132,13 +134,16 @@ class DeploymentConfig:
         data-parallel layout."""
         return DP_MODE if self.dp_attention else self.moe_a2a
 
-    def step_settings(self) -> StepSettings:
+    def step_settings(self, rows_per_seq: int = 1) -> StepSettings:
         """The settings rank 0's runner resolves against its model (runtime.executor.settings):
         compiled unless `enforce_eager`; static steps by default on CUDA for a compiled step, and
-        captured there where the step can be (None: the resolution decides)."""
+        captured there where the step can be (None: the resolution decides); a cache sized from
+        free memory leaves room for `max_num_seqs` sequences' layer states at `rows_per_seq`
+        rows a step (`Deployment.rows_per_seq`)."""
         return StepSettings(kv_cache_tokens=self.kv_cache_tokens, block_size=self.kv_block_size,
                             compiled=not self.enforce_eager, batch_invariant=self.batch_invariant,
-                            gpu_memory_utilization=self.gpu_memory_utilization, static_steps=self.static_steps,
+                            gpu_memory_utilization=self.gpu_memory_utilization, max_num_seqs=self.max_num_seqs,
+                            max_rows_per_seq=rows_per_seq, static_steps=self.static_steps,
                             cuda_graphs=None if not self.enforce_eager else False)
 
     def __post_init__(self) -> None:
@@ -166,8 +171,6 @@ class DeploymentConfig:
             raise ValueError("--dp-attention splits sequences over EP ranks; it needs --ep 2 or more")
         if self.dp_attention and self.moe_a2a != "auto":
             raise ValueError(f"--dp-attention exchanges the routed experts' rows itself; drop --moe-a2a {self.moe_a2a}")
-        if self.dp_attention and self.dp_row_budget < 1:
-            raise ValueError(f"dp_row_budget={self.dp_row_budget} must be at least 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +253,7 @@ class Deployment:
         cfg = self.config
         if self.comm is None:
             model = load_model(cfg.model_dir, cfg.dtype, device=cfg.device)
-            runner = ModelRunner(model, cfg.step_settings())
+            runner = ModelRunner(model, cfg.step_settings(self.rows_per_seq))
             log.info("step: %s", runner.choice)
         else:
             runner = self._join_group(self.comm)
@@ -267,6 +270,17 @@ class Deployment:
         if drafter is not None and drafter is not runner.model and self.rank_weight_bytes:  # rank 0's own drafter
             self.rank_weight_bytes[0] += sum(p.numel() * p.element_size() for p in drafter.parameters())
         return runner, proposer
+
+    @property
+    def rows_per_seq(self) -> int:
+        """The most rows one sequence steps at once: a verify of its drafts (1 + the deepest chain,
+        or a tree's nodes), else 1 (a decode; a prefill keeps no snapshots past `SNAPSHOT_ROWS`)."""
+        spec = self.spec
+        if not spec.is_speculating:
+            return 1
+        if spec.tree_shape is not None:
+            return 1 + spec.tree_shape.num_nodes
+        return 1 + spec.num_drafts
 
     def _capture_at_start(self, runner: ModelRunner | DriverRunner, proposer: DraftProposer | None) -> None:
         """With CUDA graphs, capture the buckets of one sequence's decode, verify and draft steps
@@ -389,7 +403,8 @@ class Deployment:
             if self._shard is None or self._shard[0] is not comm or cfg.eplb_redundant_experts is not None:
                 self._shard = comm, load_shard_model(cfg.model_dir, cfg.dtype, comm, cfg.shard_mode)
             local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.shard_mode, cfg.kv_cache_tokens, batch_invariant,
-                               self._shard[1], cfg.gpu_memory_utilization, compiled, cfg.eplb_redundant_experts)
+                               self._shard[1], cfg.gpu_memory_utilization, compiled, cfg.eplb_redundant_experts,
+                               (cfg.max_num_seqs, self.rows_per_seq))
             self.rank_weight_bytes = gather_weight_bytes(comm, local)
             info = gather_rank_info(comm)
             comm.started()
@@ -400,7 +415,8 @@ class Deployment:
             raise
         nodes = self.group.nodes() if self.group is not None else [r["host"] for r in info]
         self.rank_info = [{**r, "node": node} for r, node in zip(info, nodes)]
-        return DriverRunner(local, comm, cfg.eplb_interval_steps, cfg.dp_row_budget if cfg.dp_attention else None)
+        budget = row_budget(cfg.max_num_seqs, comm.world_size, self.rows_per_seq) if cfg.dp_attention else None
+        return DriverRunner(local, comm, cfg.eplb_interval_steps, budget)
 
     def _make_proposer(self, runner: ModelRunner | DriverRunner) -> DraftProposer | None:
         """The drafter the settings ask for: the checkpoint's MTP layer (sharded across the EP

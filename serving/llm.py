@@ -8,7 +8,6 @@ import torch
 
 from engine.engine import Engine, EngineConfig
 from ep.comm import Communicator
-from ep.dp import row_budget
 from runtime.platform.device import resolve_device
 from runtime.sample.sampler import SamplingParams
 from engine.sequence import RequestOutput, Sequence
@@ -88,9 +87,6 @@ class LLM:
         self.model_dir = model_dir
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               prefix_cache=prefix_cache and not dp_attention)
-        tree = self.spec.tree_shape
-        rows_per_seq = 1 + (sum(tree.counts) if tree is not None else self.spec.num_drafts)
-        ranks = ep if comm is None else comm.world_size
         self.deployment = Deployment(
             DeploymentConfig(model_dir=model_dir, dtype=dtype, ep=ep if comm is None else comm.world_size,
                              moe_a2a=moe_a2a, kv_cache_tokens=kv_cache_tokens, ep_timeout_s=ep_timeout_s,
@@ -99,8 +95,8 @@ class LLM:
                              warm_standby=warm_standby, device=str(resolved),
                              gpu_memory_utilization=gpu_memory_utilization, static_steps=static_steps,
                              kv_block_size=kv_block_size, eplb_redundant_experts=eplb_redundant_experts,
-                             eplb_interval_steps=eplb_interval_steps, dp_attention=dp_attention,
-                             dp_row_budget=row_budget(max_num_seqs, max(1, ranks), rows_per_seq)),
+                             eplb_interval_steps=eplb_interval_steps, max_num_seqs=max_num_seqs,
+                             dp_attention=dp_attention),
             self.spec, launcher, comm)
         runner = self.deployment.runner
         # Every setting this LLM runs by, resolved once (serving.settings).

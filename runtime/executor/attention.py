@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from runtime.ops import cpu_ops
 from runtime.ops import invariant_attention as ia
 from runtime.executor.kv_cache import PagedKVCache
+from runtime.model.sparse_attention import SparseStep
 
 
 NO_PARENT = -1
@@ -139,6 +140,9 @@ class StepPlan:
     rows: KernelRows | None = None
     # The attention backend that planned this step and runs its attention (`AttentionBackend`).
     backend: AttentionBackend | None = None
+    # A sparse-attention step's rows and selection (runtime.model.sparse_attention.SparseStep), built
+    # with the plan by `SparseAttention`; None for every other backend.
+    sparse: SparseStep | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -366,32 +370,23 @@ def chain_plans(cache: PagedKVCache, seq_ids: list[int], positions: list[int], s
 
 def _chain_plans(cache: PagedKVCache, seq_ids: list[int], positions: list[int], steps: int,
                  backend: AttentionBackend) -> list[StepPlan]:
-    """`AttentionBackend.chain_plans`: one context read and a few tensor ops a step."""
+    """`AttentionBackend.chain_plans`: each step's plan laid out as `_build_plan` lays one-row causal
+    chunks (`_single_plan`, `_causal_batch_plan`), over one read of the contexts at the last step."""
     device = cache.device
-    b = len(seq_ids)
     last = [p + steps - 1 for p in positions]
-    ctxs = [cache.cells(sid, 0, end + 1) for sid, end in zip(seq_ids, last)]
     plans = []
-    if b == 1:
-        ctx = ctxs[0]
+    if len(seq_ids) == 1:
+        ctx = cache.cells(seq_ids[0], 0, last[0] + 1)
         for s in range(1, steps):
             p = positions[0] + s
-            plans.append(StepPlan(positions=ctx.new_full((1,), p), cell_mapping=ctx[p:p + 1], gather=ctx[None, :p + 1],
-                                  q_index=None, valid=None, mask=None, last_rows=ctx.new_zeros(1), mask_mode="none",
-                                  backend=backend))
+            plans.append(_single_plan(SeqChunk(seq_ids[0], p, 1), ctx.new_full((1,), p), ctx[p:p + 1], ctx[:p + 1],
+                                      ctx.new_zeros(1), backend))
         return plans
-    gather = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)              # [B, K at the last step]
-    base = torch.tensor(positions, device=device)
-    seqs = torch.arange(b, device=device)
-    q_index = seqs[:, None]
-    valid = torch.ones(b, 1, dtype=torch.bool, device=device)
-    keys = torch.arange(gather.shape[1], device=device)
+    gather = cache.context_cells(seq_ids, [end + 1 for end in last])              # [B, K at the last step]
     for s in range(1, steps):
-        pos = base + s
+        chunks = [SeqChunk(sid, p + s, 1) for sid, p in zip(seq_ids, positions)]
         k_max = max(positions) + s + 1
-        mask = (keys[None, None, :k_max] <= pos[:, None, None])[:, None]             # [B, 1, 1, K]
-        plans.append(StepPlan(positions=pos, cell_mapping=gather[seqs, pos], gather=gather[:, :k_max], q_index=q_index,
-                              valid=valid, mask=mask, last_rows=seqs, backend=backend))
+        plans.append(_causal_batch_plan(chunks, gather[:, :k_max], 1, k_max, device, backend))
     return plans
 
 
@@ -442,30 +437,16 @@ class PagedAttention:
         p = self.queries if self.queries is not None else self.plan
         return p.backend.attend(self.cache, self.plan, p, layer_idx, q, k, v, scale)
 
-    def visible_keys(self, layer_idx: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def visible_keys(self, layer_idx: int, k: torch.Tensor) -> tuple[torch.Tensor, SparseStep]:
         """Sparse attention's view of this step (runtime.model.sparse_attention.SparseContext): write k
         [T, 1, W] (a latent cache's whole cell), then the layer's context keys per sequence
-        [B, K, W], each query row's sequence [R] and the keys each row may see [R, K], read off the
-        padded plan's mask (a plan without batch-invariant tiles or static-step padding)."""
+        [B, K, W] and the query plan's `SparseStep` (`SparseAttention` built it with the plan)."""
         writes = self.plan
         p = self.queries if self.queries is not None else writes
-        if p.tiles is not None or p.mask_mode == "padded":
-            raise ValueError("sparse attention reads a padded-batch plan, not batch-invariant tiles or a static step")
+        if p.sparse is None:
+            raise ValueError(f"sparse attention reads a plan of the sparse backend, not of {p.backend.name!r}")
         self.cache.write(layer_idx, writes.cell_mapping, k, k)       # a latent cache keeps k alone
-        keys = self.cache.gather(self.cache.k[layer_idx], p.gather)[:, :, 0]          # [B, K, W]
-        k_len = p.gather.shape[1]
-        if p.q_index is None:    # one sequence: a single row, a causal chunk from 0, or an explicit mask
-            rows = int(p.positions.shape[0])
-            seq = torch.zeros(rows, dtype=torch.long, device=keys.device)
-            if p.mask_mode == "none":
-                visible = torch.ones(rows, k_len, dtype=torch.bool, device=keys.device)
-            elif p.mask_mode == "causal":
-                visible = torch.ones(rows, k_len, dtype=torch.bool, device=keys.device).tril()
-            else:
-                visible = p.mask[0, 0]
-            return keys, seq, visible
-        seq, col = p.valid.nonzero(as_tuple=True)                   # sequence-major: the step's row order
-        return keys, seq, p.mask[seq, 0, col]
+        return self.cache.gather(self.cache.k[layer_idx], p.gather)[:, :, 0], p.sparse    # [B, K, W]
 
 
 class AttentionBackend:
@@ -582,6 +563,54 @@ class KernelAttention(AttentionBackend):
                         r.row_seq, r.row_start, r.row_end, r.row_anc, scale, r.max_keys)
 
 
+def sparse_rows(plan: StepPlan, chunks: list[SeqChunk]) -> SparseStep:
+    """A padded plan's `SparseStep`: each query row's sequence [R] and the keys it may see [R, K],
+    read off the plan's mask in the step's row order (sequence-major), the rows from the host's
+    chunks (no read back)."""
+    device = plan.positions.device
+    k_len = plan.gather.shape[1]
+    if plan.q_index is None:     # one sequence: a single row, a causal chunk from 0, or an explicit mask
+        rows = chunks[0].num_tokens
+        seq = torch.zeros(rows, dtype=torch.long, device=device)
+        if plan.mask_mode == "none":
+            return SparseStep(seq, torch.ones(rows, k_len, dtype=torch.bool, device=device))
+        if plan.mask_mode == "causal":
+            return SparseStep(seq, torch.ones(rows, k_len, dtype=torch.bool, device=device).tril())
+        return SparseStep(seq, plan.mask[0, 0])
+    seqs = [i for i, c in enumerate(chunks) for _ in range(c.num_tokens)]
+    cols = [j for c in chunks for j in range(c.num_tokens)]
+    seq = torch.tensor(seqs, dtype=torch.long, device=device)
+    return SparseStep(seq, plan.mask[seq, 0, torch.tensor(cols, dtype=torch.long, device=device)])
+
+
+class SparseAttention(AttentionBackend):
+    """DeepSeek sparse attention's steps (runtime.model.sparse_attention: GLM-5, DeepSeek-V3.2): the
+    plans of a padded-batch backend `base`, each with its `SparseStep` built once a step (what
+    the MLA layers' selections read, and where the step keeps them); the layers attend over
+    their selected keys themselves, a write-only forward through `base`."""
+
+    def __init__(self, base: AttentionBackend) -> None:
+        if isinstance(base, (InvariantAttention, SparseAttention)):
+            raise ValueError(f"sparse attention plans over a padded-batch backend, not {base.name!r}")
+        self.base = base
+        self.name = f"sparse over {base.name}"
+
+    def plan(self, cache: PagedKVCache, chunks: list[SeqChunk]) -> StepPlan:
+        plan = self.base.plan(cache, chunks)
+        return replace(plan, backend=self, sparse=sparse_rows(plan, chunks))
+
+    def chain_plans(self, cache: PagedKVCache, seq_ids: list[int], positions: list[int],
+                    steps: int) -> list[StepPlan]:
+        plans = self.base.chain_plans(cache, seq_ids, positions, steps)
+        return [replace(p, backend=self, sparse=sparse_rows(p, [SeqChunk(sid, pos + s, 1)
+                                                             for sid, pos in zip(seq_ids, positions)]))
+                for s, p in enumerate(plans, 1)]
+
+    def attend(self, cache: PagedKVCache, writes: StepPlan, p: StepPlan, layer_idx: int, q: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.base.attend(cache, writes, p, layer_idx, q, k, v, scale)
+
+
 class WritesOnly(AttentionBackend):
     """The backend of a writes-only plan (`writes_plan`): positions and cells, no attention."""
 
@@ -613,11 +642,17 @@ def padded_backend(device: torch.device) -> AttentionBackend:
     return NATIVE if device.type == "cpu" and cpu_ops.load() else SDPA
 
 
-def choose_attention_backend(cache: PagedKVCache, *, batch_invariant: bool = False, kernel=None) -> AttentionBackend:
+def choose_attention_backend(cache: PagedKVCache, *, batch_invariant: bool = False, kernel=None,
+                             sparse: bool = False) -> AttentionBackend:
     """Choose the attention backend of every step planned on `cache`, once: batch-invariant
     tiles, else the Triton kernel `kernel` (decode and verify rows; prefills on the padded
-    backend), else the device's padded-batch backend (`padded_backend`)."""
-    if batch_invariant:
+    backend), else the device's padded-batch backend (`padded_backend`); `sparse` (a model with
+    DeepSeek sparse attention) plans over the padded one with each step's sparse rows."""
+    if sparse:
+        if batch_invariant:
+            raise ValueError("sparse attention has no batch-invariant tiles (it reads each row's visible keys)")
+        backend = SparseAttention(padded_backend(cache.device))
+    elif batch_invariant:
         backend = invariant_backend(cache)
     elif kernel is not None:
         backend = KernelAttention(kernel, padded_backend(cache.device))

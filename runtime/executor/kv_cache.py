@@ -78,6 +78,11 @@ class LayerStates:
     attachable = True
     bytes_per_sequence = 0
 
+    def bytes_reserved(self, sequences: int, rows: int) -> int:
+        """Memory `sequences` running sequences' states take at most while each steps `rows` rows:
+        what a cache sized from free memory leaves them (`kv_tokens_for_memory`)."""
+        return 0
+
     def step(self, chunks) -> None:
         return None
 

@@ -16,7 +16,7 @@ from runtime.executor.step import choose_step_mode
 from runtime.ops.batch_invariant import set_batch_invariant
 from runtime.executor.compiled import compile_step
 from runtime.platform.device import kv_tokens_for_memory, use_device
-from runtime.executor.kv_cache import NO_LAYER_STATES, PagedKVCache
+from runtime.executor.kv_cache import NO_LAYER_STATES, LayerStates, PagedKVCache
 from runtime.model.experts import choose_experts_backends, uses_fused_experts
 from runtime.model.layers import Linear, choose_gemms
 from runtime.model.linear_attention import RecurrentStates
@@ -36,6 +36,14 @@ def kv_bytes_per_token(model: CausalLM) -> int:
     layout = model.cache_layout()
     planes = 1 if layout["latent_dim"] is not None else 2
     return cache_layers(model) * layout["num_kv_heads"] * layout["head_dim"] * planes * model.dtype.itemsize
+
+
+def choose_layer_states(model: CausalLM) -> LayerStates:
+    """The layer-state backend of `model`'s cache: a hybrid model's conv and recurrent states (the
+    heads this rank holds; freed with each sequence's blocks), else nothing."""
+    if model.config.linear_layers:
+        return RecurrentStates.for_model(model, dtype=model.dtype, device=model.device)
+    return NO_LAYER_STATES
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +100,6 @@ class ModelRunner:
         # Linear-attention layers (runtime.model.linear_attention) run eager over a recurrent state per
         # sequence: no compiled, static or captured step for them.
         sparse = model.sparse is not None
-        hybrid = bool(cfg.linear_layers)
         self.plan_tiles = self.batch_invariant and not sparse
         self.compiled = st.compiled
         # The step's graphs and guards are this model's own (runtime.executor.compiled). No size and stride
@@ -118,17 +125,21 @@ class ModelRunner:
         self.config = cfg
         self.device = model.device
         use_device(self.device)   # streams, graphs and kernels that name no device go to the model's GPU
+        # The layer-state backend (chosen here once), sized into the memory budget below.
+        self.states = choose_layer_states(model)
         if st.gpu_memory_utilization is not None:
-            kv_cache_tokens = kv_tokens_for_memory(self.device, st.gpu_memory_utilization, kv_bytes_per_token(model))
+            kv_cache_tokens = kv_tokens_for_memory(self.device, st.gpu_memory_utilization, kv_bytes_per_token(model),
+                                                   self.states.bytes_reserved(st.max_num_seqs, st.max_rows_per_seq))
         num_blocks = max(1, kv_cache_tokens // block_size)
         self.cache = PagedKVCache(num_layers=cache_layers(model), num_blocks=num_blocks, block_size=block_size,
                                   dtype=model.dtype, device=self.device, **model.cache_layout())
         kernel = None
-        if st.attention_kernel and not self.plan_tiles:
+        if st.attention_kernel and not self.plan_tiles and not sparse:
             from runtime.ops.kernels.paged_attention import paged_attention as kernel
         # Every step planned on this cache (the target's, and the drafter's on its plane) attends
         # through this backend, chosen here once.
-        self.attention = choose_attention_backend(self.cache, batch_invariant=self.plan_tiles, kernel=kernel)
+        self.attention = choose_attention_backend(self.cache, batch_invariant=self.plan_tiles, kernel=kernel,
+                                                  sparse=sparse)
         # Batch-invariant attention through the native op in place (not the tiles): the one-row
         # compiled step needs no two copies of its row then (`forward`).
         self.plan_native = self.attention is NATIVE_INVARIANT
@@ -141,11 +152,6 @@ class ModelRunner:
                                      row_twice=self.batch_invariant and not self.plan_native, options=options)
         # How every step's rows are drawn (the engine's and the verifier's), chosen here once.
         self.sampler = choose_sampler(self.device, st.sampling_kernel)
-        # The conv and recurrent states of the linear-attention layers, freed with each sequence's blocks.
-        # The layer-state backend: a hybrid model's recurrent states (the heads this rank holds), else
-        # nothing (chosen here once).
-        self.states = (RecurrentStates.for_model(model, dtype=model.dtype, device=self.device) if hybrid
-                       else NO_LAYER_STATES)
         self.cache.states = self.states
         self.graphs: StepGraphs | None = None
         if st.static_steps:

@@ -23,7 +23,9 @@ class StepSettings:
     """How a runner's steps run.
 
     `kv_cache_tokens` / `block_size`: the paged cache; `gpu_memory_utilization` (CUDA only) sizes it
-    from the GPU's free memory after the weights instead (runtime.platform.device.kv_tokens_for_memory).
+    from the GPU's free memory after the weights instead (runtime.platform.device.kv_tokens_for_memory),
+    leaving room for the layer states of `max_num_seqs` sequences stepping `max_rows_per_seq` rows
+    each (a verify's 1 + drafts, a tree's nodes; `LayerStates.bytes_reserved`).
     `compiled`: the target (and drafter) forward through `torch.compile`; float64, sparse attention
     and linear-attention layers run eager whatever is asked.
     `batch_invariant`: every row's result independent of the other rows of its step
@@ -37,6 +39,8 @@ class StepSettings:
     kv_cache_tokens: int = 32768
     block_size: int = 16
     gpu_memory_utilization: float | None = None
+    max_num_seqs: int = 64
+    max_rows_per_seq: int = 1
     compiled: bool = False
     batch_invariant: bool | None = None
     static_steps: bool | None = False

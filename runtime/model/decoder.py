@@ -12,7 +12,7 @@ from runtime.model.config import ModelConfig
 from runtime.model.layers import MLP, Attention, AttentionContext, KVWriter, MoE, make_norm
 from runtime.model.linear_attention import GatedDeltaNet
 from runtime.model.mla import MLAttention
-from runtime.model.sparse_attention import DsaSelection
+from runtime.model.sparse_attention import DsaSelection, SparseStep
 
 
 class DecoderLayer(nn.Module):
@@ -53,16 +53,20 @@ class RowTwice:
 
     def __init__(self, ctx: AttentionContext) -> None:
         self.ctx = ctx
+        self.sparse: SparseStep | None = None   # the step's sparse rows, as two copies of its row
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         out = self.ctx.attend(layer_idx, q[:1], k[:1], v[:1], scale)
         return out.expand(2, *out.shape[1:])
 
-    def visible_keys(self, layer_idx: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sparse attention's view (runtime.model.sparse_attention): the first row's, for both copies."""
-        keys, seq, visible = self.ctx.visible_keys(layer_idx, k[:1])
-        return keys, seq.expand(2), visible.expand(2, -1)
+    def visible_keys(self, layer_idx: int, k: torch.Tensor) -> tuple[torch.Tensor, SparseStep]:
+        """Sparse attention's view (runtime.model.sparse_attention): the first row's, for both
+        copies (one `SparseStep` for the whole step, so its selection reaches the shared layers)."""
+        keys, step = self.ctx.visible_keys(layer_idx, k[:1])
+        if self.sparse is None:
+            self.sparse = SparseStep(step.seq.expand(2), step.visible.expand(2, -1))
+        return keys, self.sparse
 
 
 def bind_rows_twice(module: nn.Module, on: bool) -> None:

@@ -176,6 +176,16 @@ class RecurrentStates:
         return (conv[0] * conv[1] * conv[2] * self.dtype.itemsize
                 + rec[0] * rec[1] * rec[2] * rec[3] * self.state_dtype.itemsize)
 
+    def bytes_reserved(self, sequences: int, rows: int) -> int:
+        """`LayerStates.bytes_reserved`: each sequence's states, and the snapshots a step of `rows`
+        rows keeps for a rewind (`StepStates`: the conv window and a recurrent state before and
+        after each row, every state row)."""
+        n = max(1, min(rows, SNAPSHOT_ROWS))
+        conv, rec = self.conv_shape, self.rec_shape
+        window = conv[0] * conv[1] * (conv[2] + n) * self.dtype.itemsize
+        every = (n + 1) * rec[0] * rec[1] * rec[2] * rec[3] * self.state_dtype.itemsize
+        return sequences * (self.bytes_per_sequence + window + every)
+
     def length(self, seq_id: int) -> int:
         """Tokens the states of `seq_id` have taken in (0 when it holds none)."""
         return self.lengths.get(seq_id, 0)

@@ -12,14 +12,18 @@ residual, ni heads) scores every key the row may see, relu(q . k) / sqrt(Di) wei
 `weights_proj`, and the row attends to its `index_topk` best (all of them when it sees fewer).
 A "shared" layer reuses the selection of the full layer before it (`DsaSelection.last`).
 
-The context a layer attends through gives, per query row, the cells of the keys it may see
-(`SparseContext.visible_keys`: prefill causal, decode, chain and tree verify rows, a tree row's
-ancestors and not its siblings, exactly the visibility of the dense plan); the selection is that
-visibility narrowed to the top-k, and attention is the absorbed MLA over the selected keys.
+The context a layer attends through gives the layer's context keys and the step's `SparseStep`:
+per query row the keys it may see (prefill causal, decode, chain and tree verify rows, a tree
+row's ancestors and not its siblings, exactly the visibility of the dense plan), built once with
+the step's plan (runtime.executor.attention.SparseAttention), and the step's selection. The
+selection is that visibility narrowed to the top-k, made by each full layer and kept in the
+step for the shared layers after it (nothing of a step stays in the model); attention is the
+absorbed MLA over the selected keys.
 Scores follow transformers (`GlmMoeDsaIndexer`): computed in float32, whatever the model dtype.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -31,13 +35,24 @@ from runtime.model.layers import Linear
 from runtime.model.rotary import apply_rotary
 
 
+@dataclass(slots=True)
+class SparseStep:
+    """What sparse attention reads of one step besides the keys: each query row's sequence `seq`
+    [R] and the keys it may see `visible` [R, K] (bool), built with the step's plan; and the
+    selection the last full indexer layer made this step (`chosen`, `DsaSelection.select`'s
+    answer, by layer `chosen_by`; -1 before any), which the shared layers after it read."""
+    seq: torch.Tensor
+    visible: torch.Tensor
+    chosen: tuple[torch.Tensor, torch.Tensor] | None = None
+    chosen_by: int = -1
+
+
 class SparseContext(Protocol):
     """What sparse attention needs of an attention context (runtime.executor.attention.PagedAttention)."""
 
-    def visible_keys(self, layer_idx: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def visible_keys(self, layer_idx: int, k: torch.Tensor) -> tuple[torch.Tensor, SparseStep]:
         """Write this step's keys k [T, 1, W] into cache layer `layer_idx`, then return that layer's
-        context keys per sequence [B, K, W], each query row's sequence [R] and the keys each row
-        may see [R, K] (bool)."""
+        context keys per sequence [B, K, W] and the step's `SparseStep`."""
         ...
 
 
@@ -74,15 +89,13 @@ class Indexer(nn.Module):
 
 class DsaSelection:
     """The model's sparse attention, chosen once at build (`CausalLM`) and handed to every MLA
-    layer: the top-k selection, the last full layer's selection for the shared layers after it,
-    and attention over the selected keys. Holds no weights (each layer's `Indexer` does)."""
+    layer: the top-k selection and attention over the selected keys. Holds no weights (each
+    layer's `Indexer` does) and nothing of a step (the step's `SparseStep` does)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.topk = cfg.index_topk
         self.key_dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim    # the MLA key; the indexer key follows
         self.index_dim = cfg.index_head_dim
-        # The last full layer's selection (`select`'s answer) and the visibility shape it was for.
-        self.last: tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Size] | None = None
 
     def cache_key(self, key: torch.Tensor, index_key: torch.Tensor | None) -> torch.Tensor:
         """An MLA key [T, 1, C + Dr] and its indexer key [T, Di] (None on a shared layer: zeros,
@@ -111,13 +124,15 @@ class DsaSelection:
         visible key under the mask."""
         if not hasattr(ctx, "visible_keys"):
             raise TypeError(f"sparse attention needs a paged attention context, not {type(ctx).__name__}")
-        keys, seq, visible = ctx.visible_keys(layer_idx, key)                  # [B, K, W], [R], [R, K]
+        keys, step = ctx.visible_keys(layer_idx, key)                          # [B, K, W]
+        seq, visible = step.seq, step.visible                                   # [R], [R, K]
         if indexer is not None:
             scores = indexer.scores(q_resid, x, rope, keys[..., self.key_dim:], seq)
-            self.last = (self.select(scores, visible), visible.shape)
-        elif self.last is None or self.last[1] != visible.shape:
-            raise RuntimeError(f"layer {layer_idx} shares the selection of a full indexer layer before it; none ran")
-        chosen = self.last[0]
+            step.chosen, step.chosen_by = self.select(scores, visible), layer_idx
+        elif not 0 <= step.chosen_by < layer_idx:
+            raise RuntimeError(f"layer {layer_idx} shares the selection of a full indexer layer before it; "
+                               "none ran this step")
+        chosen = step.chosen
         mla_keys = keys[..., :self.key_dim].to(q.dtype)
         if chosen is None:     # every visible key
             sel, ok = (mla_keys[0] if mla_keys.shape[0] == 1 else mla_keys[seq]), visible

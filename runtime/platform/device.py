@@ -65,34 +65,36 @@ KEEP_BACK_MIN_BYTES = 1 << 30
 KEEP_BACK_SHARE = 0.05
 
 
-def kv_tokens_for_memory(device: torch.device, utilization: float, bytes_per_token: int) -> int:
+def kv_tokens_for_memory(device: torch.device, utilization: float, bytes_per_token: int, reserved: int = 0) -> int:
     """KV cache tokens that fit in `utilization` of the GPU's total memory, counting what this
     process and others already hold (weights first: call after loading them), as vLLM's
-    `--gpu-memory-utilization`. Raises ValueError when nothing is left for the cache."""
+    `--gpu-memory-utilization`, less `reserved` bytes (the running sequences' layer states,
+    `LayerStates.bytes_reserved`). Raises ValueError when nothing is left for the cache."""
     if device.type != "cuda":
         raise ValueError(f"--gpu-memory-utilization sizes a CUDA cache; the {device} cache is sized by "
                          "--kv-cache-tokens")
     free, total = torch.cuda.mem_get_info(device)
     cached_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return kv_tokens_from(free, total, cached_free, utilization, bytes_per_token, str(device))
+    return kv_tokens_from(free, total, cached_free, utilization, bytes_per_token, str(device), reserved)
 
 
 def kv_tokens_from(free: int, total: int, cached_free: int, utilization: float, bytes_per_token: int,
-                   where: str = "cuda") -> int:
+                   where: str = "cuda", reserved: int = 0) -> int:
     """`kv_tokens_for_memory` from the numbers: `free` and `total` as the driver reports them,
     `cached_free` what this process's allocator holds but does not use (free to the cache, though
     the driver counts it used), less a keep-back for activations, graph pools and workspaces
-    (`KEEP_BACK_MIN_BYTES`, `KEEP_BACK_SHARE`)."""
+    (`KEEP_BACK_MIN_BYTES`, `KEEP_BACK_SHARE`) and the `reserved` bytes of layer states."""
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"--gpu-memory-utilization {utilization} must be in (0, 1]")
     used = total - free - max(0, cached_free)
     keep = max(KEEP_BACK_MIN_BYTES, int(KEEP_BACK_SHARE * total))
-    budget = int(total * utilization) - used - keep
+    budget = int(total * utilization) - used - keep - reserved
     tokens = budget // max(1, bytes_per_token)
     if tokens < 1:
+        states = f", {reserved / 2**30:.1f} GiB for the running sequences' layer states" if reserved else ""
         raise ValueError(f"--gpu-memory-utilization {utilization}: {used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB "
-                         f"on {where} are in use and {keep / 2**30:.1f} GiB are kept for activations and graphs; "
-                         "nothing is left for the KV cache")
+                         f"on {where} are in use and {keep / 2**30:.1f} GiB are kept for activations and graphs"
+                         f"{states}; nothing is left for the KV cache")
     return int(tokens)
 
 

@@ -33,9 +33,6 @@ def run_cli(*args: object) -> subprocess.CompletedProcess:
                           env=run_env(), capture_output=True, text=True, timeout=120, check=False)
 
 
-@pytest.mark.xfail(strict=True, reason="the roofline predicts 1.42x SGLang's 22,282 tok/s a node (comm-bound, "
-                   "~64 ms a step against their ~92 ms); on DeepSeek's own balanced-routing decode profile it is "
-                   "1.40x too, so the gap is what a roofline leaves out, not the imbalance input (docs/design.md 4.1)")
 def test_sglang_96_h100_decode_is_reproduced_within_25_percent():
     rep = sim.reproduce_sglang()
     theirs = rep["sglang_layout"]
@@ -45,15 +42,50 @@ def test_sglang_96_h100_decode_is_reproduced_within_25_percent():
     assert 0.75 <= rep["ratio"] <= 1.25, rep["ratio"]
 
 
-def test_sglang_prediction_is_a_bound_and_beats_todays_layout_on_one_node():
-    """A roofline never predicts less than a real system measured (SGLang's run, DeepSeek's profile);
-    and the same model on one 8-GPU node with today's tensor-parallel attention serves several times
-    fewer tokens a node."""
+def test_todays_layout_on_one_node_serves_several_times_fewer_tokens():
+    """The same model on one 8-GPU node with today's tensor-parallel attention: on H100 its weights do
+    not fit; the best fitting H200 point serves several times fewer tokens a node than SGLang's layout
+    (SGLang measured 5.2x over their TP16 baseline)."""
     rep = sim.reproduce_sglang()
-    assert 1.0 <= rep["ratio"] <= 2.0, rep["ratio"]
-    assert all(1.0 <= r <= 2.0 for r in rep["deepseek_profile_ratios"]), rep["deepseek_profile_ratios"]
+    assert not any(r["fits"] for r in rep["today_tp_attention_ep8"] if r["hw"] == "h100")
     best_today = max(r["tok_s_per_node"] for r in rep["today_tp_attention_ep8"] if r["fits"])
     assert rep["sglang_layout"]["tok_s_per_node"] > 3 * best_today
+
+
+def test_two_batch_overlap_loses_at_32_and_gains_at_256_as_sglang_measured():
+    """SGLang measured -27% at 32 sequences a GPU, a gain from between 64 and 128 on, +25.5% at 256:
+    DeepSeek's schedule hides each exchange only under the other micro-batch's attention (and its own
+    shared expert), which small batches do not fill, while each half batch reads the weights again."""
+    gains = {g["batch"]: g["predicted"] for g in sim.reproduce_sglang()["overlap_gains"]}
+    assert gains[32] < 1.0 < gains[256]
+    model, hw, layout = MODELS["deepseek-v3"], HARDWARE["h100"], sim.SGLANG_96_H100["layout"]
+    at = {b: sim.simulate(model, hw, replace(layout, batch=b))["tok_s_per_node"]
+          / sim.simulate(model, hw, replace(layout, batch=b, overlap=False))["tok_s_per_node"] for b in (64, 128)}
+    assert at[64] < 1.0 < at[128], at
+
+
+def test_exchange_matches_deepeps_published_low_latency_table():
+    """The exchange model (the bytes over the NIC plus one floor, the floor taken from the EP 64 row)
+    against the other rows of DeepEP's table: 128 tokens a rank, hidden 7168, top-8, within 15%
+    where the bytes cross RDMA (EP 16 to 256)."""
+    for ep, published in sim.DEEPEP_LOW_LATENCY_US.items():
+        if ep < 16:
+            continue
+        layout = sim.Layout(ep=ep, batch=128, context=1, dp_attention=True)
+        got = sim.exchange_us(HARDWARE["h100"], layout, 128, 7168, 8)
+        for phase, us in zip(("dispatch", "combine"), published):
+            assert 0.85 <= got[phase] / us <= 1.15, (ep, phase, got[phase], us)
+
+
+def test_overlap_hides_an_exchange_only_under_the_compute_the_schedule_puts_there():
+    cost = sim.ep_cost.Cost
+    group = [cost("proj", 1.0, "weights", "attn0"), cost("core", 3.0, "compute", "attn1"),
+             cost("shared", 0.5, "weights", "shared"), cost("experts", 4.0, "compute", "experts"),
+             cost("dispatch", 2.0, "comm", "dispatch"), cost("combine", 2.5, "comm", "combine")]
+    # dispatch 2.0 under shared + attn0 (1.5): 0.5 waits; combine 2.5 under attn1 (3.0): hidden;
+    # the routed experts (4.0) hide nothing.
+    assert sim.ep_cost._exposed_comm(group, overlap=True) == pytest.approx(0.5)
+    assert sim.ep_cost._exposed_comm(group, overlap=False) == pytest.approx(4.5)
 
 
 def test_more_hbm_bandwidth_is_never_slower():
@@ -146,7 +178,8 @@ def test_bad_inputs_give_one_line_errors():
                         (("--ep", 72, "--dp-attention"), ("EP 72 does not divide", "--eplb")),
                         (("--ep", 64, "--eplb", 7), ("263 expert slots",)),
                         (("--mtp", 2, "--accept", "0.8,0.7,0.6"), ("--mtp 2 needs 2",)),
-                        (("--load", 0.5), ("--load 0.5", "at least 1"))):
+                        (("--load", 0.5), ("--load 0.5", "at least 1")),
+                        (("--overlap",), ("--overlap", "--dp-attention"))):
         proc = run_cli(*args)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         last = proc.stderr.strip().splitlines()[-1]
@@ -181,3 +214,23 @@ def test_record_writes_the_embedded_models_decode_routing(tmp_path):
     assert trace.steps.shape[0] == 5 and trace.steps.shape[1] >= 3
     # a decode step routes each running sequence's one row to top_k experts
     assert set(trace.steps.sum(axis=2).ravel().tolist()) <= {2.0, 4.0}
+
+
+def test_grid_crosses_eplb_overlap_and_mtp_and_its_summary_names_the_limit():
+    layouts = sim.grid_layouts(72)
+    # today's, EPLB x overlap x (no MTP, one draft at three acceptances), and two drafts at the embedded model's
+    assert len(layouts) == 1 + 2 * 2 * 4 + 1
+    assert {(v.eplb, v.overlap, v.mtp) for k, v in layouts.items() if k.startswith("dp")} == {
+        (e, o, m) for e in (None, 32) for o in (False, True) for m in (0, 1)} | {(32, True, 2)}
+    assert layouts["dp+eplb+tbo+mtp2 embedded"].tokens_per_seq_step == pytest.approx(2.403)
+    rows = []
+    for label in ("today tp-attn b32", "dp", "dp+eplb+tbo+mtp1 a0.85"):
+        try:
+            rows.append({"layout": label, **sim.run(MODELS["deepseek-v3"], HARDWARE["h200"], layouts[label])})
+        except ValueError as exc:
+            rows.append({"layout": label, "model": "deepseek-v3", "hw": "h200", "ep": 72, "refused": str(exc)})
+    table = sim.summary_markdown(rows).splitlines()
+    assert len(table) == 3 and table[2].startswith("| deepseek-v3 | H200 | 72 | 1.8k* | - | ")
+    full = rows[2]
+    assert full["limit"] == "network" and f"imbalance +{full['imbalance_ms']:.1f}" in table[2]
+    assert full["step_ms"] == pytest.approx(sum(full["ms_by_limit"].values()), rel=1e-3)

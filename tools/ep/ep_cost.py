@@ -15,10 +15,16 @@ and RDMA (other nodes). Layouts:
   attention and after the experts.
 Routed-expert compute and the exchange scale with the max/mean rank load measured on a routing
 trace (`tools/ep/ep_balance.py`), with EPLB's placement when `Layout.eplb` is set. Two-batch overlap
-runs two half batches, each reading the weights, and hides min(compute, communication) inside each
-layer. With MTP a step verifies K drafts a sequence and runs K drafter passes (one decoder layer and
-the LM head); tokens a step = 1 + the sum of the running products of per-position acceptance.
-Not modelled: norms, rotary, activation quantisation and other small kernels, launch gaps.
+(DP attention only) runs two half batches, each reading the weights, in DeepSeek's decode schedule
+(`STAGES`): one micro-batch's dispatch runs under its shared expert and the other's attention
+projections, its combine under the other's core attention and output projection; what an exchange
+takes beyond that compute stalls the step (`exposed_comm_ms`). The step is split by what limits it
+(`ms_by_limit`: compute-bound terms, HBM-bound terms, exposed network time) and `run` adds the time
+the expert-load imbalance costs against max/mean 1. With MTP a step verifies K drafts a sequence
+and runs K drafter passes (one decoder layer and the LM head); tokens a step = 1 + the sum of the
+running products of per-position acceptance.
+Not modelled: norms, rotary, activation quantisation and other small kernels, launch gaps, the
+send/receive part of an exchange occupying SMs, an exchange slower inside a full step than alone.
 """
 from __future__ import annotations
 
@@ -72,6 +78,12 @@ def _deepep_floor_s() -> float:
 
 COLLECTIVE_FLOOR_S = _deepep_floor_s()
 
+# The whole of that table (same README, "Low-latency kernels with pure RDMA"): EP size -> (dispatch us,
+# combine us) at 128 tokens a rank. Only the EP 64 row sets the floor above; the others check the
+# exchange model (tests/tools/test_ep_sim.py).
+DEEPEP_LOW_LATENCY_US = {8: (77, 114), 16: (118, 195), 32: (155, 273), 64: (173, 314), 128: (192, 369),
+                         256: (194, 360)}
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Layout:
@@ -107,10 +119,22 @@ class Layout:
 
 @dataclass(frozen=True, slots=True)
 class Cost:
-    """One term of a step on the busiest rank: its time and what bounds it."""
+    """One term of a step on the busiest rank: its time, what bounds it, and where it sits in
+    DeepSeek's two-micro-batch decode schedule (`STAGES`)."""
     name: str
     seconds: float
     bound: str          # weights, kv, compute, comm, latency
+    stage: str = ""
+
+
+# DeepSeek's decode schedule with two micro-batches (github.com/deepseek-ai/profile-data README and
+# assets/decode.jpg; SGLang's `_compute_moe_deepseek_blog_decode` in python/sglang/srt/operations_strategy.py
+# runs the same order): per MoE layer one micro-batch's DISPATCH runs under its own SHARED expert and
+# the other's ATTN-0 (MLA down/up projections, before core attention), its COMBINE under the other's
+# ATTN-1 (core attention, output projection, routing gate); the routed experts (MLP) run between its
+# own dispatch and combine and hide nothing. An exchange longer than the compute it runs under stalls
+# the stream for the difference.
+STAGES = ("attn0", "attn1", "shared", "experts", "dispatch", "combine")
 
 
 def check(model: ModelShape, layout: Layout) -> None:
@@ -122,6 +146,9 @@ def check(model: ModelShape, layout: Layout) -> None:
                          f"per rank: pick --eplb R with ({model.num_experts} + R) % {layout.ep} == 0")
     if layout.eplb is not None and slots % layout.ep:
         raise ValueError(f"--eplb {layout.eplb}: {slots} expert slots do not split evenly over EP {layout.ep}")
+    if layout.overlap and not layout.dp_attention:
+        raise ValueError("--overlap models DeepSeek's two-micro-batch schedule of the all-to-all exchange: "
+                         "it needs --dp-attention (today's all-reduce layout has no such schedule)")
     if layout.ep > layout.gpus_per_node and layout.ep % layout.gpus_per_node:
         raise ValueError(f"EP {layout.ep} is not a whole number of {layout.gpus_per_node}-GPU nodes")
 
@@ -138,23 +165,44 @@ def _grouped_flops_fraction(rows_per_expert: float) -> float:
 
 def _roof(name: str, hw: Hardware, layout: Layout, *, weight_bytes: float = 0.0, kv_bytes: float = 0.0,
           act_bytes: float = 0.0, flops: float = 0.0, fp8: bool = True, attention: bool = False,
-          flops_fraction: float | None = None) -> Cost:
+          flops_fraction: float | None = None, stage: str = "") -> Cost:
     e = {k: 1.0 for k in EFFICIENCY} if layout.peak else EFFICIENCY
     hbm = hw.hbm_bytes_s * (e["attn_hbm"] if attention else e["gemm_hbm"])
     frac = 1.0 if layout.peak else (flops_fraction or (e["attn_flops"] if attention else e["gemm_flops"]))
     peak = (hw.fp8_flops if fp8 else hw.bf16_flops) * frac
     t_mem, t_math = (weight_bytes + kv_bytes + act_bytes) / hbm, flops / peak
     bound = "compute" if t_math >= t_mem else ("kv" if kv_bytes > weight_bytes else "weights")
-    return Cost(name, max(t_mem, t_math), bound)
+    return Cost(name, max(t_mem, t_math), bound, stage)
 
 
-def _collective(name: str, hw: Hardware, layout: Layout, *, nvlink_bytes: float, rdma_bytes: float) -> list[Cost]:
+def _collective(name: str, hw: Hardware, layout: Layout, *, nvlink_bytes: float, rdma_bytes: float,
+                stage: str = "") -> list[Cost]:
     """Bytes over NVLink and RDMA (whichever takes longer) plus the per-collective floor; none at EP 1."""
     if layout.ep == 1:
         return []
     nvl = hw.nvlink_bytes_s * (1.0 if layout.peak else EFFICIENCY["nvlink"])
-    return [Cost(name, max(nvlink_bytes / nvl, rdma_bytes / hw.rdma_bytes_s), "comm"),
-            Cost(name + " floor", COLLECTIVE_FLOOR_S, "latency")]
+    return [Cost(name, max(nvlink_bytes / nvl, rdma_bytes / hw.rdma_bytes_s), "comm", stage),
+            Cost(name + " floor", COLLECTIVE_FLOOR_S, "latency", stage)]
+
+
+def exchange_us(hw: Hardware, layout: Layout, rows: float, hidden: int, top_k: int, load: float = 1.0) -> dict:
+    """The modelled dispatch and combine of `rows` rows a rank, in us (floor included)."""
+    out = {}
+    for phase in ("dispatch", "combine"):
+        terms = [c for c in _exchange(hw, layout, rows, hidden, top_k, load) if c.stage == phase]
+        out[phase] = sum(c.seconds for c in terms) * 1e6
+    return out
+
+
+def _exchange(hw: Hardware, layout: Layout, rows: float, hidden: int, top_k: int, load: float) -> list[Cost]:
+    """DeepEP's low-latency dispatch (FP8) and combine (BF16) of `rows` rows a rank: the busiest rank
+    receives (dispatch) and sends (combine) `load` times the mean; NVLink inside the node, RDMA across."""
+    remote = 1 - min(layout.gpus_per_node, layout.ep) / layout.ep
+    out = []
+    for phase, sent in alltoall_bytes(rows, hidden, top_k).items():
+        out += _collective(f"a2a {phase}", hw, layout, nvlink_bytes=sent * load * (1 - remote),
+                           rdma_bytes=sent * load * remote, stage=phase)
+    return out
 
 
 def alltoall_bytes(rows: float, hidden: int, top_k: int) -> dict[str, float]:
@@ -179,41 +227,48 @@ def _allreduce(name: str, hw: Hardware, layout: Layout, rows: float, hidden: int
 
 
 def _attention(model: ModelShape, hw: Hardware, layout: Layout, rows: float, seqs: float, kind: str) -> list[Cost]:
-    """The layer's token mixer on one rank: projections, then the read of the cache (or state)."""
+    """The layer's token mixer on one rank: the projections before the core (stage attn0), then the
+    read of the cache (or state) and the output projections (attn1)."""
     split = 1 if layout.dp_attention else layout.ep
     a, ctx = model.attention, layout.context
+
+    def proj(name: str, params: float, stage: str) -> Cost:
+        return _roof(name, hw, layout, weight_bytes=params * model.weight_bytes, flops=2 * rows * params, stage=stage)
+
     if kind == "mla":
-        replicated = model.hidden * (a.q_lora + a.kv_lora + a.qk_rope)                 # q_a, kv_a
         heads = a.heads / split
-        per_head = a.q_lora * (a.qk_nope + a.qk_rope) + a.kv_lora * (a.qk_nope + a.v_head) + a.v_head * model.hidden
-        params = replicated + heads * per_head
+        # q_a, kv_a (replicated), q_b and the absorbed key up-projection; then value up- and output projection
+        down_up = model.hidden * (a.q_lora + a.kv_lora + a.qk_rope) + heads * (a.q_lora * (a.qk_nope + a.qk_rope)
+                                                                                + a.kv_lora * a.qk_nope)
+        out_proj = heads * (a.kv_lora * a.v_head + a.v_head * model.hidden)
         attended = min(ctx, a.index_topk) if a.index_topk else ctx
         kv = seqs * attended * (a.kv_lora + a.qk_rope) * layout.kv_bytes
         flops = rows * attended * 2 * heads * (2 * a.kv_lora + a.qk_rope)
-        out = [_roof("attn proj", hw, layout, weight_bytes=params * model.weight_bytes, flops=2 * rows * params),
-               _roof("attn core", hw, layout, kv_bytes=kv, flops=flops, fp8=False, attention=True)]
+        out = [proj("attn down/up proj", down_up, "attn0"),
+               _roof("attn core", hw, layout, kv_bytes=kv, flops=flops, fp8=False, attention=True, stage="attn1"),
+               proj("attn out proj", out_proj, "attn1")]
         if a.index_topk:   # DeepSeek sparse attention's indexer: FP8 keys of every cached token
             idx_params = a.q_lora * a.index_heads * a.index_dim + model.hidden * (a.index_dim + a.index_heads)
             out.append(_roof("indexer", hw, layout, weight_bytes=idx_params * model.weight_bytes,
                              kv_bytes=seqs * ctx * (a.index_dim + 4),
-                             flops=2 * rows * (idx_params + ctx * a.index_heads * a.index_dim)))
+                             flops=2 * rows * (idx_params + ctx * a.index_heads * a.index_dim), stage="attn0"))
         return out
     if kind == "gqa":
         heads, kv_heads = a.heads / split, max(1.0, a.kv_heads / split)
-        params = model.hidden * a.head_dim * (heads * (2 if a.gated else 1) + 2 * kv_heads + heads)
         kv = seqs * ctx * 2 * kv_heads * a.head_dim * layout.kv_bytes
-        return [_roof("attn proj", hw, layout, weight_bytes=params * model.weight_bytes, flops=2 * rows * params),
+        return [proj("attn qkv proj", model.hidden * a.head_dim * (heads * (2 if a.gated else 1) + 2 * kv_heads),
+                     "attn0"),
                 _roof("attn core", hw, layout, kv_bytes=kv, flops=rows * ctx * 4 * heads * a.head_dim, fp8=False,
-                      attention=True)]
+                      attention=True, stage="attn1"),
+                proj("attn out proj", model.hidden * a.head_dim * heads, "attn1")]
     # Gated DeltaNet: a fixed-size recurrent state per sequence, read and written every step.
     v_heads, k_heads = a.linear_v_heads / split, a.linear_k_heads / split
-    params = model.hidden * (2 * k_heads * a.linear_k_dim + 2 * v_heads * a.linear_v_dim + 2 * v_heads) \
-        + v_heads * a.linear_v_dim * model.hidden
     state = seqs * v_heads * a.linear_k_dim * a.linear_v_dim * 2 * 2
-    return [_roof("linear proj", hw, layout, weight_bytes=params * model.weight_bytes, flops=2 * rows * params),
+    return [proj("linear in proj", model.hidden * (2 * k_heads * a.linear_k_dim + 2 * v_heads * a.linear_v_dim
+                                                   + 2 * v_heads), "attn0"),
             _roof("linear state", hw, layout, kv_bytes=state,
-                  flops=rows * 6 * v_heads * a.linear_k_dim * a.linear_v_dim,
-                  fp8=False, attention=True)]
+                  flops=rows * 6 * v_heads * a.linear_k_dim * a.linear_v_dim, fp8=False, attention=True, stage="attn1"),
+            proj("linear out proj", v_heads * a.linear_v_dim * model.hidden, "attn1")]
 
 
 def _experts(model: ModelShape, hw: Hardware, layout: Layout, rows: float, load: float) -> list[Cost]:
@@ -228,21 +283,17 @@ def _experts(model: ModelShape, hw: Hardware, layout: Layout, rows: float, load:
     busiest = mean_rows * load
     out = [_roof("routed experts", hw, layout, weight_bytes=touched * e_params * model.weight_bytes,
                  act_bytes=busiest * model.hidden * 3, flops=2 * busiest * e_params,
-                 flops_fraction=_grouped_flops_fraction(busiest / local))]
+                 flops_fraction=_grouped_flops_fraction(busiest / local), stage="experts")]
     if model.shared_intermediate:
         s_params = 3 * model.hidden * model.shared_intermediate
         out.append(_roof("shared expert", hw, layout, weight_bytes=s_params * model.weight_bytes,
-                         flops=2 * rows * s_params))
+                         flops=2 * rows * s_params, stage="shared"))
     router = model.hidden * model.num_experts
-    out.append(_roof("router", hw, layout, weight_bytes=router * 2, flops=2 * rows * router, fp8=False))
+    out.append(_roof("router", hw, layout, weight_bytes=router * 2, flops=2 * rows * router, fp8=False,
+                     stage="attn1"))
     if not layout.dp_attention:
         return out + _allreduce("expert all-reduce", hw, layout, rows, model.hidden)
-    remote = 1 - min(layout.gpus_per_node, layout.ep) / layout.ep
-    for phase, sent in alltoall_bytes(rows, model.hidden, model.top_k).items():
-        busiest_bytes = sent * load      # the busiest rank receives (dispatch) and sends (combine) the most
-        out += _collective(f"a2a {phase}", hw, layout, nvlink_bytes=busiest_bytes * (1 - remote),
-                           rdma_bytes=busiest_bytes * remote)
-    return out
+    return out + _exchange(hw, layout, rows, model.hidden, model.top_k, load)
 
 
 def _layer(model: ModelShape, hw: Hardware, layout: Layout, rows: float, seqs: float, kind: str, moe: bool,
@@ -281,13 +332,15 @@ def _is_comm(c: Cost) -> bool:
     return c.bound in ("comm", "latency")
 
 
-def _group_seconds(group: list[Cost], overlap: bool) -> float:
-    """A layer's time: its compute and its communication, less what two-batch overlap hides
-    (min of the two: one micro-batch's exchange runs under the other's compute, inside the layer,
-    since the next layer needs this one's output)."""
-    compute = sum(c.seconds for c in group if not _is_comm(c))
-    comm = sum(c.seconds for c in group if _is_comm(c))
-    return compute + comm - (min(compute, comm) if overlap else 0.0)
+def _exposed_comm(group: list[Cost], overlap: bool) -> float:
+    """The communication of a layer (both micro-batches) that the stream waits for: all of it
+    without overlap; with it, what each exchange phase takes beyond the compute `STAGES` puts under it."""
+    comm = {st: sum(c.seconds for c in group if _is_comm(c) and c.stage == st) for st in ("dispatch", "combine", "")}
+    if not overlap:
+        return sum(comm.values())
+    work = {st: sum(c.seconds for c in group if not _is_comm(c) and c.stage == st) for st in STAGES}
+    return (max(0.0, comm["dispatch"] - work["shared"] - work["attn0"]) + max(0.0, comm["combine"] - work["attn1"])
+            + comm[""])
 
 
 @functools.lru_cache(maxsize=4096)
@@ -320,11 +373,12 @@ def simulate(model: ModelShape, hw: Hardware, layout: Layout, trace: Path = ep_b
         drafter[0].append(_roof("mtp eh_proj", hw, layout, weight_bytes=eh * model.weight_bytes,
                                 flops=2 * seqs / parts * eh))
         groups += drafter
-    groups = [[Cost(c.name, c.seconds * parts, c.bound) for c in g] for g in groups]   # both micro-batches
+    groups = [[Cost(c.name, c.seconds * parts, c.bound, c.stage) for c in g] for g in groups]   # both micro-batches
     terms = [c for g in groups for c in g]
     compute = sum(c.seconds for c in terms if not _is_comm(c))
     comm = sum(c.seconds for c in terms if _is_comm(c))
-    step = sum(_group_seconds(g, layout.overlap) for g in groups)
+    exposed = sum(_exposed_comm(g, layout.overlap) for g in groups)
+    step = compute + exposed
     by_bound: dict[str, float] = {}
     for c in terms:
         by_bound[c.bound] = by_bound.get(c.bound, 0.0) + c.seconds
@@ -334,9 +388,18 @@ def simulate(model: ModelShape, hw: Hardware, layout: Layout, trace: Path = ep_b
             "accept": list(layout.accept), "peak": layout.peak,
             "tokens_per_seq_step": round(layout.tokens_per_seq_step, 4),
             "load_max_over_mean": round(load, 4), "step_ms": step * 1e3, "compute_ms": compute * 1e3,
-            "comm_ms": comm * 1e3, "tok_s_per_gpu": tokens / step, "tok_s_per_node": tokens / step * min(
-                layout.gpus_per_node, layout.ep), "ms_by_bound": {k: round(v * 1e3, 3) for k, v in by_bound.items()},
-            "dominant": max(by_bound, key=by_bound.get)}
+            "comm_ms": comm * 1e3, "exposed_comm_ms": exposed * 1e3, "tok_s_per_gpu": tokens / step,
+            "tok_s_per_node": tokens / step * min(layout.gpus_per_node, layout.ep),
+            "ms_by_bound": {k: round(v * 1e3, 3) for k, v in by_bound.items()},
+            "dominant": max(by_bound, key=by_bound.get), **_limits(terms, exposed)}
+
+
+def _limits(terms: list[Cost], exposed: float) -> dict:
+    """The step split by what limits it: compute-bound terms, HBM-bound ones (weights, cache) and the
+    communication the stream waits for (network), in ms, and the largest of the three."""
+    ms = {"compute": sum(c.seconds for c in terms if c.bound == "compute") * 1e3,
+          "hbm": sum(c.seconds for c in terms if c.bound in ("weights", "kv")) * 1e3, "network": exposed * 1e3}
+    return {"ms_by_limit": {k: round(v, 3) for k, v in ms.items()}, "limit": max(ms, key=ms.get)}
 
 
 def memory_per_rank(model: ModelShape, layout: Layout) -> dict[str, float]:
@@ -373,8 +436,10 @@ def memory_per_rank(model: ModelShape, layout: Layout) -> dict[str, float]:
 
 def run(model: ModelShape, hw: Hardware, layout: Layout, trace: Path = ep_balance.DEFAULT_TRACE,
         load: float | None = None) -> dict:
-    """`simulate` plus what the rank must hold and whether it fits the GPU's memory."""
+    """`simulate` plus the step time the expert-load imbalance adds (against the same layout at
+    max/mean 1), what the rank must hold and whether it fits the GPU's memory."""
     out = simulate(model, hw, layout, trace, load)
+    out["imbalance_ms"] = out["step_ms"] - simulate(model, hw, layout, trace, 1.0)["step_ms"]
     mem = memory_per_rank(model, layout)
     out.update({k: round(v, 2) for k, v in mem.items()})
     out["fits"] = mem["weights_gb"] + mem["cache_gb"] <= hw.hbm_bytes / 1e9

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from runtime.ops import cpu_ops
-from runtime.executor.attention import PagedAttention, SeqChunk, build_plan
+from runtime.executor.attention import PagedAttention, SeqChunk, build_plan, choose_attention_backend
 from runtime.ops.batch_invariant import set_batch_invariant
 from runtime.executor.kv_cache import PagedKVCache
 from serving.llm import LLM
@@ -92,6 +92,7 @@ def our_logits_stepwise(model, ids: list[int], prefill: int, batch_invariant: bo
     cfg = model.config
     cache = PagedKVCache(num_layers=cfg.num_hidden_layers, num_blocks=16, block_size=4, dtype=model.dtype,
                          device=model.device, **model.cache_layout())
+    choose_attention_backend(cache, sparse=model.sparse is not None)   # as the runner chooses, once
     rows = []
     start = 0
     with torch.no_grad():

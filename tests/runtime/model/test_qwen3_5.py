@@ -12,10 +12,14 @@ import torch
 from runtime.ops.batch_invariant import set_batch_invariant
 from runtime.executor.attention import PagedAttention, SeqChunk, build_plan
 from runtime.model.config import load_config
-from runtime.executor.kv_cache import PagedKVCache
+from runtime.executor import runner as runner_module
+from runtime.executor.kv_cache import NO_LAYER_STATES, PagedKVCache
+from runtime.executor.runner import ModelRunner
+from runtime.executor.settings import StepSettings
 from runtime.model.linear_attention import RecurrentStates, chunked_delta_rule, recurrent_delta_rule
 from runtime.sample.sampler import SamplingParams
 from runtime.model.weights import load_model
+from runtime.platform import device as rdevice
 from serving.llm import LLM
 from speculative import Drafts
 from tests.speculative.test_proposers import ScriptedProposer
@@ -448,3 +452,71 @@ def test_mtp_is_fed_the_normed_hiddens_as_vllm_runs_qwen35_mtp(family_ckpt):
     for got, ref, other in zip(seen[:2], want, prenorm):
         assert (got - ref).abs().max().item() < 1e-9
         assert (other - ref).abs().max().item() > 1e-3
+
+
+def _state_bytes(states: RecurrentStates, seq_id: int) -> int:
+    """Bytes the states of `seq_id` hold now: its conv and recurrent state and its last step's snapshots."""
+    held = [states.conv[seq_id], states.rec[seq_id]]
+    for window, _, every in states.snapshots.get(seq_id, (0, {}, {}))[1].values():
+        held += [window, *every]
+    return sum(t.numel() * t.element_size() for t in held)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_memory_sizing_leaves_the_running_sequences_states_room(family_ckpt, monkeypatch, tree):
+    """A cache sized from free GPU memory leaves room for the layer states: `bytes_reserved` bounds
+    what a sequence's states and a verify step's snapshots hold (a chain of 4 rows, a tree of 5),
+    the runner hands it to the sizing for the deployment's sequence limit and rows a step, and
+    the sizing takes it off the budget (and says so when nothing is left)."""
+    model = load_model(family_ckpt("qwen35_text"), "float32", device="cpu")
+    cache = _fresh_cache(model)
+    _run_step(model, cache, 0, [5, 6, 7, 8, 9, 10])
+    rows, parents = (5, (-1, 0, 0, 1, 2)) if tree else (4, None)
+    _run_step(model, cache, 0, [11, 12, 13, 14, 15][:rows], parents)
+    held = _state_bytes(cache.states, 0)
+    reserved = cache.states.bytes_reserved(1, rows)
+    assert held <= reserved <= 1.25 * held, (held, reserved)
+    assert cache.states.bytes_reserved(8, rows) == 8 * reserved
+    assert NO_LAYER_STATES.bytes_reserved(8, rows) == 0
+    # The runner's sizing gets the reserve of the settings' sequences and rows.
+    seen = []
+    monkeypatch.setattr(runner_module, "kv_tokens_for_memory", lambda *a: seen.append(a) or 256)
+    runner = ModelRunner(model, StepSettings(gpu_memory_utilization=0.5, max_num_seqs=8, max_rows_per_seq=rows))
+    assert seen[0][3] == runner.states.bytes_reserved(8, rows) == 8 * reserved
+    # An EP rank's sizing (ep.channel.load_shard): rank 0's sequences and rows reach every rank in
+    # the collective (a max), and each rank reserves its own heads' states.
+    from ep import channel
+
+    class OneRank:
+        device = torch.device("cpu")
+
+        def all_reduce(self, t, op):
+            assert op == "max"
+            return torch.maximum(t, torch.tensor([8, rows])) if t.numel() == 2 else t
+
+    monkeypatch.setattr(channel, "kv_tokens_for_memory", lambda *a: seen.append(a) or 256)
+    shard = channel.load_shard(None, "float32", OneRank(), "auto", 1024, False, model=model,
+                               gpu_memory_utilization=0.5)
+    assert seen[-1][3] == 8 * reserved and shard.settings.max_num_seqs == 8 and shard.cache.num_blocks == 16
+    gib = 1 << 30
+    with_states = rdevice.kv_tokens_from(free=60 * gib, total=80 * gib, cached_free=0, utilization=0.9,
+                                         bytes_per_token=1 << 20, reserved=3 * gib)
+    without = rdevice.kv_tokens_from(free=60 * gib, total=80 * gib, cached_free=0, utilization=0.9,
+                                     bytes_per_token=1 << 20)
+    assert without - with_states == 3 * 1024
+    with pytest.raises(ValueError, match="GiB for the running sequences' layer states"):
+        rdevice.kv_tokens_from(free=60 * gib, total=80 * gib, cached_free=0, utilization=0.9, bytes_per_token=1,
+                               reserved=60 * gib)
+
+
+def test_a_deployment_sizes_states_for_its_deepest_verify(family_ckpt):
+    path = family_ckpt("qwen35_vl")
+    for spec, want in ((dict(), 1), (dict(spec="ngram", num_drafts=3), 4),
+                       (dict(spec="mtp", num_drafts=2, tree_shape="2,2"), 5)):
+        llm = LLM(path, dtype="float32", kv_cache_tokens=256, max_num_seqs=12, **spec)
+        try:
+            assert llm.deployment.rows_per_seq == want
+            settings = llm.deployment.config.step_settings(llm.deployment.rows_per_seq)
+            assert (settings.max_num_seqs, settings.max_rows_per_seq) == (12, want)
+        finally:
+            llm.shutdown()

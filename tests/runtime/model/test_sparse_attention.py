@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from runtime.executor.attention import PagedAttention, SeqChunk, build_plan
+from runtime.executor.attention import PagedAttention, SeqChunk, build_plan, choose_attention_backend
 from runtime.model.config import ConfigError, ModelConfig, load_config
 from runtime.executor.kv_cache import PagedKVCache
 from runtime.sample.sampler import SamplingParams
@@ -43,6 +43,7 @@ def run_chunks(model, steps: list[tuple[list[int], SeqChunk]], num_layers: int |
     cfg = model.config
     cache = PagedKVCache(num_layers=num_layers or cfg.num_hidden_layers, num_blocks=32, block_size=4,
                          dtype=model.dtype, device="cpu", **model.cache_layout())
+    choose_attention_backend(cache, sparse=model.sparse is not None)   # as the runner chooses, once
     out = []
     with torch.no_grad():
         for tokens, chunk in steps:
@@ -103,6 +104,43 @@ def test_tree_rows_select_over_their_ancestors_not_their_siblings(family_ckpt, c
         ids = context + path[::-1]
         want = run_chunks(model, [(ids, SeqChunk(0, 0, len(ids)))])[0][-1]
         torch.testing.assert_close(got[row], want, rtol=0, atol=1e-10)
+
+
+def test_the_selection_lives_in_the_step_and_the_sparse_backend_is_chosen_once(family_ckpt):
+    """The runner of a sparse model chooses the sparse backend at start; each step's plan carries
+    its rows' visibility and the selection its full layers make (layer 1 reads layer 0's, the
+    MTP layer makes its own), and nothing of a step stays in the model; a plan of a dense
+    backend, a shared layer with no full layer before it in the step, and batch-invariant tiles
+    are refused in one line."""
+    llm = LLM(family_ckpt("glm5"), dtype="float64", kv_cache_tokens=256, spec="mtp", num_drafts=2)
+    runner = llm.engine.runner
+    assert runner.attention.name.startswith("sparse over ") and runner.cache.attention is runner.attention
+    assert "sparse over" in str(runner.choice)
+    model = llm.model
+    assert not any(isinstance(v, torch.Tensor | tuple) for v in vars(model.sparse).values())
+    cache = runner.cache
+    cache.reserve(0, len(LONG))
+    plan = runner.attention.plan(cache, [SeqChunk(0, 0, len(LONG))])
+    assert plan.sparse.seq.tolist() == [0] * len(LONG)
+    assert plan.sparse.visible.tolist() == torch.ones(len(LONG), len(LONG), dtype=torch.bool).tril().tolist()
+    with torch.no_grad():
+        model(torch.tensor(LONG), plan.positions, PagedAttention(cache, plan))
+    assert plan.sparse.chosen_by == 2 and plan.sparse.chosen[0].shape == (len(LONG), 8)   # the last full layer
+    two = [SeqChunk(0, len(LONG) - 2, 2), SeqChunk(1, 0, 3, (-1, 0, 0))]
+    cache.reserve(1, 3)
+    tree = runner.attention.plan(cache, two)
+    assert tree.sparse.seq.tolist() == [0, 0, 1, 1, 1]
+    assert tree.sparse.visible[2:, :3].tolist() == [[True, False, False], [True, True, False], [True, False, True]]
+    dense = build_plan(cache, [SeqChunk(0, 0, len(LONG))], backend=runner.attention.base)
+    with pytest.raises(ValueError, match="plan of the sparse backend"), torch.no_grad():
+        model(torch.tensor(LONG), dense.positions, PagedAttention(cache, dense))
+    fresh = runner.attention.plan(cache, [SeqChunk(0, 0, len(LONG))])
+    with pytest.raises(RuntimeError, match="none ran this step"), torch.no_grad():
+        model.layers[1].self_attn(torch.zeros(len(LONG), model.config.hidden_size, dtype=torch.float64),
+                                  model.rotary(fresh.positions, torch.float64), PagedAttention(cache, fresh))
+    with pytest.raises(ValueError, match="no batch-invariant tiles"):
+        choose_attention_backend(cache, batch_invariant=True, sparse=True)
+    llm.shutdown()
 
 
 def test_the_cache_cell_holds_the_latent_the_rotary_key_and_the_indexer_key(family_ckpt):
