@@ -152,3 +152,19 @@ def test_a_dp_attention_group_restarted_mid_stream_loses_nothing(ckpt_mtp):
         assert min(llm.engine.runner.dp.assigned) >= 1
     finally:
         llm.shutdown()
+
+
+def test_a_worker_loaded_for_the_other_layout_refuses_the_handshake(ckpt_plain):
+    from ep.channel import HandshakeError, driver_handshake
+    from ep.parallel import DP_MODE
+    from serving.deployment import GroupConfig
+    group = MPGroup(GroupConfig(model_dir=str(ckpt_plain), dtype="float32", ep=2, timeout_s=30, moe_a2a=DP_MODE,
+                                warm_standby=False))
+    try:
+        with pytest.raises(HandshakeError, match=r"rank 1 has another attention layout \(--dp-attention\)"):
+            driver_handshake(group.comm, ckpt_plain, "float32")   # rank 0: tensor-parallel attention
+        group.procs[0].join(timeout=30)
+        assert group.procs[0].exitcode == 2
+    finally:
+        group.stop()
+        group.close()
