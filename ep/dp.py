@@ -71,9 +71,11 @@ class DPBook:
 @torch.inference_mode()
 def dp_forward(runner: ModelRunner, comm: Communicator, tokens: list[int], chunks: list[SeqChunk],
                owners: list[int], budget: int) -> torch.Tensor:
-    """One DP-attention forward on this rank: its own chunks, then the gather. Returns every
-    chunk's hidden rows [T, H] in `chunks` order, on every rank."""
-    n, rank = comm.world_size, comm.rank
+    """One DP-attention forward on this rank: its attention group's chunks (`owners` name groups
+    of `--attention-tp` ranks, which all run them), then the gather. Returns every chunk's hidden
+    rows [T, H] in `chunks` order, on every rank."""
+    k = getattr(runner.model, "attention_tp", 1)
+    n, rank = comm.world_size // k, comm.rank // k
     starts, at = [], 0
     for c in chunks:
         starts.append(at)
@@ -89,12 +91,12 @@ def dp_forward(runner: ModelRunner, comm: Communicator, tokens: list[int], chunk
         dp_join_empty(model)
         hidden = torch.zeros(0, model.config.hidden_size, dtype=model.dtype, device=model.device)
     width = max(rows)
-    gathered = comm.all_gather(F.pad(hidden[:rows[rank]], (0, 0, 0, width - rows[rank])))   # [N * width, H]
+    gathered = comm.all_gather(F.pad(hidden[:rows[rank]], (0, 0, 0, width - rows[rank])))   # [N * k * width, H]
     # Row j of rank r's part is the j-th row of its chunks in order: put each back at its chunk's place.
     place = torch.tensor([starts[i] + j for r in range(n) for i, o in enumerate(owners) if o == r
                           for j in range(chunks[i].num_tokens)], dtype=torch.long, device=hidden.device)
-    src = torch.tensor([r * width + j for r in range(n) for j in range(rows[r])], dtype=torch.long,
-                       device=hidden.device)
+    src = torch.tensor([r * k * width + j for r in range(n) for j in range(rows[r])], dtype=torch.long,
+                       device=hidden.device)   # group r's rows from its first rank
     out = hidden.new_empty(at, hidden.shape[1])
     out[place] = gathered[src]
     return out

@@ -26,10 +26,11 @@ class DriverRunner:
     `sent` counts the commands that went on the wire, by name (`Command.name`)."""
 
     def __init__(self, local: ModelRunner, comm: Communicator, eplb_interval_steps: int | None = None,
-                 dp_budget: int | None = None) -> None:
+                 dp_budget: int | None = None, attention_tp: int = 1) -> None:
         """`eplb_interval_steps`: with EPLB on (`ep.placement.enable`), re-place the experts from
         the loads counted since the last placement before every that many forwards. `dp_budget`:
-        data-parallel attention (`ep.dp`) with that padded row budget a rank (None: off)."""
+        data-parallel attention (`ep.dp`) with that padded row budget a rank (None: off), in
+        attention groups of `attention_tp` ranks."""
         self.local = local
         self.compiled = local.compiled   # every rank alike (the handshake's COMPILED_BIT)
         self.batch_invariant = local.batch_invariant
@@ -53,7 +54,7 @@ class DriverRunner:
         self.placements = 0               # live re-placements done
         self.eplb_bytes_received = 0      # expert weight bytes rank 0 received in them
         self._eplb_since: list | None = None   # the load counters at the last re-placement
-        self.dp = DPBook(comm.world_size, dp_budget) if dp_budget else None
+        self.dp = DPBook(comm.world_size // attention_tp, dp_budget) if dp_budget else None
 
     def send(self, cmd: Command) -> None:
         """Broadcast one command and wait for every rank's verdict (`CommandRefused` on a refusal)."""

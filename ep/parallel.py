@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ep.comm import Communicator
+from ep.comm import Communicator, GroupComm
 from ep.topology import EPTopology
 from runtime.ops import batch_invariant as bi
 from runtime.executor.step_context import step_model
@@ -58,6 +58,20 @@ MOE_MODES = ("auto", "alltoall", "allreduce")
 # launchers pass it to every rank's shard loading): attention, dense layers and the LM head whole
 # on every rank over its own rows, the target's routed experts exchanged by `EPMoE.dp_exchange`.
 DP_MODE = "dp"
+
+
+def dp_mode(attention_tp: int = 1) -> str:
+    """The shard mode of `--dp-attention` with attention groups of `attention_tp` ranks."""
+    return DP_MODE if attention_tp == 1 else f"{DP_MODE}{attention_tp}"
+
+
+def parse_dp_mode(mode: str) -> int | None:
+    """The attention group size of a `dp_mode` string; None for a `--moe-a2a` mode."""
+    if mode == DP_MODE:
+        return 1
+    if mode.startswith(DP_MODE) and mode[len(DP_MODE):].isdigit() and int(mode[len(DP_MODE):]) > 1:
+        return int(mode[len(DP_MODE):])
+    return None
 
 
 def _collective(handle: int) -> nn.Module:
@@ -178,6 +192,14 @@ class EPMoE(nn.Module):
         self.dp_budget = 0
         self.dp_row_offset = 0
         self.dp_shapes: set[tuple[tuple[int, ...], ...]] = set()   # shapes of the padded exchanges run
+        self.group: GroupComm | None = None   # `--attention-tp` K > 1: the attention group (its K ranks hold the same rows)
+
+    def _group_share(self, t: int) -> tuple[int, int]:
+        """Rows [start, stop) of the group's T rows that this rank routes (all of them without a group)."""
+        if self.group is None:
+            return 0, t
+        k, r = self.group.world_size, self.group.rank
+        return r * t // k, (r + 1) * t // k
 
     def physical(self, ids: torch.Tensor, first_row: int) -> torch.Tensor:
         """EPLB: the physical expert (rank * S + slot) of each choice in `ids` [T, k] whose first
@@ -210,8 +232,9 @@ class EPMoE(nn.Module):
                 self.count(ids)
                 ids = self.physical(ids, 0)
             out = all_reduce(self, self.experts(x, weights, ids))
-        elif self.mode == DP_MODE:   # x: this rank's own rows only
-            _, weights, ids = self.gate(x)
+        elif self.mode == DP_MODE:   # x: this rank's attention group's rows; it routes its share of them
+            start, stop = self._group_share(x.shape[0])
+            _, weights, ids = self.gate(x[start:stop])
             if torch.compiler.is_compiling():
                 out = torch.ops.metrale.ep_moe_exchange(x, weights, ids, self.handle)
             else:
@@ -257,14 +280,20 @@ class EPMoE(nn.Module):
           tensor has the same shape at every step (CUDA-graph capturable); no counts travel
           (with EPLB the loads do, a fixed [E] a rank).
 
-        A rank with no rows of its own joins every collective with empty tensors."""
+        A rank with no rows of its own joins every collective with empty tensors. With attention
+        groups (`--attention-tp` K), x holds the group's rows, the same on its K ranks: each routes
+        and exchanges its K-th (`_group_share`, weights and ids are its share's) and the group
+        all-gathers the results."""
+        full = x
+        start, stop = self._group_share(x.shape[0])
+        x = x[start:stop]
         topo, comm = self.topo, self.comm
         n, t, h = topo.ep_size, x.shape[0], x.shape[1]
         k = ids.shape[1]
         loads = ids.new_zeros(0)
         if self.eplb_on:
             loads = torch.bincount(ids.reshape(-1), minlength=topo.num_experts)
-            ids = self.physical(ids, self.dp_row_offset)
+            ids = self.physical(ids, self.dp_row_offset + start)
             dest = ids.reshape(-1) // self.slots_per_rank
         else:
             dest = self.owner[ids.reshape(-1)]                             # [Tr*k] rank of each choice
@@ -272,7 +301,7 @@ class EPMoE(nn.Module):
         send_counts = torch.bincount(dest, minlength=n)                    # [N]
         meta_dtype = torch.float64 if weights.dtype == torch.float64 else torch.float32
         flat_ids, flat_w = ids.reshape(-1)[order].to(meta_dtype), weights.reshape(-1)[order].to(meta_dtype)
-        budget = self.dp_budget
+        budget = self.dp_budget if self.group is None else -(-self.dp_budget // self.group.world_size)
         if not budget:
             gathered = comm.all_gather(torch.cat((send_counts, loads)).to(torch.int32)[None])
             all_counts = gathered[:, :n].reshape(n, n)
@@ -310,7 +339,14 @@ class EPMoE(nn.Module):
                 self.expert_loads += comm.all_gather(loads.to(torch.int32)[None]).sum(dim=0)
         per_choice = torch.empty_like(back)
         per_choice[order] = back
-        return per_choice.view(t, k, h).sum(dim=1)
+        out = per_choice.view(t, k, h).sum(dim=1)
+        if self.group is None or full.shape[0] == 0:   # a group's ranks hold the same rows: all skip alike
+            return out
+        g = self.group.world_size
+        shares = [(r + 1) * full.shape[0] // g - r * full.shape[0] // g for r in range(g)]
+        width = max(shares)
+        gathered = self.group.all_gather(F.pad(out, (0, 0, 0, width - t)))          # [K * width, H]
+        return torch.cat([gathered[r * width:r * width + shares[r]] for r in range(g)])
 
     def share_exchange(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [Ts, k]: the routing of this rank's share of x -> the routed
@@ -362,7 +398,7 @@ class EPMoE(nn.Module):
 def parallelize(model: CausalLM, topo: EPTopology, comm: Communicator, moe_mode: str) -> ShardSpecs:
     """Swap the model's layers for their parallel versions (on the meta device, before loading)."""
     cfg = model.config
-    if moe_mode == DP_MODE:
+    if parse_dp_mode(moe_mode) is not None:
         return _data_parallel(model, topo, comm)
     if cfg.tie_word_embeddings:
         raise ValueError("tie_word_embeddings=true is not supported with ep_size > 1")
@@ -402,22 +438,34 @@ def _data_parallel(model: CausalLM, topo: EPTopology, comm: Communicator) -> Sha
     if cfg.linear_layers or model.sparse is not None:
         raise ValueError(f"--dp-attention: {cfg.architecture}'s linear-attention or sparse layers are not "
                          "data-parallel yet; serve it without --dp-attention")
+    k = topo.attention_tp
+    group = GroupComm(comm, k) if k > 1 else None   # `ep.channel.load_shard` binds its process groups
+    model.attention_group, model.attention_tp = group, k
+    specs: ShardSpecs = {}
+    blocks = [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
+    if model.mtp is not None:   # the MTP layer's cache is a layer of the same cache: its heads split alike
+        blocks.append(("mtp.block", model.mtp.block))
+    for name, block in blocks if group is not None else ():
+        # heads split inside the attention group, output projection all-reduced there
+        split = _split_latent_attention if isinstance(block.self_attn, MLAttention) else _split_attention
+        specs |= split(block.self_attn, f"{name}.self_attn", cfg, topo, group)
     for layer in model.layers:
         if isinstance(layer.mlp, MoE):
             layer.mlp = EPMoE(layer.mlp, topo, comm, DP_MODE)
+            layer.mlp.group = group
     if model.mtp is not None and isinstance(model.mtp.block.mlp, MoE):
         model.mtp.block.mlp = EPMoE(model.mtp.block.mlp, topo, comm, "allreduce")
-    model.ep_collectives = [m for m in model.modules() if isinstance(m, EPMoE)]
+    model.ep_collectives = [m for m in model.modules() if isinstance(m, (RowParallelLinear, EPMoE))]
     for i, m in enumerate(model.ep_collectives):
         m.handle = i
-    return {}
+    return specs
 
 
 def set_dp_step(model: CausalLM, budget: int, row_offset: int) -> None:
     """Before a DP-attention forward, on every rank alike: the padded exchange's per-rank row
     budget (0: exact counts) and this rank's first row in the step's rank-major rows."""
     for m in model.ep_collectives:
-        if m.mode == DP_MODE:
+        if getattr(m, "mode", None) == DP_MODE:
             m.dp_budget, m.dp_row_offset = budget, row_offset
 
 
@@ -426,7 +474,7 @@ def dp_join_empty(model: CausalLM) -> None:
     model order, with nothing to send (the other ranks' experts may still need its own)."""
     x = torch.zeros(0, model.config.hidden_size, dtype=model.dtype, device=model.device)
     for m in model.ep_collectives:
-        if m.mode == DP_MODE:
+        if getattr(m, "mode", None) == DP_MODE:
             k = m.gate.top_k
             m.dp_exchange(x, x.new_zeros(0, k), torch.zeros(0, k, dtype=torch.long, device=x.device))
 

@@ -34,7 +34,8 @@ EP_CMD_HANDSHAKE = 0xFFFFFFFE     # version, world_size, fingerprint_lo, fingerp
 #                                   (adopted: every rank runs the batch-invariant kernels or none does)
 #                                   | COMPILED_BIT (adopted: every rank compiles its step or none does)
 #                                   | (R + 1) << EPLB_SHIFT (adopted: EPLB with R redundant experts; 0: off)
-#                                   | DP_ATTENTION_BIT (checked: data-parallel attention, docs/design.md §4.3);
+#                                   | DP_ATTENTION_BIT | log2(attention_tp) << ATTENTION_TP_SHIFT (checked:
+#                                   data-parallel attention and its attention groups, docs/design.md §4.3);
 #                                   stop_bits: the group's confidence stop TAU as float32 bits, 0 for none;
 #                                   workers adopt it (the three-word propose drafts with it)
 EP_CMD_FORWARD = 0xFFFFFFFD       # num_ops, num_chunks, num_tokens, bulk_len, num_obs, num_tree_words
@@ -82,6 +83,7 @@ DTYPE_MASK = 0xFF
 BATCH_INVARIANT_BIT = 1 << 8
 COMPILED_BIT = 1 << 9
 DP_ATTENTION_BIT = 1 << 10
+ATTENTION_TP_SHIFT, ATTENTION_TP_MASK = 11, 0xF   # dtype_mode bits 11-14: log2 of `--attention-tp`
 EPLB_SHIFT = 16   # dtype_mode bits 16-31: 1 + the redundant experts of EPLB, 0 without it
 
 

@@ -23,7 +23,7 @@ from ep.channel import (OP_NAMES, REFUSED_COMMAND, gather_rank_info, gather_weig
                         report_status, worker_handshake)
 from ep.comm import CommError, Communicator
 from ep.dp import dp_forward
-from ep.parallel import DP_MODE
+from ep.parallel import parse_dp_mode
 from ep.protocol import (EP_CMD_EPLB, EP_CMD_FORWARD, EP_CMD_LOGITS, EP_CMD_MTP_PROPOSE, EP_CMD_MTP_PROPOSE_BATCH,
                          EP_CMD_SHUTDOWN, EP_CMD_SLOT_FREE, Command, ForwardPayload, Observation, Op,
                          ProposePayload, ProtocolError, decode, derive_propose, float_bits, parse_eplb,
@@ -77,9 +77,11 @@ class Worker:
     """One worker rank's state between commands: its shard, its drafter mirror, the last forward."""
 
     def __init__(self, runner: ModelRunner, comm: Communicator, confidence_stop: float | None,
-                 dp_attention: bool = False) -> None:
+                 attention_tp: int | None = None) -> None:
+        """`attention_tp`: DP attention with attention groups of that many ranks (None: off)."""
         self.runner = runner
-        self.dp_size = comm.world_size if dp_attention else 0   # DP attention: FORWARDs carry owners
+        # DP attention: FORWARDs carry each chunk's attention group
+        self.dp_size = comm.world_size // attention_tp if attention_tp else 0
         self.comm = comm
         self.vocab_size = runner.config.vocab_size
         self.confidence_stop = confidence_stop      # the group's TAU, from the handshake
@@ -213,12 +215,12 @@ def check_command(worker: Worker, header: list[int], bulk: list[int]) -> tuple[H
 
 
 def worker_loop(runner: ModelRunner, comm: Communicator, confidence_stop: float | None = None,
-                dp_attention: bool = False) -> None:
+                attention_tp: int | None = None) -> None:
     """Ranks above 0: execute rank 0's commands until SHUTDOWN. A refused command is skipped by
     every rank together; a broken link raises `CommError` and ends the worker. After its first
     command and after each one that compiled graphs the rank freezes its heap (runtime.platform.heap)."""
     from torch._dynamo.utils import counters   # Dynamo's count of the graphs it compiled
-    worker = Worker(runner, comm, confidence_stop, dp_attention)
+    worker = Worker(runner, comm, confidence_stop, attention_tp)
     graphs = None
     while True:
         header, bulk = recv_command(comm)
@@ -250,14 +252,15 @@ def serve_rank(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_
     group is always left."""
     _thread_lock_for_progress_bars()
     try:
-        dp = moe_a2a == DP_MODE
-        confidence_stop, batch_invariant, compiled, eplb = worker_handshake(comm, model_dir, dtype, generation, dp)
+        k = parse_dp_mode(moe_a2a)
+        confidence_stop, batch_invariant, compiled, eplb = worker_handshake(comm, model_dir, dtype, generation,
+                                                                            k is not None, k or 1)
         runner = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens, batch_invariant, model,
                             gpu_memory_utilization, compiled, eplb)
         gather_weight_bytes(comm, runner)
         gather_rank_info(comm)
         comm.started()
-        worker_loop(runner, comm, confidence_stop, dp)
+        worker_loop(runner, comm, confidence_stop, k)
         return 0, ""
     except CommError as exc:
         return 3, f"metrale worker rank {comm.rank}: {exc}"

@@ -30,7 +30,7 @@ from ep.channel import (CommandRefused, driver_handshake, gather_rank_info, gath
 from ep.comm import CommError, Communicator
 from ep.driver import DriverRunner, ShardedMTPProposer
 from ep.dp import row_budget
-from ep.parallel import DP_MODE
+from ep.parallel import dp_mode
 from ep.protocol import MAX_SLOT
 from ep.local_drafter import load_local_drafter
 from runtime.model.causal_lm import CausalLM
@@ -127,12 +127,13 @@ class DeploymentConfig:
     # Data-parallel attention (ep.dp, docs/design.md §4.3): each rank attends over its own sequences
     # and the routed experts exchange rows (padded in decode to `ep.dp.row_budget` rows a rank).
     dp_attention: bool = False
+    attention_tp: int = 1   # with dp_attention: ranks of an attention group, which split its heads
 
     @property
     def shard_mode(self) -> str:
         """What every rank's shard is loaded and parallelised by: the MoE dispatch mode, or the
         data-parallel layout."""
-        return DP_MODE if self.dp_attention else self.moe_a2a
+        return dp_mode(self.attention_tp) if self.dp_attention else self.moe_a2a
 
     def step_settings(self, rows_per_seq: int = 1) -> StepSettings:
         """The settings rank 0's runner resolves against its model (runtime.executor.settings):
@@ -169,6 +170,12 @@ class DeploymentConfig:
             raise ValueError(f"--eplb-interval-steps {s}: must be at least 1")
         if self.dp_attention and self.ep < 2:
             raise ValueError("--dp-attention splits sequences over EP ranks; it needs --ep 2 or more")
+        if self.attention_tp != 1 and not self.dp_attention:
+            raise ValueError(f"--attention-tp {self.attention_tp} splits attention inside --dp-attention's groups; "
+                             "add --dp-attention")
+        if self.dp_attention and (self.attention_tp < 1 or self.ep % self.attention_tp
+                                  or self.attention_tp & (self.attention_tp - 1)):
+            raise ValueError(f"--attention-tp {self.attention_tp}: a power of two that divides --ep {self.ep}")
         if self.dp_attention and self.moe_a2a != "auto":
             raise ValueError(f"--dp-attention exchanges the routed experts' rows itself; drop --moe-a2a {self.moe_a2a}")
 
@@ -396,7 +403,7 @@ class Deployment:
             compiled = not cfg.enforce_eager and cfg.dtype != "float64"
             driver_handshake(comm, cfg.model_dir, cfg.dtype, self.spec.confidence_stop, batch_invariant,
                              getattr(self.group, "generation", 0), compiled, cfg.eplb_redundant_experts,
-                             cfg.dp_attention)
+                             cfg.dp_attention, cfg.attention_tp)
             if comm.device != torch.device(cfg.device):
                 raise ValueError(f"rank 0's communicator is on {comm.device}, the deployment on {cfg.device}")
             # EPLB moves experts between ranks: a restarted group starts again from the loaded split.
@@ -415,8 +422,9 @@ class Deployment:
             raise
         nodes = self.group.nodes() if self.group is not None else [r["host"] for r in info]
         self.rank_info = [{**r, "node": node} for r, node in zip(info, nodes)]
-        budget = row_budget(cfg.max_num_seqs, comm.world_size, self.rows_per_seq) if cfg.dp_attention else None
-        return DriverRunner(local, comm, cfg.eplb_interval_steps, budget)
+        groups = comm.world_size // cfg.attention_tp
+        budget = row_budget(cfg.max_num_seqs, groups, self.rows_per_seq) if cfg.dp_attention else None
+        return DriverRunner(local, comm, cfg.eplb_interval_steps, budget, cfg.attention_tp)
 
     def _make_proposer(self, runner: ModelRunner | DriverRunner) -> DraftProposer | None:
         """The drafter the settings ask for: the checkpoint's MTP layer (sharded across the EP

@@ -34,7 +34,8 @@ class LLM:
                  prefix_cache: bool = True, warm_standby: bool = True, device: str = "auto",
                  gpu_memory_utilization: float | None = None, static_steps: bool | None = None,
                  kv_block_size: int = 16, eplb_redundant_experts: int | None = None,
-                 eplb_interval_steps: int | None = None, dp_attention: bool = False) -> None:
+                 eplb_interval_steps: int | None = None, dp_attention: bool = False,
+                 attention_tp: int = 1) -> None:
         """Speculation: `spec` (none, mtp, ngram) with at most `num_drafts` drafts per step, a
         depth policy (`draft_policy` fixed/ladder/auto, or `mtp_k_ladder` text or "auto"), a
         width cap `mtp_max_seqs`, a confidence stop, a draft-tree shape ("1,2,2"); resolved once
@@ -75,7 +76,9 @@ class LLM:
         each rank runs attention, dense layers and the LM head over its own sequences and the
         routed experts exchange rows all-to-all; the padded decode exchange takes
         ceil(max_num_seqs / ep) sequences of 1 + the drafts a verify checks a rank. Its ranks
-        keep each sequence's keys and values on one rank, so the prefix cache is off."""
+        keep each sequence's keys and values on one rank, so the prefix cache is off.
+        `attention_tp` K (with `dp_attention`, K a power of two dividing `ep`): groups of K ranks
+        share their sequences and split attention heads among them, tensor-parallel."""
         model_dir = Path(model)
         resolved = resolve_device(device) if comm is None else comm.device
         if not model_dir.is_dir():
@@ -96,7 +99,7 @@ class LLM:
                              gpu_memory_utilization=gpu_memory_utilization, static_steps=static_steps,
                              kv_block_size=kv_block_size, eplb_redundant_experts=eplb_redundant_experts,
                              eplb_interval_steps=eplb_interval_steps, max_num_seqs=max_num_seqs,
-                             dp_attention=dp_attention),
+                             dp_attention=dp_attention, attention_tp=attention_tp),
             self.spec, launcher, comm)
         runner = self.deployment.runner
         # Every setting this LLM runs by, resolved once (serving.settings).
