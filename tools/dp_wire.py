@@ -2,7 +2,7 @@
 `--moe-a2a auto`) against `--dp-attention`, counted from the collectives' tensors
 (`ep.comm.Communicator.wire_bytes`), not timed.
 
-    python -m bench.dp_wire --json-out bench/records/dp_wire_SHA.json
+    python tools/dp_wire.py --json-out bench/records/dp_wire_SHA.json --plot-out bench/records/dp_wire_SHA.png
 
 For each EP size, layout, speculation (none, MTP 3 drafts) and concurrency: `c` requests are
 admitted and prefilled, then one step in which every sequence decodes (a verify with MTP) is
@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 MODEL = ROOT / "models" / "tiny-glm-moe"
 
 
