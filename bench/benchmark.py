@@ -61,10 +61,11 @@ EAGER = "-eager"   # an engine arm named with this suffix runs without torch.com
 BATCH_INVARIANT = "-bi"   # ... with the batch-invariant kernels (none-bi, k3-bi)
 EXCHANGE = "-a2a"   # ... at EP > 1 with the MoE exchange (`--moe-a2a alltoall`), not the default's choice
 DP = "-dp"          # ... at EP > 1 with data-parallel attention (`--dp-attention`)
+TP2 = "-tp2"        # ... with -dp: in attention groups of 2 ranks (`--attention-tp 2`)
 # ... a second, independent instance of the arm named without it (k3-twin beside k3): the two
 # differ by nothing, so their paired ratio is the noise any other ratio of the record must beat.
 TWIN = "-twin"
-SUFFIXES = (EAGER, BATCH_INVARIANT, EXCHANGE, DP, TWIN)
+SUFFIXES = (EAGER, BATCH_INVARIANT, EXCHANGE, DP, TP2, TWIN)
 
 
 def arm_base(arm: str) -> str:
@@ -162,6 +163,9 @@ class BenchConfig:
                                  "(their paired ratio is the record's noise)")
         if self.ep < 1:
             raise ValueError(f"--ep {self.ep} must be at least 1")
+        grouped = [name for name in self.arms if TP2 in arm_suffixes(name) and DP not in arm_suffixes(name)]
+        if grouped:
+            raise ValueError(f"bench arm {grouped[0]!r}: {TP2} groups the ranks of {DP}; add {DP}")
         exchanged = [name for name in self.arms if arm_suffixes(name) & {EXCHANGE, DP}]
         if exchanged and self.ep == 1:
             raise ValueError(f"bench arm {exchanged[0]!r}: {EXCHANGE} and {DP} pick an EP group's layout; "
@@ -227,7 +231,7 @@ class EngineArm:
                        enforce_eager=config.enforce_eager or EAGER in arm_suffixes(name),
                        batch_invariant=True if BATCH_INVARIANT in arm_suffixes(name) else None,
                        moe_a2a="alltoall" if EXCHANGE in arm_suffixes(name) else "auto", device=config.device,
-                       dp_attention=DP in arm_suffixes(name),
+                       dp_attention=DP in arm_suffixes(name), attention_tp=2 if TP2 in arm_suffixes(name) else 1,
                        prefix_cache=config.prefix_cache == "both",
                        kv_block_size=VLLM_KV_BLOCK if config.prefix_cache == "both" else KV_BLOCK)
         self.prefix_policy = "on" if config.prefix_cache == "both" else "off"

@@ -131,6 +131,9 @@ def test_tree_arms_name_their_shape():
         BenchConfig(model="m", arms=("none", "none-a2a"))
     with pytest.raises(ValueError, match="'k3-dp': -a2a and -dp pick an EP group's layout"):
         BenchConfig(model="m", arms=("k3-dp",))
+    BenchConfig(model="m", arms=("k3-dp-tp2",), ep=2)
+    with pytest.raises(ValueError, match="'k3-tp2': -tp2 groups the ranks of -dp; add -dp"):
+        BenchConfig(model="m", arms=("k3-tp2",), ep=2)
     from bench.benchmark import arm_base, arm_suffixes
     assert arm_base("k3-bi-eager") == "k3" and arm_suffixes("k3-bi-eager") == {"-bi", "-eager"}
     assert arm_base("none-bi") == "none" and arm_suffixes("k3") == set()
