@@ -60,10 +60,12 @@ TREE_ARM = re.compile(r"^tree([1-4]{1,7})$")   # tree122: the shape 1,2,2, besid
 EAGER = "-eager"   # an engine arm named with this suffix runs without torch.compile (none-eager, k2-eager)
 BATCH_INVARIANT = "-bi"   # ... with the batch-invariant kernels (none-bi, k3-bi)
 EXCHANGE = "-a2a"   # ... at EP > 1 with the MoE exchange (`--moe-a2a alltoall`), not the default's choice
+DP = "-dp"          # ... at EP > 1 with data-parallel attention (`--dp-attention`)
+TP2 = "-tp2"        # ... with -dp: in attention groups of 2 ranks (`--attention-tp 2`)
 # ... a second, independent instance of the arm named without it (k3-twin beside k3): the two
 # differ by nothing, so their paired ratio is the noise any other ratio of the record must beat.
 TWIN = "-twin"
-SUFFIXES = (EAGER, BATCH_INVARIANT, EXCHANGE, TWIN)
+SUFFIXES = (EAGER, BATCH_INVARIANT, EXCHANGE, DP, TP2, TWIN)
 
 
 def arm_base(arm: str) -> str:
@@ -161,10 +163,13 @@ class BenchConfig:
                                  "(their paired ratio is the record's noise)")
         if self.ep < 1:
             raise ValueError(f"--ep {self.ep} must be at least 1")
-        exchanged = [name for name in self.arms if EXCHANGE in arm_suffixes(name)]
+        grouped = [name for name in self.arms if TP2 in arm_suffixes(name) and DP not in arm_suffixes(name)]
+        if grouped:
+            raise ValueError(f"bench arm {grouped[0]!r}: {TP2} groups the ranks of {DP}; add {DP}")
+        exchanged = [name for name in self.arms if arm_suffixes(name) & {EXCHANGE, DP}]
         if exchanged and self.ep == 1:
-            raise ValueError(f"bench arm {exchanged[0]!r}: {EXCHANGE} picks the MoE dispatch of an EP group; "
-                             "it needs --ep 2 or more")
+            raise ValueError(f"bench arm {exchanged[0]!r}: {EXCHANGE} and {DP} pick an EP group's layout; "
+                             "they need --ep 2 or more")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency levels {self.concurrency} must be positive")
         if max(self.concurrency) > MAX_MTP_MAX_SEQS:
@@ -226,6 +231,7 @@ class EngineArm:
                        enforce_eager=config.enforce_eager or EAGER in arm_suffixes(name),
                        batch_invariant=True if BATCH_INVARIANT in arm_suffixes(name) else None,
                        moe_a2a="alltoall" if EXCHANGE in arm_suffixes(name) else "auto", device=config.device,
+                       dp_attention=DP in arm_suffixes(name), attention_tp=2 if TP2 in arm_suffixes(name) else 1,
                        prefix_cache=config.prefix_cache == "both",
                        kv_block_size=VLLM_KV_BLOCK if config.prefix_cache == "both" else KV_BLOCK)
         self.prefix_policy = "on" if config.prefix_cache == "both" else "off"
@@ -244,6 +250,7 @@ class EngineArm:
         masks0, mask_s0 = (grammar.num_masks, grammar.mask_s + grammar.commit_s) if grammar else (0, 0.0)
         engine.metrics = AcceptanceMetrics()
         comm0 = self.comm.comm_seconds if self.comm is not None else 0.0
+        wire0 = dict(self.comm.wire_bytes) if self.comm is not None else {}
         steps0 = engine.num_steps
         plans = engine.verifier.plans
         hits0, misses0 = plans.hits, plans.misses
@@ -302,6 +309,9 @@ class EngineArm:
             comm_s = self.comm.comm_seconds - comm0
             cell["comm_ms_per_step"] = round(1000 * comm_s / steps, 3)
             cell["compute_ms_per_step"] = round(1000 * (wall - comm_s) / steps, 3)
+            # Bytes rank 0 put on the wire a step, by collective (counted from the tensors: ep.comm).
+            cell["wire_bytes_per_step"] = {k: round((v - wire0.get(k, 0)) / steps)
+                                           for k, v in sorted(self.comm.wire_bytes.items())}
         return cell
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from ep.comm import CommError, Communicator, u32_to_words, words_to_u32
-from ep.parallel import parallelize
-from ep.protocol import (BATCH_INVARIANT_BIT, COMPILED_BIT, DTYPE_CODES, DTYPE_MASK, EP_CMD_HANDSHAKE, EPLB_SHIFT,
+from ep.parallel import parallelize, parse_dp_mode
+from ep.protocol import (ATTENTION_TP_MASK, ATTENTION_TP_SHIFT, BATCH_INVARIANT_BIT, COMPILED_BIT, DP_ATTENTION_BIT,
+                         DTYPE_CODES, DTYPE_MASK, EP_CMD_HANDSHAKE, EPLB_SHIFT,
                          EP_CMD_SLOT_ATTACH, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE, EP_CMD_SLOT_RESERVE,
                          EP_CMD_SLOT_REWIND, HEADER_WORDS, PROTOCOL_VERSION, Command, ProtocolError,
                          bulk_len, encode, float_bits, parse_stop)
@@ -36,7 +37,7 @@ OP_CODES = {"reserve": EP_CMD_SLOT_RESERVE, "rewind": EP_CMD_SLOT_REWIND, "free"
 OP_NAMES = {v: k for k, v in OP_CODES.items()}
 # Handshake words every rank must agree on -> the reason code a mismatch is reported with.
 HANDSHAKE_FIELDS = {1: "protocol version", 2: "world size", 3: "model fingerprint", 4: "dtype",
-                    5: "confidence stop", 6: "group generation"}
+                    5: "confidence stop", 6: "group generation", 7: "attention layout (--dp-attention)"}
 # Reason codes a worker reports a refused command with (status word: reason << 16 | rank).
 REFUSED_COMMAND = 1
 HANDSHAKE_CHECKS = ((0, 1), (1, 2), (2, 3), (3, 3), (4, 4))   # (word, reason); word 5, the stop, is adopted
@@ -70,7 +71,8 @@ def load_shard_model(model_dir: str | Path, dtype: str, comm: Communicator, moe_
     collective, so a warm standby loads it before joining a group; its parallel layers use `comm`
     once it has joined. `keep_fp8`: as `load_model`'s (None: chosen by the device)."""
     cfg = load_config(model_dir)
-    topo = EPTopology.of(cfg, comm.rank, comm.world_size)
+    k = parse_dp_mode(moe_mode)
+    topo = EPTopology.of(cfg, comm.rank, comm.world_size, dp_attention=k is not None, attention_tp=k or 1)
     return load_model(model_dir, dtype, expert_range=topo.expert_range(),
                       transform=lambda m: parallelize(m, topo, comm, moe_mode), device=comm.device,
                       keep_fp8=keep_fp8)
@@ -88,6 +90,8 @@ def load_shard(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: 
     free memory leaves room for; the workers learn them in the same collective (give (0, 1))."""
     if model is None:
         model = load_shard_model(model_dir, dtype, comm, moe_mode)
+    if getattr(model, "attention_group", None) is not None:
+        model.attention_group.bind()   # `--attention-tp`: every rank makes every group's process group
     if eplb_redundant is not None:
         from ep.placement import enable
         enable(model, comm, eplb_redundant)
@@ -160,13 +164,15 @@ def _handshake_failed(comm: Communicator, status: int) -> HandshakeError:
 
 def driver_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
                      confidence_stop: float | None = None, batch_invariant: bool = False,
-                     generation: int = 0, compiled: bool = False, eplb_redundant: int | None = None) -> None:
+                     generation: int = 0, compiled: bool = False, eplb_redundant: int | None = None,
+                     dp_attention: bool = False, attention_tp: int = 1) -> None:
     """Rank 0: announce what this group must agree on (protocol version, world size, model
     fingerprint, dtype, and the group's generation, which travels in the header's slot word: the
     launcher counts its groups, so a rank started for an older group never joins a newer one),
     and what every rank adopts: the confidence stop TAU every rank drafts with (None: no stop)
     and whether every rank runs the batch-invariant kernels and compiles its step, and EPLB's
-    redundant experts (None: no EPLB).
+    redundant experts (None: no EPLB), and the attention layout (`dp_attention`: DP_ATTENTION_BIT,
+    checked: a rank loaded its shard for one layout).
     Raises `HandshakeError` naming the first rank that disagrees; every rank stops then."""
     if confidence_stop is not None and not 0.0 < confidence_stop < 1.0:
         raise ValueError(f"confidence_stop={confidence_stop} must be in (0, 1) or None")
@@ -174,6 +180,7 @@ def driver_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
     if eplb_redundant is not None and not 0 <= eplb_redundant < (1 << (32 - EPLB_SHIFT)) - 1:
         raise ValueError(f"eplb_redundant={eplb_redundant} does not fit the handshake")
     mode = dtype_word | (BATCH_INVARIANT_BIT if batch_invariant else 0) | (COMPILED_BIT if compiled else 0)
+    mode |= DP_ATTENTION_BIT | dp_tp_bits(attention_tp) if dp_attention else 0
     mode |= 0 if eplb_redundant is None else (eplb_redundant + 1) << EPLB_SHIFT
     words = (*words, mode, float_bits(confidence_stop))
     header, _ = encode(Command(EP_CMD_HANDSHAKE, generation, words))
@@ -183,12 +190,21 @@ def driver_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
         raise _handshake_failed(comm, status)
 
 
+def dp_tp_bits(attention_tp: int) -> int:
+    """log2 of `--attention-tp` (a power of two) in the handshake's dtype_mode bits 11-14."""
+    if attention_tp < 1 or attention_tp & (attention_tp - 1) or attention_tp.bit_length() - 1 > ATTENTION_TP_MASK:
+        raise ValueError(f"--attention-tp {attention_tp}: a power of two up to {1 << ATTENTION_TP_MASK}")
+    return (attention_tp.bit_length() - 1) << ATTENTION_TP_SHIFT
+
+
 def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
-                     generation: int = 0) -> tuple[float | None, bool, bool, int | None]:
+                     generation: int = 0, dp_attention: bool = False,
+                     attention_tp: int = 1) -> tuple[float | None, bool, bool, int | None]:
     """Ranks above 0: check rank 0's handshake against this rank's own words (and the generation
     of the group its launcher started it for); returns what the group adopts from rank 0: the
     confidence stop TAU (float32-exact; None for no stop), whether the batch-invariant kernels run,
-    whether the step is compiled, and EPLB's redundant experts (None: no EPLB)."""
+    whether the step is compiled, and EPLB's redundant experts (None: no EPLB). `dp_attention`:
+    the layout this rank loads (`--dp-attention`); rank 0's must be the same (reason 7)."""
     header, _ = recv_command(comm)
     mine = handshake_words(model_dir, comm.world_size, dtype)
     kind, stop, batch_invariant, compiled, eplb = 0, None, False, False, None
@@ -199,8 +215,11 @@ def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
         batch_invariant = bool(theirs[4] & BATCH_INVARIANT_BIT)
         compiled = bool(theirs[4] & COMPILED_BIT)
         eplb = (theirs[4] >> EPLB_SHIFT) - 1 if theirs[4] >> EPLB_SHIFT else None
-        if theirs[4] & ~(DTYPE_MASK | BATCH_INVARIANT_BIT | COMPILED_BIT) & ((1 << EPLB_SHIFT) - 1):
+        layout = theirs[4] & (DP_ATTENTION_BIT | ATTENTION_TP_MASK << ATTENTION_TP_SHIFT)
+        if theirs[4] & ~(DTYPE_MASK | BATCH_INVARIANT_BIT | COMPILED_BIT | layout) & ((1 << EPLB_SHIFT) - 1):
             kind = 4
+        mine_layout = DP_ATTENTION_BIT | dp_tp_bits(attention_tp) if dp_attention else 0
+        kind = kind or (7 if layout != mine_layout else 0)
         theirs[4] &= DTYPE_MASK
         kind = kind or next((reason for i, reason in HANDSHAKE_CHECKS if theirs[i] != mine[i]), 0)
         kind = kind or (6 if header[0] != generation else 0)

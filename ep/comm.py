@@ -190,6 +190,46 @@ class Communicator:
                 pass
 
 
+class GroupComm:
+    """The collectives of the group of `size` consecutive ranks this rank belongs to (an attention
+    group of `--attention-tp`, ep.dp), over `parent`'s process group. Its process groups are made
+    by `bind`, which every rank runs at the same point of the start (after the handshake): torch
+    makes every group with every rank. Bytes count in the parent's `wire_bytes`."""
+
+    def __init__(self, parent: Communicator, size: int) -> None:
+        self.parent, self.world_size = parent, size
+        self.rank = parent.rank % size
+        self.device = parent.device
+        self.pg = None
+
+    def bind(self) -> None:
+        """Make every group's process group (collective over all ranks), keep this rank's."""
+        p = self.parent
+        self.pg = None
+        if not p.joined:
+            return
+        for first in range(0, p.world_size, self.world_size):
+            pg = dist.new_group(list(range(first, first + self.world_size)), backend=p.backend)
+            if first <= p.rank < first + self.world_size:
+                self.pg = pg
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.world_size > 1:
+            self.parent._count("all_reduce", 2 * (self.world_size - 1) / self.world_size * _nbytes(tensor))
+            self.parent._run("all_reduce", dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=self.pg)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[n, ...] on every rank of the group -> [size * n, ...], group-rank-major."""
+        if self.world_size == 1 or not self.parent.joined:
+            return tensor
+        out = tensor.new_empty((self.world_size * tensor.shape[0], *tensor.shape[1:]))
+        self.parent._count("all_gather", (self.world_size - 1) * _nbytes(tensor))
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        self.parent._run("all_gather", gather, out, tensor.contiguous(), group=self.pg)
+        return out
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 

@@ -10,6 +10,7 @@ import torch
 from ep.channel import OP_CODES, send_command
 from ep.comm import Communicator
 from ep import placement
+from ep.dp import DPBook, dp_forward
 from ep.protocol import (EP_CMD_LOGITS, EP_CMD_SHUTDOWN, NO_SLOT, Command, ForwardPayload, Observation, Op,
                          ProposePayload, eplb_command, forward_command, propose_command)
 from runtime.executor.attention import SeqChunk
@@ -24,9 +25,12 @@ class DriverRunner:
 
     `sent` counts the commands that went on the wire, by name (`Command.name`)."""
 
-    def __init__(self, local: ModelRunner, comm: Communicator, eplb_interval_steps: int | None = None) -> None:
+    def __init__(self, local: ModelRunner, comm: Communicator, eplb_interval_steps: int | None = None,
+                 dp_budget: int | None = None, attention_tp: int = 1) -> None:
         """`eplb_interval_steps`: with EPLB on (`ep.placement.enable`), re-place the experts from
-        the loads counted since the last placement before every that many forwards."""
+        the loads counted since the last placement before every that many forwards. `dp_budget`:
+        data-parallel attention (`ep.dp`) with that padded row budget a rank (None: off), in
+        attention groups of `attention_tp` ranks."""
         self.local = local
         self.compiled = local.compiled   # every rank alike (the handshake's COMPILED_BIT)
         self.batch_invariant = local.batch_invariant
@@ -50,6 +54,7 @@ class DriverRunner:
         self.placements = 0               # live re-placements done
         self.eplb_bytes_received = 0      # expert weight bytes rank 0 received in them
         self._eplb_since: list | None = None   # the load counters at the last re-placement
+        self.dp = DPBook(comm.world_size // attention_tp, dp_budget) if dp_budget else None
 
     def send(self, cmd: Command) -> None:
         """Broadcast one command and wait for every rank's verdict (`CommandRefused` on a refusal)."""
@@ -63,20 +68,33 @@ class DriverRunner:
     def take_ops(self) -> list[Op]:
         ops = [(OP_CODES[op], seq, n) for op, seq, n in self.cache.journal]
         self.cache.journal.clear()
+        if self.dp is not None:
+            for op, seq, _ in ops:
+                if op == OP_CODES["free"]:
+                    self.dp.free(seq)
         return ops
 
     def forward(self, tokens: list[int], chunks: list[SeqChunk]):
         if self.eplb_interval and self.forwards and self.forwards % self.eplb_interval == 0:
             self.rebalance_experts()
         self.forwards += 1
-        sent = ForwardPayload(ops=self.take_ops(), chunks=[(c.seq_id, c.start, c.num_tokens) for c in chunks],
+        ops = self.take_ops()
+        owners = self.dp.assign(chunks, self.cache) if self.dp is not None else []
+        budget = self.dp.step_budget(chunks, owners) if self.dp is not None else 0
+        sent = ForwardPayload(ops=ops, chunks=[(c.seq_id, c.start, c.num_tokens) for c in chunks],
                               tokens=list(tokens), obs=self.take_obs(),
-                              trees={i: list(c.parents) for i, c in enumerate(chunks) if c.parents is not None})
-        self.send(forward_command(sent.ops, sent.chunks, sent.tokens, sent.obs, sent.trees))
+                              trees={i: list(c.parents) for i, c in enumerate(chunks) if c.parents is not None},
+                              owners=owners, budget=budget)
+        self.send(forward_command(sent.ops, sent.chunks, sent.tokens, sent.obs, sent.trees,
+                                  owners if self.dp is not None else None, budget))
         self.last_forward = sent
+        if self.dp is not None:
+            return dp_forward(self.local, self.comm, tokens, chunks, owners, budget), None
         return self.local.forward(tokens, chunks)
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        if self.dp is not None:   # the gathered hidden and the whole LM head are on rank 0: no command
+            return self.local.logits(hidden, rows)
         self.send(Command(EP_CMD_LOGITS, NO_SLOT, (len(rows), len(rows)), list(rows)))
         return self.local.logits(hidden, rows)
 

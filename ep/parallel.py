@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ep.comm import Communicator
+from ep.comm import Communicator, GroupComm
 from ep.topology import EPTopology
 from runtime.ops import batch_invariant as bi
 from runtime.executor.step_context import step_model
@@ -54,6 +54,24 @@ ShardSpecs = dict[str, tuple[int, ...]]
 # when it restarts. The graph around the ops is the one a single rank compiles, so EP N runs the
 # same generated kernels as EP 1 (batch-invariant mode relies on it: EP 2 equals EP 1).
 MOE_MODES = ("auto", "alltoall", "allreduce")
+# The layout of `--dp-attention` (docs/design.md §4.3), given where a `--moe-a2a` mode goes (the
+# launchers pass it to every rank's shard loading): attention, dense layers and the LM head whole
+# on every rank over its own rows, the target's routed experts exchanged by `EPMoE.dp_exchange`.
+DP_MODE = "dp"
+
+
+def dp_mode(attention_tp: int = 1) -> str:
+    """The shard mode of `--dp-attention` with attention groups of `attention_tp` ranks."""
+    return DP_MODE if attention_tp == 1 else f"{DP_MODE}{attention_tp}"
+
+
+def parse_dp_mode(mode: str) -> int | None:
+    """The attention group size of a `dp_mode` string; None for a `--moe-a2a` mode."""
+    if mode == DP_MODE:
+        return 1
+    if mode.startswith(DP_MODE) and mode[len(DP_MODE):].isdigit() and int(mode[len(DP_MODE):]) > 1:
+        return int(mode[len(DP_MODE):])
+    return None
 
 
 def _collective(handle: int) -> nn.Module:
@@ -149,7 +167,7 @@ class EPMoE(nn.Module):
 
     def __init__(self, moe: MoE, topo: EPTopology, comm: Communicator, mode: str) -> None:
         super().__init__()
-        if mode not in MOE_MODES:
+        if mode not in (*MOE_MODES, DP_MODE):
             raise ValueError(f"--moe-a2a {mode!r}: expected {', '.join(MOE_MODES)}")
         self.gate = moe.gate
         self.shared_experts = moe.shared_experts
@@ -168,6 +186,20 @@ class EPMoE(nn.Module):
         self.eplb_slots = None
         self.eplb_on = False   # what the forward reads (a bool: a compiled step guards on it, not on the table)
         self.slots_per_rank = 0
+        # DP attention (`dp_exchange`), set before each step on every rank alike (`set_dp_step`): the
+        # per-rank row budget of a padded exchange (0: exact counts) and this rank's first row in
+        # the rank-major order of the step's rows (EPLB picks copies by it).
+        self.dp_budget = 0
+        self.dp_row_offset = 0
+        self.dp_shapes: set[tuple[tuple[int, ...], ...]] = set()   # shapes of the padded exchanges run
+        self.group: GroupComm | None = None   # `--attention-tp` K > 1: the attention group (its K ranks hold the same rows)
+
+    def _group_share(self, t: int) -> tuple[int, int]:
+        """Rows [start, stop) of the group's T rows that this rank routes (all of them without a group)."""
+        if self.group is None:
+            return 0, t
+        k, r = self.group.world_size, self.group.rank
+        return r * t // k, (r + 1) * t // k
 
     def physical(self, ids: torch.Tensor, first_row: int) -> torch.Tensor:
         """EPLB: the physical expert (rank * S + slot) of each choice in `ids` [T, k] whose first
@@ -200,6 +232,13 @@ class EPMoE(nn.Module):
                 self.count(ids)
                 ids = self.physical(ids, 0)
             out = all_reduce(self, self.experts(x, weights, ids))
+        elif self.mode == DP_MODE:   # x: this rank's attention group's rows; it routes its share of them
+            start, stop = self._group_share(x.shape[0])
+            _, weights, ids = self.gate(x[start:stop])
+            if torch.compiler.is_compiling():
+                out = torch.ops.metrale.ep_moe_exchange(x, weights, ids, self.handle)
+            else:
+                out = self.dp_exchange(x, weights, ids)
         else:
             # The router runs on this rank's share of the rows (in the step's graph when
             # compiled); the exchange, the experts and the combine run outside it.
@@ -221,6 +260,95 @@ class EPMoE(nn.Module):
         return rank * t // n, (rank + 1) * t // n
 
     def exchange(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The exchange of this layer's mode (the compiled step's opaque op calls it)."""
+        if self.mode == DP_MODE:
+            return self.dp_exchange(x, weights, ids)
+        return self.share_exchange(x, weights, ids)
+
+    def dp_exchange(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """DP attention: x [Tr, H] this rank's own rows, weights and ids [Tr, k] their routing ->
+        the routed experts' output for those rows [Tr, H]. Every choice goes to the rank holding
+        its expert (EPLB: its copy) and comes back weighted; a row's k choices are added in choice
+        order here, as one rank adds them. Two forms, the same on every rank of a step:
+
+        - exact (`dp_budget` 0, prefill): the per-destination counts are all-gathered and checked
+          (gloo returns stale data on mismatched splits), then uneven all_to_alls of the rows,
+          their (id, weight) and the results;
+        - padded (`dp_budget` B: every rank's rows fit B, decode and verify steps): each rank
+          sends every other rank a fixed B * k rows, its choices for that rank first and the rest
+          expert id -1, weight 0 (which no rank holds: they add zero), so every collective and
+          tensor has the same shape at every step (CUDA-graph capturable); no counts travel
+          (with EPLB the loads do, a fixed [E] a rank).
+
+        A rank with no rows of its own joins every collective with empty tensors. With attention
+        groups (`--attention-tp` K), x holds the group's rows, the same on its K ranks: each routes
+        and exchanges its K-th (`_group_share`, weights and ids are its share's) and the group
+        all-gathers the results."""
+        full = x
+        start, stop = self._group_share(x.shape[0])
+        x = x[start:stop]
+        topo, comm = self.topo, self.comm
+        n, t, h = topo.ep_size, x.shape[0], x.shape[1]
+        k = ids.shape[1]
+        loads = ids.new_zeros(0)
+        if self.eplb_on:
+            loads = torch.bincount(ids.reshape(-1), minlength=topo.num_experts)
+            ids = self.physical(ids, self.dp_row_offset + start)
+            dest = ids.reshape(-1) // self.slots_per_rank
+        else:
+            dest = self.owner[ids.reshape(-1)]                             # [Tr*k] rank of each choice
+        order = torch.argsort(dest, stable=True)
+        send_counts = torch.bincount(dest, minlength=n)                    # [N]
+        meta_dtype = torch.float64 if weights.dtype == torch.float64 else torch.float32
+        flat_ids, flat_w = ids.reshape(-1)[order].to(meta_dtype), weights.reshape(-1)[order].to(meta_dtype)
+        budget = self.dp_budget if self.group is None else -(-self.dp_budget // self.group.world_size)
+        if not budget:
+            gathered = comm.all_gather(torch.cat((send_counts, loads)).to(torch.int32)[None])
+            all_counts = gathered[:, :n].reshape(n, n)
+            if self.eplb_on:
+                self.expert_loads += gathered[:, n:].sum(dim=0)
+            self.last_counts = all_counts
+            if not torch.equal(all_counts[topo.ep_rank].long(), send_counts):
+                raise RuntimeError(f"rank {topo.ep_rank}: MoE dispatch counts disagree after exchange "
+                                   f"({all_counts[topo.ep_rank].tolist()} vs {send_counts.tolist()})")
+            send_splits, recv_splits = send_counts.tolist(), all_counts[:, topo.ep_rank].tolist()
+            recv_x = comm.all_to_all(x[order // k], send_splits, recv_splits)
+            recv_meta = comm.all_to_all(torch.stack((flat_ids, flat_w), 1), send_splits, recv_splits)
+            y = self.experts(recv_x, recv_meta[:, 1:], recv_meta[:, :1].long())
+            back = comm.all_to_all(y, recv_splits, send_splits)            # [Tr*k, H] in `order`
+        else:
+            if t > budget:
+                raise RuntimeError(f"rank {topo.ep_rank}: {t} rows exceed the padded exchange's budget of {budget}")
+            cap = budget * k                                               # rows a rank sends each rank
+            sorted_dest = dest[order]
+            first = torch.cumsum(send_counts, 0) - send_counts
+            place = sorted_dest * cap + torch.arange(t * k, device=x.device) - first[sorted_dest]   # [Tr*k]
+            send_x = x.new_zeros(n * cap, h)
+            send_x[place] = x[order // k]
+            send_meta = torch.stack((torch.full((n * cap,), -1.0, dtype=meta_dtype, device=x.device),
+                                     torch.zeros(n * cap, dtype=meta_dtype, device=x.device)), 1)
+            send_meta[place] = torch.stack((flat_ids, flat_w), 1)
+            splits = [cap] * n
+            recv_x = comm.all_to_all(send_x, splits, splits)               # [N*B*k, H]
+            recv_meta = comm.all_to_all(send_meta, splits, splits)         # [N*B*k, 2]
+            y = self.experts(recv_x, recv_meta[:, 1:], recv_meta[:, :1].long())
+            back_all = comm.all_to_all(y, splits, splits)                  # [N*B*k, H]
+            back = back_all[place]
+            self.dp_shapes.add((tuple(send_x.shape), tuple(recv_meta.shape), tuple(back_all.shape)))
+            if self.eplb_on:
+                self.expert_loads += comm.all_gather(loads.to(torch.int32)[None]).sum(dim=0)
+        per_choice = torch.empty_like(back)
+        per_choice[order] = back
+        out = per_choice.view(t, k, h).sum(dim=1)
+        if self.group is None or full.shape[0] == 0:   # a group's ranks hold the same rows: all skip alike
+            return out
+        g = self.group.world_size
+        shares = [(r + 1) * full.shape[0] // g - r * full.shape[0] // g for r in range(g)]
+        width = max(shares)
+        gathered = self.group.all_gather(F.pad(out, (0, 0, 0, width - t)))          # [K * width, H]
+        return torch.cat([gathered[r * width:r * width + shares[r]] for r in range(g)])
+
+    def share_exchange(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [Ts, k]: the routing of this rank's share of x -> the routed
         experts' output for all T rows, on every rank."""
         topo, comm = self.topo, self.comm
@@ -270,6 +398,8 @@ class EPMoE(nn.Module):
 def parallelize(model: CausalLM, topo: EPTopology, comm: Communicator, moe_mode: str) -> ShardSpecs:
     """Swap the model's layers for their parallel versions (on the meta device, before loading)."""
     cfg = model.config
+    if parse_dp_mode(moe_mode) is not None:
+        return _data_parallel(model, topo, comm)
     if cfg.tie_word_embeddings:
         raise ValueError("tie_word_embeddings=true is not supported with ep_size > 1")
     specs: ShardSpecs = {}
@@ -296,6 +426,57 @@ def parallelize(model: CausalLM, topo: EPTopology, comm: Communicator, moe_mode:
         model.mtp.shared_head.head = VocabParallelHead(cfg.hidden_size, topo, comm)
         specs["mtp.shared_head.head.weight"] = (0, vr.start, vr.stop)
     return specs
+
+
+def _data_parallel(model: CausalLM, topo: EPTopology, comm: Communicator) -> ShardSpecs:
+    """`--dp-attention`: every layer but the routed experts stays whole (no head or vocabulary
+    split, no collective outside the experts); the target's MoE layers exchange their rows
+    (`EPMoE.dp_exchange`). The MTP layer drafts every drafting sequence on every rank alike
+    (its attention whole, its experts all-reduced), so the drafter mirror and both propose
+    forms stay as they are (docs/design.md §4.3)."""
+    cfg = model.config
+    if cfg.linear_layers or model.sparse is not None:
+        raise ValueError(f"--dp-attention: {cfg.architecture}'s linear-attention or sparse layers are not "
+                         "data-parallel yet; serve it without --dp-attention")
+    k = topo.attention_tp
+    group = GroupComm(comm, k) if k > 1 else None   # `ep.channel.load_shard` binds its process groups
+    model.attention_group, model.attention_tp = group, k
+    specs: ShardSpecs = {}
+    blocks = [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
+    if model.mtp is not None:   # the MTP layer's cache is a layer of the same cache: its heads split alike
+        blocks.append(("mtp.block", model.mtp.block))
+    for name, block in blocks if group is not None else ():
+        # heads split inside the attention group, output projection all-reduced there
+        split = _split_latent_attention if isinstance(block.self_attn, MLAttention) else _split_attention
+        specs |= split(block.self_attn, f"{name}.self_attn", cfg, topo, group)
+    for layer in model.layers:
+        if isinstance(layer.mlp, MoE):
+            layer.mlp = EPMoE(layer.mlp, topo, comm, DP_MODE)
+            layer.mlp.group = group
+    if model.mtp is not None and isinstance(model.mtp.block.mlp, MoE):
+        model.mtp.block.mlp = EPMoE(model.mtp.block.mlp, topo, comm, "allreduce")
+    model.ep_collectives = [m for m in model.modules() if isinstance(m, (RowParallelLinear, EPMoE))]
+    for i, m in enumerate(model.ep_collectives):
+        m.handle = i
+    return specs
+
+
+def set_dp_step(model: CausalLM, budget: int, row_offset: int) -> None:
+    """Before a DP-attention forward, on every rank alike: the padded exchange's per-rank row
+    budget (0: exact counts) and this rank's first row in the step's rank-major rows."""
+    for m in model.ep_collectives:
+        if getattr(m, "mode", None) == DP_MODE:
+            m.dp_budget, m.dp_row_offset = budget, row_offset
+
+
+def dp_join_empty(model: CausalLM) -> None:
+    """A DP-attention rank with no rows this step: join every target MoE layer's exchange, in
+    model order, with nothing to send (the other ranks' experts may still need its own)."""
+    x = torch.zeros(0, model.config.hidden_size, dtype=model.dtype, device=model.device)
+    for m in model.ep_collectives:
+        if getattr(m, "mode", None) == DP_MODE:
+            k = m.gate.top_k
+            m.dp_exchange(x, x.new_zeros(0, k), torch.zeros(0, k, dtype=torch.long, device=x.device))
 
 
 def _split_attention(attn: nn.Module, name: str, cfg: ModelConfig, topo: EPTopology, comm: Communicator) -> ShardSpecs:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from speculative.proposer import EP_CMD_MTP_PROPOSE
 from speculative.settings import MAX_NUM_DRAFTS
 
-PROTOCOL_VERSION = 8   # 7: COMPILED_BIT in the handshake; 8: EPLB (its field in dtype_mode, EP_CMD_EPLB)
+PROTOCOL_VERSION = 9   # 7: COMPILED_BIT in the handshake; 8: EPLB (its field in dtype_mode, EP_CMD_EPLB);
+#                        9: DP_ATTENTION_BIT, and a DP-attention FORWARD's owners and row budget
 HEADER_WORDS = 8
 NO_SLOT = 0xFFFFFFFF
 MAX_SLOT = 1 << 30
@@ -32,11 +33,15 @@ EP_CMD_HANDSHAKE = 0xFFFFFFFE     # version, world_size, fingerprint_lo, fingerp
 #                                   dtype_mode: the dtype code (bits 0-7, checked) | BATCH_INVARIANT_BIT
 #                                   (adopted: every rank runs the batch-invariant kernels or none does)
 #                                   | COMPILED_BIT (adopted: every rank compiles its step or none does)
-#                                   | (R + 1) << EPLB_SHIFT (adopted: EPLB with R redundant experts; 0: off);
+#                                   | (R + 1) << EPLB_SHIFT (adopted: EPLB with R redundant experts; 0: off)
+#                                   | DP_ATTENTION_BIT | log2(attention_tp) << ATTENTION_TP_SHIFT (checked:
+#                                   data-parallel attention and its attention groups, docs/design.md §4.3);
 #                                   stop_bits: the group's confidence stop TAU as float32 bits, 0 for none;
 #                                   workers adopt it (the three-word propose drafts with it)
 EP_CMD_FORWARD = 0xFFFFFFFD       # num_ops, num_chunks, num_tokens, bulk_len, num_obs, num_tree_words
-#                                   | bulk: ops, chunks (slot, start, num_tokens), tokens, obs, trees
+#                                   | bulk: ops, chunks (slot, start, num_tokens), tokens, obs, trees,
+#                                   and with DP attention one word a chunk (the rank that runs it), then the
+#                                   step's per-rank row budget (0: an exact-count exchange)
 # A tree (a chunk with parents) travels as (chunk index, parent row of each of its rows), the root's
 # parent NO_PARENT; the rows' positions and mask follow from the parents (runtime.executor.attention.SeqChunk).
 EP_CMD_LOGITS = 0xFFFFFFFC        # num_rows, bulk_len | bulk: row indices into the last forward's rows
@@ -77,6 +82,8 @@ DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float64": 3}
 DTYPE_MASK = 0xFF
 BATCH_INVARIANT_BIT = 1 << 8
 COMPILED_BIT = 1 << 9
+DP_ATTENTION_BIT = 1 << 10
+ATTENTION_TP_SHIFT, ATTENTION_TP_MASK = 11, 0xF   # dtype_mode bits 11-14: log2 of `--attention-tp`
 EPLB_SHIFT = 16   # dtype_mode bits 16-31: 1 + the redundant experts of EPLB, 0 without it
 
 
@@ -108,6 +115,8 @@ class ForwardPayload:
     tokens: list[int]
     obs: list[Observation]
     trees: dict[int, list[int]] = field(default_factory=dict)   # chunk index -> parent rows (root: -1)
+    owners: list[int] = field(default_factory=list)   # DP attention: the rank that runs each chunk ([]: all)
+    budget: int = 0                                   # DP attention: the padded exchange's rows a rank (0: exact)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,12 +179,19 @@ def parse_logits(cmd: Command) -> list[int]:
 
 # --- FORWARD -----------------------------------------------------------------------------------
 def forward_command(ops: list[Op], chunks: list[tuple[int, int, int]], tokens: list[int],
-                    obs: list[Observation] = (), trees: dict[int, list[int]] | None = None) -> Command:
-    """`trees`: chunk index -> the parent row of each of its rows (-1 for the root)."""
+                    obs: list[Observation] = (), trees: dict[int, list[int]] | None = None,
+                    owners: list[int] | None = None, budget: int = 0) -> Command:
+    """`trees`: chunk index -> the parent row of each of its rows (-1 for the root); `owners`
+    (DP attention): the rank that runs each chunk, then `budget`, the step's padded rows a rank."""
     tree_words = [w for i, parents in sorted((trees or {}).items())
                   for w in (i, *(NO_PARENT if p < 0 else p for p in parents))]
     bulk = [w for op in ops for w in op] + [w for c in chunks for w in c] + list(tokens) + [w for o in obs for w in o]
     bulk += tree_words
+    if owners is not None:
+        if len(owners) != len(chunks):
+            raise ProtocolError(f"FORWARD: {len(owners)} owners for {len(chunks)} chunks")
+        bulk += [*owners, budget]
+        tree_words = [*tree_words, *owners, budget]   # counted with the trailing words of the layout
     return Command(EP_CMD_FORWARD, NO_SLOT, (len(ops), len(chunks), len(tokens), len(bulk), len(obs),
                                              len(tree_words)), bulk)
 
@@ -202,9 +218,14 @@ def _check_tokens(tokens: list[int], vocab_size: int, what: str) -> None:
         raise ProtocolError(f"{what}: token {bad} outside the vocabulary of {vocab_size}")
 
 
-def parse_forward(cmd: Command, *, vocab_size: int) -> ForwardPayload:
-    """Check and unpack a FORWARD: op codes, slots, chunk sizes and token ids must be valid."""
+def parse_forward(cmd: Command, *, vocab_size: int, dp_size: int = 0) -> ForwardPayload:
+    """Check and unpack a FORWARD: op codes, slots, chunk sizes and token ids must be valid.
+    `dp_size` (DP attention: the ranks): the trailing words are each chunk's rank and the row
+    budget, counted in the header's tree words."""
     num_ops, num_chunks, num_tokens, n, num_obs, num_tree_words = cmd.params
+    dp_words = num_chunks + 1 if dp_size else 0
+    if num_tree_words < dp_words:
+        raise ProtocolError(f"FORWARD: {num_tree_words} trailing words, a DP-attention step needs {dp_words}")
     if n != 3 * num_ops + 3 * num_chunks + num_tokens + 4 * num_obs + num_tree_words:
         raise ProtocolError(f"FORWARD: layout {num_ops} ops, {num_chunks} chunks, {num_tokens} tokens, "
                             f"{num_obs} observations, {num_tree_words} tree words does not match {n} bulk words")
@@ -224,8 +245,18 @@ def parse_forward(cmd: Command, *, vocab_size: int) -> ForwardPayload:
         if slot >= MAX_SLOT:
             raise ProtocolError(f"FORWARD: slot {slot} out of range (0..{MAX_SLOT - 1})")
     _check_tokens(tokens, vocab_size, "FORWARD")
-    trees = _parse_trees(b[off + 4 * num_obs:], chunks)   # after the chunk checks: a tree needs a root row
-    return ForwardPayload(ops=ops, chunks=chunks, tokens=tokens, obs=obs, trees=trees)
+    tail = b[off + 4 * num_obs:]
+    trees = _parse_trees(tail[:len(tail) - dp_words], chunks)   # after the chunk checks: a tree needs a root row
+    if not dp_size:
+        return ForwardPayload(ops=ops, chunks=chunks, tokens=tokens, obs=obs, trees=trees)
+    owners, budget = tail[len(tail) - dp_words:-1], tail[-1]
+    bad = next((o for o in owners if o >= dp_size), None)
+    if bad is not None:
+        raise ProtocolError(f"FORWARD: chunk owner rank {bad} outside 0..{dp_size - 1}")
+    rows = [sum(c[2] for c, o in zip(chunks, owners) if o == r) for r in range(dp_size)]
+    if budget and max(rows) > budget:
+        raise ProtocolError(f"FORWARD: a rank runs {max(rows)} rows, above the padded budget of {budget}")
+    return ForwardPayload(ops=ops, chunks=chunks, tokens=tokens, obs=obs, trees=trees, owners=owners, budget=budget)
 
 
 def _parse_trees(words: list[int], chunks: list[tuple[int, int, int]]) -> dict[int, list[int]]:

@@ -22,6 +22,8 @@ import torch
 from ep.channel import (OP_NAMES, REFUSED_COMMAND, gather_rank_info, gather_weight_bytes, load_shard, recv_command,
                         report_status, worker_handshake)
 from ep.comm import CommError, Communicator
+from ep.dp import dp_forward
+from ep.parallel import parse_dp_mode
 from ep.protocol import (EP_CMD_EPLB, EP_CMD_FORWARD, EP_CMD_LOGITS, EP_CMD_MTP_PROPOSE, EP_CMD_MTP_PROPOSE_BATCH,
                          EP_CMD_SHUTDOWN, EP_CMD_SLOT_FREE, Command, ForwardPayload, Observation, Op,
                          ProposePayload, ProtocolError, decode, derive_propose, float_bits, parse_eplb,
@@ -74,8 +76,12 @@ class DrafterMirror:
 class Worker:
     """One worker rank's state between commands: its shard, its drafter mirror, the last forward."""
 
-    def __init__(self, runner: ModelRunner, comm: Communicator, confidence_stop: float | None) -> None:
+    def __init__(self, runner: ModelRunner, comm: Communicator, confidence_stop: float | None,
+                 attention_tp: int | None = None) -> None:
+        """`attention_tp`: DP attention with attention groups of that many ranks (None: off)."""
         self.runner = runner
+        # DP attention: FORWARDs carry each chunk's attention group
+        self.dp_size = comm.world_size // attention_tp if attention_tp else 0
         self.comm = comm
         self.vocab_size = runner.config.vocab_size
         self.confidence_stop = confidence_stop      # the group's TAU, from the handshake
@@ -92,14 +98,17 @@ class Worker:
 
     # --- FORWARD ----------------------------------------------------------------------------------
     def check_forward(self, cmd: Command) -> ForwardPayload:
-        return parse_forward(cmd, vocab_size=self.vocab_size)
+        return parse_forward(cmd, vocab_size=self.vocab_size, dp_size=self.dp_size)
 
     def run_forward(self, p: ForwardPayload) -> bool:
         self.mirror.observe(p.obs, self.last_hidden)   # they index the previous forward
         self.apply_slot_ops(p.ops)
         chunks = [SeqChunk(s, start, n, tuple(p.trees[i]) if i in p.trees else None)
                   for i, (s, start, n) in enumerate(p.chunks)]
-        self.last_hidden, _ = self.runner.forward(p.tokens, chunks)
+        if self.dp_size:
+            self.last_hidden = dp_forward(self.runner, self.comm, p.tokens, chunks, p.owners, p.budget)
+        else:
+            self.last_hidden, _ = self.runner.forward(p.tokens, chunks)
         self.last_forward = p
         return False
 
@@ -205,12 +214,13 @@ def check_command(worker: Worker, header: list[int], bulk: list[int]) -> tuple[H
     return handler, handler.check(worker, cmd)
 
 
-def worker_loop(runner: ModelRunner, comm: Communicator, confidence_stop: float | None = None) -> None:
+def worker_loop(runner: ModelRunner, comm: Communicator, confidence_stop: float | None = None,
+                attention_tp: int | None = None) -> None:
     """Ranks above 0: execute rank 0's commands until SHUTDOWN. A refused command is skipped by
     every rank together; a broken link raises `CommError` and ends the worker. After its first
     command and after each one that compiled graphs the rank freezes its heap (runtime.platform.heap)."""
     from torch._dynamo.utils import counters   # Dynamo's count of the graphs it compiled
-    worker = Worker(runner, comm, confidence_stop)
+    worker = Worker(runner, comm, confidence_stop, attention_tp)
     graphs = None
     while True:
         header, bulk = recv_command(comm)
@@ -242,13 +252,15 @@ def serve_rank(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_
     group is always left."""
     _thread_lock_for_progress_bars()
     try:
-        confidence_stop, batch_invariant, compiled, eplb = worker_handshake(comm, model_dir, dtype, generation)
+        k = parse_dp_mode(moe_a2a)
+        confidence_stop, batch_invariant, compiled, eplb = worker_handshake(comm, model_dir, dtype, generation,
+                                                                            k is not None, k or 1)
         runner = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens, batch_invariant, model,
                             gpu_memory_utilization, compiled, eplb)
         gather_weight_bytes(comm, runner)
         gather_rank_info(comm)
         comm.started()
-        worker_loop(runner, comm, confidence_stop)
+        worker_loop(runner, comm, confidence_stop, k)
         return 0, ""
     except CommError as exc:
         return 3, f"metrale worker rank {comm.rank}: {exc}"

@@ -179,6 +179,13 @@ def add_model_args(p: argparse.ArgumentParser, model_dir: Path | None = None) ->
     p.add_argument("--eplb-interval-steps", type=int, default=None, metavar="S",
                    help="with --eplb-redundant-experts: re-place the experts from the counted loads every S steps "
                         "while serving (weights move between ranks; tokens unchanged)")
+    p.add_argument("--dp-attention", action="store_true",
+                   help="with --ep N: data-parallel attention; each rank attends over its own sequences (and runs "
+                        "the dense layers and LM head over their rows) and the routed experts exchange rows "
+                        "all-to-all, padded to a fixed row budget in decode (docs/design.md §4.3)")
+    p.add_argument("--attention-tp", type=_positive_int, default=1, metavar="K",
+                   help="with --dp-attention: groups of K ranks (a power of two dividing --ep) share their sequences "
+                        "and split attention heads tensor-parallel among them (default 1)")
     p.add_argument("--ep-timeout", type=float, default=60.0, metavar="S",
                    help="seconds before a collective is declared dead")
     p.add_argument("--enforce-eager", action="store_true",
@@ -411,7 +418,8 @@ def make_llm(args: argparse.Namespace):
                   gpu_memory_utilization=args.gpu_memory_utilization, spec_settings=spec, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout,
                   enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
                   prefix_cache=args.prefix_cache, eplb_redundant_experts=args.eplb_redundant_experts,
-                  eplb_interval_steps=args.eplb_interval_steps)
+                  eplb_interval_steps=args.eplb_interval_steps, dp_attention=args.dp_attention,
+                  attention_tp=args.attention_tp)
     tr = torchrun_rank()
     if tr is not None:
         rank, world = tr
@@ -421,7 +429,9 @@ def make_llm(args: argparse.Namespace):
             raise UsageError(f"model folder {args.model!r} does not exist")
         comm = join(rank, world, args.ep_timeout, device)
         if rank > 0:
-            code = run_worker(comm, args.model, args.dtype, args.moe_a2a, args.kv_cache_tokens,
+            from ep.parallel import dp_mode
+            code = run_worker(comm, args.model, args.dtype, dp_mode(args.attention_tp) if args.dp_attention else args.moe_a2a,
+                              args.kv_cache_tokens,
                               args.gpu_memory_utilization)
             if code:
                 raise SystemExit(code)

@@ -29,6 +29,8 @@ from ep.channel import (CommandRefused, driver_handshake, gather_rank_info, gath
                         load_shard_model)
 from ep.comm import CommError, Communicator
 from ep.driver import DriverRunner, ShardedMTPProposer
+from ep.dp import row_budget
+from ep.parallel import dp_mode
 from ep.protocol import MAX_SLOT
 from ep.local_drafter import load_local_drafter
 from runtime.model.causal_lm import CausalLM
@@ -122,6 +124,16 @@ class DeploymentConfig:
     eplb_interval_steps: int | None = None
     # The engine's running-sequence limit: a cache sized from free memory leaves their layer states room.
     max_num_seqs: int = 64
+    # Data-parallel attention (ep.dp, docs/design.md §4.3): each rank attends over its own sequences
+    # and the routed experts exchange rows (padded in decode to `ep.dp.row_budget` rows a rank).
+    dp_attention: bool = False
+    attention_tp: int = 1   # with dp_attention: ranks of an attention group, which split its heads
+
+    @property
+    def shard_mode(self) -> str:
+        """What every rank's shard is loaded and parallelised by: the MoE dispatch mode, or the
+        data-parallel layout."""
+        return dp_mode(self.attention_tp) if self.dp_attention else self.moe_a2a
 
     def step_settings(self, rows_per_seq: int = 1) -> StepSettings:
         """The settings rank 0's runner resolves against its model (runtime.executor.settings):
@@ -156,6 +168,16 @@ class DeploymentConfig:
             raise ValueError(f"--eplb-interval-steps {s}: needs --eplb-redundant-experts (0 for no copies)")
         if s is not None and s < 1:
             raise ValueError(f"--eplb-interval-steps {s}: must be at least 1")
+        if self.dp_attention and self.ep < 2:
+            raise ValueError("--dp-attention splits sequences over EP ranks; it needs --ep 2 or more")
+        if self.attention_tp != 1 and not self.dp_attention:
+            raise ValueError(f"--attention-tp {self.attention_tp} splits attention inside --dp-attention's groups; "
+                             "add --dp-attention")
+        if self.dp_attention and (self.attention_tp < 1 or self.ep % self.attention_tp
+                                  or self.attention_tp & (self.attention_tp - 1)):
+            raise ValueError(f"--attention-tp {self.attention_tp}: a power of two that divides --ep {self.ep}")
+        if self.dp_attention and self.moe_a2a != "auto":
+            raise ValueError(f"--dp-attention exchanges the routed experts' rows itself; drop --moe-a2a {self.moe_a2a}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +230,7 @@ class Deployment:
                              "blocks only (its workers size their caches alike)")
         if config.ep > 1 and comm is None:
             self.group = launcher(GroupConfig(model_dir=str(config.model_dir), dtype=config.dtype, ep=config.ep,
-                                              moe_a2a=config.moe_a2a, kv_cache_tokens=config.kv_cache_tokens,
+                                              moe_a2a=config.shard_mode, kv_cache_tokens=config.kv_cache_tokens,
                                               timeout_s=config.ep_timeout_s, device=config.device,
                                               gpu_memory_utilization=config.gpu_memory_utilization,
                                               warm_standby=config.warm_standby and config.max_restarts > 0))
@@ -334,8 +356,14 @@ class Deployment:
                     bar.set_postfix_str(name)
                     if what == "target":
                         rows = chunks[0].num_tokens
-                        hidden, _ = runner.forward([0] * rows, chunks)
-                        runner.logits(hidden, list(range(rows)))   # one row, or several: the head's graphs too
+                        # DP attention: each rank compiles its own step, so each runs the scratch rows once
+                        # (a rank compiling later would keep the others waiting in the exchange).
+                        dp = getattr(runner, "dp", None)
+                        for rank in range(dp.dp_size) if dp is not None else (None,):
+                            if rank is not None:
+                                dp.pin(seq, rank)
+                            hidden, _ = runner.forward([0] * rows, chunks)
+                            runner.logits(hidden, list(range(rows)))   # one row, or several: the head's graphs too
                     elif what.startswith("drafter chain"):
                         depth, width = map(int, what.split()[2:])
                         drafter.warm_up_chain(chunks, depth, width)
@@ -374,13 +402,14 @@ class Deployment:
             batch_invariant = cfg.dtype == "float64" if cfg.batch_invariant is None else cfg.batch_invariant
             compiled = not cfg.enforce_eager and cfg.dtype != "float64"
             driver_handshake(comm, cfg.model_dir, cfg.dtype, self.spec.confidence_stop, batch_invariant,
-                             getattr(self.group, "generation", 0), compiled, cfg.eplb_redundant_experts)
+                             getattr(self.group, "generation", 0), compiled, cfg.eplb_redundant_experts,
+                             cfg.dp_attention, cfg.attention_tp)
             if comm.device != torch.device(cfg.device):
                 raise ValueError(f"rank 0's communicator is on {comm.device}, the deployment on {cfg.device}")
             # EPLB moves experts between ranks: a restarted group starts again from the loaded split.
             if self._shard is None or self._shard[0] is not comm or cfg.eplb_redundant_experts is not None:
-                self._shard = comm, load_shard_model(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a)
-            local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.moe_a2a, cfg.kv_cache_tokens, batch_invariant,
+                self._shard = comm, load_shard_model(cfg.model_dir, cfg.dtype, comm, cfg.shard_mode)
+            local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.shard_mode, cfg.kv_cache_tokens, batch_invariant,
                                self._shard[1], cfg.gpu_memory_utilization, compiled, cfg.eplb_redundant_experts,
                                (cfg.max_num_seqs, self.rows_per_seq))
             self.rank_weight_bytes = gather_weight_bytes(comm, local)
@@ -393,7 +422,9 @@ class Deployment:
             raise
         nodes = self.group.nodes() if self.group is not None else [r["host"] for r in info]
         self.rank_info = [{**r, "node": node} for r, node in zip(info, nodes)]
-        return DriverRunner(local, comm, cfg.eplb_interval_steps)
+        groups = comm.world_size // cfg.attention_tp
+        budget = row_budget(cfg.max_num_seqs, groups, self.rows_per_seq) if cfg.dp_attention else None
+        return DriverRunner(local, comm, cfg.eplb_interval_steps, budget, cfg.attention_tp)
 
     def _make_proposer(self, runner: ModelRunner | DriverRunner) -> DraftProposer | None:
         """The drafter the settings ask for: the checkpoint's MTP layer (sharded across the EP

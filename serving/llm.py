@@ -34,7 +34,8 @@ class LLM:
                  prefix_cache: bool = True, warm_standby: bool = True, device: str = "auto",
                  gpu_memory_utilization: float | None = None, static_steps: bool | None = None,
                  kv_block_size: int = 16, eplb_redundant_experts: int | None = None,
-                 eplb_interval_steps: int | None = None) -> None:
+                 eplb_interval_steps: int | None = None, dp_attention: bool = False,
+                 attention_tp: int = 1) -> None:
         """Speculation: `spec` (none, mtp, ngram) with at most `num_drafts` drafts per step, a
         depth policy (`draft_policy` fixed/ladder/auto, or `mtp_k_ladder` text or "auto"), a
         width cap `mtp_max_seqs`, a confidence stop, a draft-tree shape ("1,2,2"); resolved once
@@ -71,7 +72,13 @@ class LLM:
         default; other sizes are served by one rank (an EP group keeps 16).
         `eplb_redundant_experts` (EP only): EPLB with that many redundant expert slots and
         per-expert load counters (ep.placement); `eplb_interval_steps`: re-place the experts from
-        the counted loads every that many forwards."""
+        the counted loads every that many forwards. `dp_attention` (EP only, docs/design.md §4.3):
+        each rank runs attention, dense layers and the LM head over its own sequences and the
+        routed experts exchange rows all-to-all; the padded decode exchange takes
+        ceil(max_num_seqs / ep) sequences of 1 + the drafts a verify checks a rank. Its ranks
+        keep each sequence's keys and values on one rank, so the prefix cache is off.
+        `attention_tp` K (with `dp_attention`, K a power of two dividing `ep`): groups of K ranks
+        share their sequences and split attention heads among them, tensor-parallel."""
         model_dir = Path(model)
         resolved = resolve_device(device) if comm is None else comm.device
         if not model_dir.is_dir():
@@ -82,7 +89,7 @@ class LLM:
             verify=spec_verify, model_dir=model_dir, dtype=dtype)
         self.model_dir = model_dir
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              prefix_cache=prefix_cache)
+                              prefix_cache=prefix_cache and not dp_attention)
         self.deployment = Deployment(
             DeploymentConfig(model_dir=model_dir, dtype=dtype, ep=ep if comm is None else comm.world_size,
                              moe_a2a=moe_a2a, kv_cache_tokens=kv_cache_tokens, ep_timeout_s=ep_timeout_s,
@@ -91,7 +98,8 @@ class LLM:
                              warm_standby=warm_standby, device=str(resolved),
                              gpu_memory_utilization=gpu_memory_utilization, static_steps=static_steps,
                              kv_block_size=kv_block_size, eplb_redundant_experts=eplb_redundant_experts,
-                             eplb_interval_steps=eplb_interval_steps, max_num_seqs=max_num_seqs),
+                             eplb_interval_steps=eplb_interval_steps, max_num_seqs=max_num_seqs,
+                             dp_attention=dp_attention, attention_tp=attention_tp),
             self.spec, launcher, comm)
         runner = self.deployment.runner
         # Every setting this LLM runs by, resolved once (serving.settings).

@@ -126,9 +126,14 @@ def test_tree_arms_name_their_shape():
     BenchConfig(model="m", arms=("k3", "k3-twin", "none-eager", "none-eager-twin"))
     with pytest.raises(ValueError, match="'k2-twin' is the control of 'k2': add that arm too"):
         BenchConfig(model="m", arms=("k3", "k2-twin"))
-    BenchConfig(model="m", arms=("none", "none-a2a", "k3-bi-a2a"), ep=2)
-    with pytest.raises(ValueError, match="'none-a2a': -a2a picks the MoE dispatch of an EP group"):
+    BenchConfig(model="m", arms=("none", "none-a2a", "k3-bi-a2a", "k3-dp"), ep=2)
+    with pytest.raises(ValueError, match="'none-a2a': -a2a and -dp pick an EP group's layout"):
         BenchConfig(model="m", arms=("none", "none-a2a"))
+    with pytest.raises(ValueError, match="'k3-dp': -a2a and -dp pick an EP group's layout"):
+        BenchConfig(model="m", arms=("k3-dp",))
+    BenchConfig(model="m", arms=("k3-dp-tp2",), ep=2)
+    with pytest.raises(ValueError, match="'k3-tp2': -tp2 groups the ranks of -dp; add -dp"):
+        BenchConfig(model="m", arms=("k3-tp2",), ep=2)
     from bench.benchmark import arm_base, arm_suffixes
     assert arm_base("k3-bi-eager") == "k3" and arm_suffixes("k3-bi-eager") == {"-bi", "-eager"}
     assert arm_base("none-bi") == "none" and arm_suffixes("k3") == set()

@@ -1,0 +1,187 @@
+"""Data-parallel attention (`--dp-attention`, ep.dp): each rank attends over its own sequences and
+the routed experts exchange rows; EP groups of real processes on gloo give one rank's tokens."""
+from __future__ import annotations
+
+import pytest
+
+from ep.dp import DPBook, row_budget
+from ep.parallel import EPMoE
+from ep.protocol import ProtocolError, decode, encode, forward_command, parse_forward
+from launch.mp import MPGroup
+from runtime.executor.attention import SeqChunk
+from runtime.sample.sampler import SamplingParams
+from serving.llm import LLM
+
+PROMPTS = [[5, 17, 200, 3], [9, 9, 9, 100, 250, 31, 7, 64, 12], [300], [7, 7, 8]]
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=5)
+
+
+def runs(llm: LLM, prompts=PROMPTS) -> list[tuple]:
+    """Tokens, then drafts and acceptance, of a greedy and a seeded batch."""
+    out = []
+    for p in (GREEDY, SEEDED):
+        got = llm.generate(prompts, p)
+        out.append(([o.token_ids for o in got], [(o.drafted_tokens, o.accepted_tokens) for o in got]))
+    return out
+
+
+def dp_layers(llm: LLM) -> list[EPMoE]:
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, EPMoE) and m.mode == "dp"]
+
+
+# --- the wire and the book -------------------------------------------------------------------------
+def test_a_dp_forward_carries_each_chunks_rank_and_the_budget():
+    cmd = decode(*encode(forward_command([], [(3, 0, 2), (4, 5, 1)], [7, 8, 9], owners=[1, 0], budget=4)))
+    p = parse_forward(cmd, vocab_size=16, dp_size=2)
+    assert (p.owners, p.budget, p.chunks) == ([1, 0], 4, [(3, 0, 2), (4, 5, 1)])
+    with pytest.raises(ProtocolError, match="owner rank 2 outside 0..1"):
+        parse_forward(decode(*encode(forward_command([], [(3, 0, 2)], [7, 8], owners=[2], budget=0))),
+                      vocab_size=16, dp_size=2)
+    with pytest.raises(ProtocolError, match="above the padded budget of 1"):
+        parse_forward(decode(*encode(forward_command([], [(3, 0, 2)], [7, 8], owners=[0], budget=1))),
+                      vocab_size=16, dp_size=2)
+    with pytest.raises(ProtocolError, match="needs 2"):   # a plain FORWARD to a DP-attention rank
+        parse_forward(decode(*encode(forward_command([], [(3, 0, 2)], [7, 8]))), vocab_size=16, dp_size=2)
+
+
+def test_the_book_balances_blocks_then_sequences_and_pads_decode_only():
+    class Cache:
+        tables = {1: [0, 1, 2], 2: [3]}
+
+        def block_table(self, seq):
+            return self.tables.get(seq, [])
+
+    book = DPBook(2, row_budget(4, 2, 4))                       # 2 sequences a rank, 4 rows each: 8
+    assert book.budget == 8 and row_budget(64, 4, 1) == 16 and row_budget(3, 2, 3) == 8
+    assert book.assign([SeqChunk(1, 0, 9)], Cache()) == [0]
+    assert book.assign([SeqChunk(2, 0, 4), SeqChunk(1, 9, 1)], Cache()) == [1, 0]
+    assert book.assign([SeqChunk(5, 0, 1)], Cache()) == [1]     # rank 1 holds 1 block, rank 0 three
+    assert book.step_budget([SeqChunk(1, 9, 4), SeqChunk(2, 4, 4)], [0, 1]) == 8
+    assert book.step_budget([SeqChunk(1, 9, 9)], [0]) == 0      # a prefill: exact counts
+    book.free(1)
+    assert book.assign([SeqChunk(1, 0, 3)], Cache()) == [0] and book.assigned == [2, 2]
+
+
+# --- EP groups ---------------------------------------------------------------------------------------
+def test_dp_attention_ep2_equals_one_rank_in_float64_with_mtp_chains(ckpt_mtp):
+    """EP 2 with data-parallel attention, MTP chains (greedy, then seeded): one rank's tokens,
+    drafts and acceptance; both ranks ran sequences; every padded decode exchange of a layer had
+    one shape, whatever the batch's width."""
+    one = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048)
+    want = runs(one)
+    llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048, ep=2, dp_attention=True,
+              max_num_seqs=4, launcher=MPGroup, ep_timeout_s=60, warm_standby=False)
+    try:
+        assert runs(llm) == want
+        assert sum(d for d, _ in want[0][1]) > 0
+        assert min(llm.engine.runner.dp.assigned) >= 2
+        layers = dp_layers(llm)
+        assert layers and all(len(m.dp_shapes) == 1 for m in layers)
+        budget = llm.engine.runner.dp.budget                     # 2 sequences a rank of 4 rows: 8
+        assert budget == 8
+        rows = 2 * budget * layers[0].gate.top_k                 # N * B * k
+        assert {s for m in layers for s in m.dp_shapes} == {((rows, 64), (rows, 2), (rows, 64))}
+    finally:
+        llm.shutdown()
+
+
+def test_dp_attention_ep4_equals_one_rank_with_trees_redundant_experts_and_idle_ranks(ckpt_mtp):
+    """EP 4 (correctness only on 2 cores): MTP trees, 4 redundant experts re-placed every 4
+    forwards; two greedy prompts leave two ranks without sequences (they still join every
+    exchange), then four seeded ones fill every rank. Tokens, drafts and acceptance are one rank's."""
+    kw = dict(dtype="float64", spec="mtp", num_drafts=3, tree_shape="1,2,1", kv_cache_tokens=2048)
+    one = LLM(ckpt_mtp, **kw)
+    want = [one.generate(PROMPTS[:2], GREEDY), one.generate(PROMPTS, SEEDED)]
+    llm = LLM(ckpt_mtp, **kw, ep=4, dp_attention=True, max_num_seqs=4, launcher=MPGroup, ep_timeout_s=60,
+              warm_standby=False, eplb_redundant_experts=4, eplb_interval_steps=4)
+    try:
+        book = llm.engine.runner.dp
+        got = [llm.generate(PROMPTS[:2], GREEDY)]
+        assert book.idle_rank_steps > 0 and book.assigned[2:] == [0, 0]
+        got.append(llm.generate(PROMPTS, SEEDED))
+        for g, w in zip(got, want):
+            assert [(o.token_ids, o.drafted_tokens, o.accepted_tokens) for o in g] == \
+                [(o.token_ids, o.drafted_tokens, o.accepted_tokens) for o in w]
+        assert min(book.assigned) >= 1 and llm.expert_stats()["placements"] >= 2
+        assert sum(o.drafted_tokens for o in want[1]) > 0
+        assert all(len(m.dp_shapes) == 1 for m in dp_layers(llm))
+    finally:
+        llm.shutdown()
+
+
+def test_dp_attention_ep4_with_ngram_equals_one_rank(ckpt_grouped):
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], *PROMPTS[:3]]
+    kw = dict(dtype="float64", spec="ngram", num_drafts=3, kv_cache_tokens=2048)
+    want = LLM(ckpt_grouped, **kw).generate(prompts, GREEDY)
+    llm = LLM(ckpt_grouped, **kw, ep=4, dp_attention=True, launcher=MPGroup, ep_timeout_s=60, warm_standby=False)
+    try:
+        got = llm.generate(prompts, GREEDY)
+        assert [(o.token_ids, o.drafted_tokens) for o in got] == [(o.token_ids, o.drafted_tokens) for o in want]
+        assert sum(o.drafted_tokens for o in got) > 0
+    finally:
+        llm.shutdown()
+
+
+def test_a_dp_attention_group_restarted_mid_stream_loses_nothing(ckpt_mtp):
+    """A worker SIGKILLed mid-stream (MTP chains): the group restarts, every sequence gets a rank
+    again and recomputes what it committed; the tokens are one rank's."""
+    import os
+    import signal
+    import threading
+    import time
+    long = [SamplingParams(max_tokens=28, ignore_eos=True),
+            SamplingParams(max_tokens=28, ignore_eos=True, temperature=0.8, seed=5)]
+    prompts = PROMPTS[:2]
+    kw = dict(dtype="float64", spec="mtp", num_drafts=2, kv_cache_tokens=2048)
+    want = [o.token_ids for o in LLM(ckpt_mtp, **kw).generate(prompts, long)]
+    llm = LLM(ckpt_mtp, **kw, ep=2, dp_attention=True, launcher=MPGroup, ep_timeout_s=30, max_restarts=1,
+              warm_standby=False)
+    try:
+        first = llm.deployment.group.pids[0]
+        seqs = [llm.engine.add_request(p, sp) for p, sp in zip(prompts, long)]
+        runner = threading.Thread(target=lambda: [llm.step() for _ in iter(llm.engine.has_unfinished, False)])
+        runner.start()
+        while seqs[0].num_output < 8 and runner.is_alive():
+            time.sleep(0.01)
+        os.kill(first, signal.SIGKILL)
+        runner.join(timeout=120)
+        assert not runner.is_alive()
+        assert llm.deployment.restarts == 1
+        assert [s.output_ids for s in seqs] == want
+        assert min(llm.engine.runner.dp.assigned) >= 1
+    finally:
+        llm.shutdown()
+
+
+def test_a_worker_loaded_for_the_other_layout_refuses_the_handshake(ckpt_plain):
+    from ep.channel import HandshakeError, driver_handshake
+    from ep.parallel import DP_MODE
+    from serving.deployment import GroupConfig
+    group = MPGroup(GroupConfig(model_dir=str(ckpt_plain), dtype="float32", ep=2, timeout_s=30, moe_a2a=DP_MODE,
+                                warm_standby=False))
+    try:
+        with pytest.raises(HandshakeError, match=r"rank 1 has another attention layout \(--dp-attention\)"):
+            driver_handshake(group.comm, ckpt_plain, "float32")   # rank 0: tensor-parallel attention
+        group.procs[0].join(timeout=30)
+        assert group.procs[0].exitcode == 2
+    finally:
+        group.stop()
+        group.close()
+
+
+def test_dp_attention_ep4_in_attention_groups_of_two_equals_one_rank(ckpt_mtp):
+    """`--attention-tp 2` at EP 4: two attention groups of two ranks, each splitting its heads
+    (output projection all-reduced inside the group) and routing half its rows; MTP chains, greedy
+    then seeded, give one rank's tokens, drafts and acceptance."""
+    kw = dict(dtype="float64", spec="mtp", num_drafts=2, kv_cache_tokens=2048)
+    want = runs(LLM(ckpt_mtp, **kw))
+    llm = LLM(ckpt_mtp, **kw, ep=4, dp_attention=True, attention_tp=2, max_num_seqs=4, launcher=MPGroup,
+              ep_timeout_s=60, warm_standby=False)
+    try:
+        assert runs(llm) == want
+        assert llm.engine.runner.dp.dp_size == 2 and min(llm.engine.runner.dp.assigned) >= 2
+        assert llm.model.layers[0].self_attn.num_heads == llm.model.config.num_attention_heads // 2
+        assert all(len(m.dp_shapes) == 1 for m in dp_layers(llm))
+    finally:
+        llm.shutdown()
