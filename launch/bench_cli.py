@@ -135,7 +135,7 @@ def cmd_compare(a: Path, b: Path) -> int:
 
 
 def cmd_serve_vs_vllm(args: argparse.Namespace) -> int:
-    from bench.serve_vs_vllm import ServeVsVLLMConfig, run_serve_vs_vllm
+    from bench.serve.vs_vllm import ServeVsVLLMConfig, run_serve_vs_vllm
     from bench.vllm_arm import vllm_python
 
     conc = args.concurrency or "1,16"
@@ -155,7 +155,7 @@ def cmd_serve_vs_vllm(args: argparse.Namespace) -> int:
 def cmd_serve_bench(args: argparse.Namespace) -> int:
     import json
 
-    from bench.serve_workload import ServeWorkloadConfig, parse_servers, run_serve_workload
+    from bench.serve.workload import ServeWorkloadConfig, parse_servers, run_serve_workload
 
     cfg = Path(args.model) / "config.json"
     if not cfg.is_file():

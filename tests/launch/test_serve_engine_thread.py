@@ -118,7 +118,7 @@ def test_serve_workload_against_our_server(served, tmp_path):
 
 
 def test_serve_workload_bad_input():
-    from bench.serve_workload import ServeWorkloadConfig, parse_servers
+    from bench.serve.workload import ServeWorkloadConfig, parse_servers
     assert parse_servers(["a=http://h:1/", "http://h:2"]) == (("a", "http://h:1"), ("h:2", "http://h:2"))
     with pytest.raises(ValueError, match="at least one server"):
         ServeWorkloadConfig(servers=(), vocab_size=10)
@@ -131,7 +131,7 @@ def test_serve_workload_bad_input():
 
 
 def test_vllm_result_becomes_a_cell(tmp_path):
-    from bench.serve_workload import cell_from_vllm_result
+    from bench.serve.workload import cell_from_vllm_result
     result = {"max_concurrency": 16, "completed": 96, "total_output_tokens": 6144, "duration": 3.2,
               "output_throughput": 1920.0, "request_throughput": 30.0, "mean_ttft_ms": 20.0, "median_ttft_ms": 18.0,
               "p99_ttft_ms": 40.0, "mean_tpot_ms": 7.0, "median_tpot_ms": 6.6, "p99_tpot_ms": 9.0}

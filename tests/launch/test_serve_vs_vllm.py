@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serve_vs_vllm import CLIENT, ServeVsVLLMConfig, metrale_command, summarize, vllm_command, vllm_env
+from bench.serve.vs_vllm import CLIENT, ServeVsVLLMConfig, metrale_command, summarize, vllm_command, vllm_env
 from tests.conftest import ROOT
 
 MODEL = str(ROOT / "models" / "tiny-glm-moe")

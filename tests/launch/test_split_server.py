@@ -1,4 +1,4 @@
-"""bench/split_server.py, the process-split prototype the serving design was measured against: it
+"""bench/serve/split_server.py, the process-split prototype the serving design was measured against: it
 serves the tokens `LLM.generate` gives, streamed and not, and the engine process ends with it."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_split_server_gives_generates_tokens(ckpt_plain):
     want = llm.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))[0].text
     llm.shutdown()
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "bench.split_server", "--model", str(ckpt_plain), "--dtype", "float64",
+    proc = subprocess.Popen([sys.executable, "-m", "bench.serve.split_server", "--model", str(ckpt_plain), "--dtype", "float64",
                              "--port", str(port), "--enforce-eager"], cwd=ROOT, env=run_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
