@@ -1,6 +1,6 @@
 """A lone request through `metrale serve` against the same request through `LLM.generate`.
 
-    python -m bench.lone_request --model models/tiny-glm-moe --dtypes bfloat16,float32 \
+    python -m bench.serve.lone_request --model models/tiny-glm-moe --dtypes bfloat16,float32 \
         --max-tokens 200 --repeats 7 --json-out R.json --plot-out R.png
 
 Per dtype: one `metrale serve` process and one offline process (an `LLM` built, warmed up and
@@ -85,7 +85,7 @@ def measure(model: str, dtype: str, max_tokens: int, repeats: int, extra: list[s
             baseline: Path | None = None) -> dict:
     offline = subprocess.Popen([sys.executable, "-c", OFFLINE_CHILD, model, dtype, str(max_tokens), json.dumps(PROMPT)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                               env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                               env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     servers = {"server": start_server(model, dtype, extra)}
     try:
         if baseline is not None:
@@ -156,7 +156,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.lone_request", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.serve.lone_request", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--max-tokens", type=int, default=200)

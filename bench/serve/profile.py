@@ -1,6 +1,6 @@
 """Where a served token's time goes: the server's step loop against `LLM.generate`, per token.
 
-    python -m bench.serve_profile --model models/tiny-glm-moe --dtype bfloat16 --max-tokens 200 \
+    python -m bench.serve.profile --model models/tiny-glm-moe --dtype bfloat16 --max-tokens 200 \
         --repeats 5 --concurrency 1 [--stream] [--json-out R.json] [--plot-out R.png]
     python -m launch.serve_profile --ep 2 ...     # an EP group (mp launcher; rank 0 is this process)
 
@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.lone_request import PROMPT, free_port
+from bench.serve.lone_request import PROMPT, free_port
 
 CLIENT = r"""
 import json, sys, time, urllib.request, threading
@@ -138,7 +138,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None, launcher=None) -> int:
     """`launcher`: what `LLM` starts the EP group's worker ranks with (needed for --ep > 1)."""
-    p = argparse.ArgumentParser(prog="python -m bench.serve_profile", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.serve.profile", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-tokens", type=int, default=200)

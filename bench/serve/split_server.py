@@ -2,7 +2,7 @@
 in a process of its own and the HTTP server in another, to compare with `metrale serve`'s one
 process (engine loop on the builder thread, event loop on a second thread).
 
-    python -m bench.split_server --model models/tiny-glm-moe --dtype bfloat16 --port 8001
+    python -m bench.serve.split_server --model models/tiny-glm-moe --dtype bfloat16 --port 8001
 
 The HTTP process runs the same app (`serving.server.build_app`) over `SplitEngine`, which holds no
 model and no torch work: a request's sequences are mirrors (`Sequence` objects with their own
@@ -165,7 +165,7 @@ class SplitEngine:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.split_server", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.serve.split_server", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--port", type=int, required=True)

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench.serve_workload import cell_from_vllm_result
+from bench.serve.workload import cell_from_vllm_result
 from bench.vllm_arm import child_env
 
 STARTUP_TIMEOUT_S = 900
