@@ -3,38 +3,17 @@ request that asked for no progress (non-streaming) hears only that it ended."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 from runtime.sample.sampler import SamplingParams
 from serving.async_engine import AsyncEngine
-from serving.llm import LLM
+from tests.serving.engine_thread import start_counted_engine
 
 PROMPT = [5, 17, 42, 99, 7]
 MAX_TOKENS = 6
 
 
 def test_a_steps_updates_reach_the_loop_in_one_delivery(ckpt_plain):
-    built = threading.Event()
-    box: dict = {"steps": 0}
-
-    def engine_thread() -> None:   # builds and steps on one thread, as `metrale serve` does
-        llm = LLM(ckpt_plain, dtype="float64")
-        step = llm.deployment.step
-
-        def counted(engine):
-            box["steps"] += 1
-            return step(engine)
-        llm.deployment.step = counted
-        box["aengine"] = AsyncEngine(llm.engine, llm.deployment)
-        built.set()
-        try:
-            box["aengine"].run()
-        finally:
-            llm.shutdown()
-
-    thread = threading.Thread(target=engine_thread, daemon=True)
-    thread.start()
-    assert built.wait(timeout=120)
+    box, thread = start_counted_engine(ckpt_plain)   # builds and steps on one thread, as `metrale serve` does
     aengine: AsyncEngine = box["aengine"]
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import pytest
 
-from serving import responses, server
-from serving.async_engine import AsyncEngine
-from serving.llm import LLM
+from serving import responses
 from serving.responses import EventEncoder
 from serving.server import ServerConfig, build_app
 from serving.server_metrics import ServerMetrics
+from tests.serving.engine_thread import start_counted_engine
 
 MAX_TOKENS = 12
 
@@ -22,27 +20,7 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def served(ckpt_plain):
     """An engine loop on its own thread (which built the engine), and the ASGI app over it."""
-    built = threading.Event()
-    box: dict = {"steps": 0}
-
-    def engine_thread() -> None:
-        llm = LLM(ckpt_plain, dtype="float64")
-        step = llm.deployment.step
-
-        def counted(engine):
-            box["steps"] += 1
-            return step(engine)
-        llm.deployment.step = counted
-        box["aengine"] = AsyncEngine(llm.engine, llm.deployment)
-        built.set()
-        try:
-            box["aengine"].run()
-        finally:
-            llm.shutdown()
-
-    thread = threading.Thread(target=engine_thread, daemon=True)
-    thread.start()
-    assert built.wait(timeout=120)
+    box, thread = start_counted_engine(ckpt_plain)
     app = build_app(box["aengine"], ServerConfig(served_model_name="tiny"), ServerMetrics())
     yield app, box
     box["aengine"].shutdown()
