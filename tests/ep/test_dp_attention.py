@@ -29,6 +29,13 @@ def runs(llm: LLM, prompts=PROMPTS) -> list[tuple]:
     return out
 
 
+def alone_on_rank_1(llm: LLM) -> list[tuple]:
+    """Two sequences, the second (rank 1's at EP 2) drafting alone once the first has ended:
+    there rank 0 sends the seed's three-word propose and drafts nothing itself."""
+    got = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=2, ignore_eos=True), GREEDY])
+    return [(o.token_ids, o.drafted_tokens, o.accepted_tokens) for o in got]
+
+
 def dp_layers(llm: LLM) -> list[EPMoE]:
     """The target's exchanging MoE layers on rank 0."""
     return target_dp_layers(llm.engine.runner.model)
@@ -111,15 +118,24 @@ def test_pools_admit_each_ranks_share_and_preempt_within_a_pool():
 
 # --- EP groups ---------------------------------------------------------------------------------------
 def test_dp_attention_ep2_equals_one_rank_in_float64_with_mtp_chains(ckpt_mtp):
-    """EP 2 with data-parallel attention, MTP chains (greedy, then seeded): one rank's tokens,
-    drafts and acceptance; both ranks ran sequences; every padded decode exchange of a layer had
-    one shape, whatever the batch's width."""
+    """EP 2 with data-parallel attention, MTP chains (greedy, then seeded), each rank drafting its
+    own sequences: one rank's tokens, drafts and acceptance; both ranks ran sequences; every
+    padded decode exchange of a layer had one shape, whatever the batch's width. Each rank's KV
+    pool holds 64 tokens, its own two sequences' (two blocks each): the four run together without
+    a preemption, where one pool of that size holds two (rank 0 addresses its own pool's cells
+    only, `PagedKVCache.cells`, so it drafted none of rank 1's sequences)."""
     one = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048)
-    want = runs(one)
-    llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048, ep=2, dp_attention=True,
+    want = runs(one) + [alone_on_rank_1(one)]
+    llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=64, ep=2, dp_attention=True,
               max_num_seqs=4, launcher=MPGroup, ep_timeout_s=60, warm_standby=False)
     try:
-        assert runs(llm) == want
+        assert runs(llm) + [alone_on_rank_1(llm)] == want
+        cache = llm.engine.runner.cache
+        assert (cache.num_blocks, cache.total_blocks, llm.engine.scheduler.num_preemptions) == (4, 8, 0)
+        sent = llm.engine.runner.sent   # the seed's three words where one sequence drafts, else the batch
+        assert sent["MTP_PROPOSE"] > 0 and sent["MTP_PROPOSE_BATCH"] > 0, sent
+        [mtp] = target_dp_layers(llm.engine.runner.model, drafter=True)   # the MTP layer's experts: exchanged
+        assert mtp.dp_shapes
         assert sum(d for d, _ in want[0][1]) > 0
         assert min(llm.engine.runner.dp.assigned) >= 2
         layers = dp_layers(llm)
@@ -133,9 +149,11 @@ def test_dp_attention_ep2_equals_one_rank_in_float64_with_mtp_chains(ckpt_mtp):
 
 
 def test_dp_attention_ep4_equals_one_rank_with_trees_redundant_experts_and_idle_ranks(ckpt_mtp):
-    """EP 4 (correctness only on 2 cores): MTP trees, 4 redundant experts re-placed every 4
-    forwards; two greedy prompts leave two ranks without sequences (they still join every
-    exchange), then four seeded ones fill every rank. Tokens, drafts and acceptance are one rank's."""
+    """EP 4 (correctness only on 2 cores): MTP trees (each rank drafting its own sequences, the
+    hedges from the candidates they send back), 4 redundant experts re-placed every 4 forwards;
+    two greedy prompts leave two ranks without sequences (they still join every exchange, the
+    MTP layer's at every draft step too), then four seeded ones fill every rank. Tokens, drafts
+    and acceptance are one rank's."""
     kw = dict(dtype="float64", spec="mtp", num_drafts=3, tree_shape="1,2,1", kv_cache_tokens=2048)
     one = LLM(ckpt_mtp, **kw)
     want = [one.generate(PROMPTS[:2], GREEDY), one.generate(PROMPTS, SEEDED)]
