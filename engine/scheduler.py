@@ -3,7 +3,8 @@
 Every step, running sequences come first (a decode row each, or the rest of a prefill); then
 waiting sequences are admitted while there is room in the batch, in the token budget and in the
 KV cache. Prompts are prefilled in chunks within the token budget. When the cache cannot hold a
-running sequence's next tokens, the most recently admitted sequence is preempted: its blocks are
+running sequence's next tokens, the most recently admitted sequence (of its pool, where the cache
+is split into a pool a rank) is preempted: its blocks are
 freed and it goes back to the front of the queue, to be recomputed from its prompt and its
 committed output (nothing it produced is lost).
 
@@ -86,7 +87,8 @@ class Scheduler:
             if n + k > budget:
                 k = 0
             if not self._reserve(seq, n + k):
-                victim = self.running.pop()  # youngest admission
+                victim = self._victim(seq)
+                self.running.remove(victim)
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -136,6 +138,13 @@ class Scheduler:
             return False
         self.cache.reserve(seq.seq_id, end)
         return True
+
+    def _victim(self, seq: Sequence) -> Sequence:
+        """Whom to preempt when `seq` cannot grow: the youngest admission whose blocks share its
+        pool (a cache split into a pool a rank, data-parallel attention: another pool's blocks
+        would not help), `seq` itself at the latest."""
+        pool = self.cache.pool_of(seq.seq_id)
+        return next(s for s in reversed(self.running) if self.cache.pool_of(s.seq_id) == pool)
 
     def _preempt(self, seq: Sequence) -> None:
         self._free(seq)

@@ -10,13 +10,14 @@ import torch
 from ep.channel import OP_CODES, send_command
 from ep.comm import Communicator
 from ep import placement
-from ep.dp import DPBook, dp_forward
+from ep.dp import DPBook, dp_draft, dp_forward
 from ep.protocol import (EP_CMD_LOGITS, EP_CMD_SHUTDOWN, NO_SLOT, Command, ForwardPayload, Observation, Op,
                          ProposePayload, eplb_command, forward_command, propose_command)
 from runtime.executor.attention import SeqChunk
 from runtime.executor.runner import ModelRunner
 from speculative.knobs import DrafterKnobs
-from speculative.mtp import MTPProposer
+from runtime.sample.grammar import GrammarMatcher
+from speculative.mtp import MTPProposer, hedges
 from speculative.proposer import Drafts, ProposerState, ProposeRequest, cut_at_grammar
 
 
@@ -55,6 +56,8 @@ class DriverRunner:
         self.eplb_bytes_received = 0      # expert weight bytes rank 0 received in them
         self._eplb_since: list | None = None   # the load counters at the last re-placement
         self.dp = DPBook(comm.world_size // attention_tp, dp_budget) if dp_budget else None
+        if self.dp is not None:   # a pool a rank: rank 0 counts every pool's blocks, holds its own
+            self.cache.split_pools(self.dp.dp_size, comm.rank // attention_tp)
 
     def send(self, cmd: Command) -> None:
         """Broadcast one command and wait for every rank's verdict (`CommandRefused` on a refusal)."""
@@ -160,6 +163,30 @@ class ShardedMTPProposer(MTPProposer):
 
     def propose_batch(self, reqs: list[ProposeRequest]) -> list[Drafts]:
         return [cut_at_grammar(d, r.grammar) for d, r in zip(super().propose_batch(reqs), reqs)]
+
+    def draft(self, states: list[ProposerState], feeds: list[list[int]], num_drafts: list[int],
+              stop: float | None = None, trees: list[tuple[int, ...]] | None = None,
+              grammars: list[GrammarMatcher | None] | None = None) -> list[Drafts]:
+        """With DP attention each rank drafts its own sequences (`ep.dp.dp_draft`) and rank 0 takes
+        each depth's hedges from the candidates that come back: the best the sequence's grammar
+        allows after the spine before them, where it has one (so a hedge the unmasked top
+        candidates leave out is missing, never one the grammar refuses)."""
+        if self.driver.dp is None:
+            return super().draft(states, feeds, num_drafts, stop, trees, grammars)
+        out = []
+        for i, (tokens, probs, cands) in enumerate(dp_draft(self, self.driver.comm, states, feeds, num_drafts, stop)):
+            tree = trees[i] if trees else ()
+            grammar = grammars[i] if grammars else None
+            got = Drafts(tokens, probs)
+            for depth, count in enumerate(tree[:len(tokens)], start=1):
+                if count > 1:
+                    best = cands[depth - 1]
+                    allowed = grammar.allowed_after(tokens[:depth - 1]) if grammar is not None else None
+                    if allowed is not None and bool(allowed.any()):
+                        best = [t for t in best if bool(allowed[t])]
+                    got.hedges.extend(hedges(depth, best, tokens[depth - 1], count))
+            out.append(got)
+        return out
 
     def before_draft(self, live: list[ProposeRequest], feeds: list[list[int]]) -> None:
         # The observations before the ops: they index the last forward, whose rows a FREE among the ops may drop.

@@ -430,10 +430,9 @@ def parallelize(model: CausalLM, topo: EPTopology, comm: Communicator, moe_mode:
 
 def _data_parallel(model: CausalLM, topo: EPTopology, comm: Communicator) -> ShardSpecs:
     """`--dp-attention`: every layer but the routed experts stays whole (no head or vocabulary
-    split, no collective outside the experts); the target's MoE layers exchange their rows
-    (`EPMoE.dp_exchange`). The MTP layer drafts every drafting sequence on every rank alike
-    (its attention whole, its experts all-reduced), so the drafter mirror and both propose
-    forms stay as they are (docs/design.md §4.3)."""
+    split, no collective outside the experts); the MoE layers, the MTP layer's too, exchange their
+    rows (`EPMoE.dp_exchange`): each rank drafts its own sequences (`ep.dp.dp_draft`,
+    docs/design.md §4.3)."""
     cfg = model.config
     if cfg.linear_layers or model.sparse is not None:
         raise ValueError(f"--dp-attention: {cfg.architecture}'s linear-attention or sparse layers are not "
@@ -454,29 +453,38 @@ def _data_parallel(model: CausalLM, topo: EPTopology, comm: Communicator) -> Sha
             layer.mlp = EPMoE(layer.mlp, topo, comm, DP_MODE)
             layer.mlp.group = group
     if model.mtp is not None and isinstance(model.mtp.block.mlp, MoE):
-        model.mtp.block.mlp = EPMoE(model.mtp.block.mlp, topo, comm, "allreduce")
+        model.mtp.block.mlp = EPMoE(model.mtp.block.mlp, topo, comm, DP_MODE)
+        model.mtp.block.mlp.group = group
     model.ep_collectives = [m for m in model.modules() if isinstance(m, (RowParallelLinear, EPMoE))]
     for i, m in enumerate(model.ep_collectives):
         m.handle = i
     return specs
 
 
-def set_dp_step(model: CausalLM, budget: int, row_offset: int) -> None:
-    """Before a DP-attention forward, on every rank alike: the padded exchange's per-rank row
-    budget (0: exact counts) and this rank's first row in the step's rank-major rows."""
-    for m in model.ep_collectives:
-        if getattr(m, "mode", None) == DP_MODE:
-            m.dp_budget, m.dp_row_offset = budget, row_offset
+def dp_layers(model: CausalLM, drafter: bool = False) -> list[EPMoE]:
+    """The target's exchanging MoE layers in model order, or (`drafter`) the MTP layer's."""
+    blocks = [model.mtp.block] if drafter else list(model.layers)
+    if drafter and model.mtp is None:
+        return []
+    return [b.mlp for b in blocks if isinstance(b.mlp, EPMoE) and b.mlp.mode == DP_MODE]
 
 
-def dp_join_empty(model: CausalLM) -> None:
-    """A DP-attention rank with no rows this step: join every target MoE layer's exchange, in
-    model order, with nothing to send (the other ranks' experts may still need its own)."""
+def set_dp_step(model: CausalLM, budget: int, row_offset: int, drafter: bool = False) -> None:
+    """Before a DP-attention forward (`drafter`: a draft step), on every rank alike: the padded
+    exchange's per-rank row budget (0: exact counts) and this rank's first row in the step's
+    rank-major rows."""
+    for m in dp_layers(model, drafter):
+        m.dp_budget, m.dp_row_offset = budget, row_offset
+
+
+def dp_join_empty(model: CausalLM, drafter: bool = False) -> None:
+    """A DP-attention rank with no rows this step: join every target MoE layer's exchange (or,
+    `drafter`, the MTP layer's), in model order, with nothing to send (the other ranks' experts
+    may still need its own)."""
     x = torch.zeros(0, model.config.hidden_size, dtype=model.dtype, device=model.device)
-    for m in model.ep_collectives:
-        if getattr(m, "mode", None) == DP_MODE:
-            k = m.gate.top_k
-            m.dp_exchange(x, x.new_zeros(0, k), torch.zeros(0, k, dtype=torch.long, device=x.device))
+    for m in dp_layers(model, drafter):
+        k = m.gate.top_k
+        m.dp_exchange(x, x.new_zeros(0, k), torch.zeros(0, k, dtype=torch.long, device=x.device))
 
 
 def _split_attention(attn: nn.Module, name: str, cfg: ModelConfig, topo: EPTopology, comm: Communicator) -> ShardSpecs:

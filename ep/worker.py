@@ -22,7 +22,7 @@ import torch
 from ep.channel import (OP_NAMES, REFUSED_COMMAND, gather_rank_info, gather_weight_bytes, load_shard, recv_command,
                         report_status, worker_handshake)
 from ep.comm import CommError, Communicator
-from ep.dp import dp_forward
+from ep.dp import dp_draft, dp_forward
 from ep.parallel import parse_dp_mode
 from ep.protocol import (EP_CMD_EPLB, EP_CMD_FORWARD, EP_CMD_LOGITS, EP_CMD_MTP_PROPOSE, EP_CMD_MTP_PROPOSE_BATCH,
                          EP_CMD_SHUTDOWN, EP_CMD_SLOT_FREE, Command, ForwardPayload, Observation, Op,
@@ -42,9 +42,11 @@ log = logging.getLogger("metrale.ep")
 class DrafterMirror:
     """A worker's copy of the drafter states, fed from the same target hiddens as rank 0's."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, comm: Communicator | None = None) -> None:
+        """`comm`: DP attention, where each rank drafts its own sequences (`ep.dp.dp_draft`)."""
         self.drafter = MTPProposer(runner.model, runner.cache) if runner.model.mtp is not None else None
         self.cache = runner.cache
+        self.comm = comm
         self.states: dict[int, ProposerState] = {}
 
     def state(self, slot: int) -> ProposerState:
@@ -62,7 +64,10 @@ class DrafterMirror:
 
     def draft(self, seqs: list[tuple[int, int, list[int]]], stop: float | None) -> None:
         states = [self.states[slot] for slot, _, _ in seqs]
-        self.drafter.draft(states, [f for _, _, f in seqs], [k for _, k, _ in seqs], stop)
+        if self.comm is not None:
+            dp_draft(self.drafter, self.comm, states, [f for _, _, f in seqs], [k for _, k, _ in seqs], stop)
+        else:
+            self.drafter.draft(states, [f for _, _, f in seqs], [k for _, k, _ in seqs], stop)
 
     def pending_end(self, slot: int) -> int:
         """The position the slot's next observation must start at (past its attached prefix
@@ -85,7 +90,9 @@ class Worker:
         self.comm = comm
         self.vocab_size = runner.config.vocab_size
         self.confidence_stop = confidence_stop      # the group's TAU, from the handshake
-        self.mirror = DrafterMirror(runner)
+        if attention_tp:   # a pool a rank: every rank counts every pool's blocks, holds its own
+            runner.cache.split_pools(self.dp_size, comm.rank // attention_tp)
+        self.mirror = DrafterMirror(runner, comm if attention_tp else None)
         self.last_hidden: torch.Tensor | None = None   # [T, H] of the last forward
         self.last_forward: ForwardPayload | None = None
 

@@ -349,20 +349,24 @@ class Deployment:
         from torch._dynamo.utils import counters   # Dynamo's count of the graphs it compiled
         t0 = time.perf_counter()
         before = counters["stats"]["unique_graphs"]
-        runner.cache.reserve(seq, 2 + max((d for d, _ in chains), default=0))
+        # DP attention: each rank compiles its own step, so each runs the scratch rows once (a rank
+        # compiling later would keep the others waiting in the exchange), over a scratch sequence
+        # of its own pool (reserved one a pool, they take the pools in order).
+        dp = getattr(runner, "dp", None)
+        scratch = [seq - r for r in range(dp.dp_size)] if dp is not None else [seq]
+        for s in scratch:
+            runner.cache.reserve(s, 2 + max((d for d, _ in chains), default=0))
+        if [runner.cache.pool_of(s) for s in scratch] != list(range(len(scratch))):
+            raise RuntimeError(f"the warm-up's scratch sequences took pools "
+                               f"{[runner.cache.pool_of(s) for s in scratch]}, one a rank expected")
         try:
             with tqdm(graphs, desc="compiling the step", unit="graph", disable=None, leave=False) as bar:
                 for (what, chunks), name in zip(bar, names):
                     bar.set_postfix_str(name)
                     if what == "target":
                         rows = chunks[0].num_tokens
-                        # DP attention: each rank compiles its own step, so each runs the scratch rows once
-                        # (a rank compiling later would keep the others waiting in the exchange).
-                        dp = getattr(runner, "dp", None)
-                        for rank in range(dp.dp_size) if dp is not None else (None,):
-                            if rank is not None:
-                                dp.pin(seq, rank)
-                            hidden, _ = runner.forward([0] * rows, chunks)
+                        for s in scratch:
+                            hidden, _ = runner.forward([0] * rows, [SeqChunk(s, c.start, c.num_tokens) for c in chunks])
                             runner.logits(hidden, list(range(rows)))   # one row, or several: the head's graphs too
                     elif what.startswith("drafter chain"):
                         depth, width = map(int, what.split()[2:])
@@ -373,7 +377,8 @@ class Deployment:
             self.warm = False
             raise
         finally:
-            runner.cache.free(seq)
+            for s in scratch:
+                runner.cache.free(s)
             if isinstance(runner, DriverRunner) and runner.eplb:
                 runner.eplb_reset()   # the scratch steps' routing is no load
         self.compile_report = (f"compiled the step in {time.perf_counter() - t0:.1f} s: {len(graphs)} steps "
@@ -443,6 +448,9 @@ class Deployment:
                                static_steps=graphs is not None, cuda_graphs=graphs is not None and graphs.capture,
                                compiled=runner.compiled)
         if not spec.ep_propose:
+            if cfg.dp_attention:
+                raise ValueError("METRALE_NO_MTP_EP_PROPOSE=1 drafts every sequence on rank 0, whose KV pool holds "
+                                 "only its own under --dp-attention; unset it")
             return load_local_drafter(cfg.model_dir, cfg.dtype, runner.comm.rank, runner.comm.world_size,
                                       runner.cache, spec.confidence_stop, spec.knobs)
         return ShardedMTPProposer(runner, spec.confidence_stop, spec.knobs)

@@ -121,9 +121,9 @@ class ServerMetrics:
         cache = engine.runner.cache
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
-        self.kv_usage.set(1 - cache.num_free_blocks / cache.num_blocks)
+        self.kv_usage.set(1 - cache.num_free_blocks / cache.total_blocks)
         self.kv_free_blocks.set(cache.num_free_blocks)
-        self.kv_blocks.set(cache.num_blocks)
+        self.kv_blocks.set(cache.total_blocks)
         self._advance(self.preemptions, ("preemptions",), sched.num_preemptions)
         self._advance(self.prefix_queried, ("prefix_queried",), sched.num_prefix_queried_tokens)
         self._advance(self.prefix_hits, ("prefix_hits",), sched.num_prefix_hit_tokens)

@@ -112,6 +112,7 @@ class MTPProposer(DraftProposer):
                                      sync_free_experts=uses_fused_experts(model))
         self._compiled_chain = None    # the chained drafts' graphs (`_chain`)
         self._chain_shapes: set[tuple[int, int]] = set()   # (depth, width) chains compiled (`warm_up_chain`)
+        self.forwards = 0   # drafter steps run (`_forward`): a data-parallel drafter counts its exchanges by it
         tau = confidence_stop
         # Rounded to float32: the value EP workers receive on the wire, so every rank decides alike.
         self.confidence_stop = None if tau is None else struct.unpack("<f", struct.pack("<f", tau))[0]
@@ -312,6 +313,7 @@ class MTPProposer(DraftProposer):
         `query` (default: all), their distribution (`_distribution`)). Every row writes its keys
         and values; only those last rows go on through attention, the MLP and the head (a static
         bucket runs every row, then picks them)."""
+        self.forwards += 1
         ends = list(itertools.accumulate(c.num_tokens for c in chunks))
         query = list(range(len(chunks))) if query is None else query
         shape = self.graphs.shape_of(chunks) if self.graphs is not None else None

@@ -16,6 +16,13 @@ keys' first `latent_dim` channels, so a token costs L * D values instead of L * 
 A token at position p of a sequence lives in cell
 `block_table[p // block_size] * block_size + p % block_size` (a cell is one token's place in the
 pool; "slot", elsewhere, names a sequence's place, docs/design.md §1).
+
+Pools (`split_pools`, data-parallel attention, docs/design.md §4.3): the book may count the blocks
+of several equal pools, one a rank, while this process holds the memory of its own pool only. A
+sequence takes all its blocks from one pool, chosen at its first reservation (the pool with the
+most free blocks, then the fewest sequences, then the lowest index: the same on every rank that
+replays the same journal); block b of pool p is cell block `b - p * num_blocks` of that pool's
+memory, and only the local pool's sequences have cells here.
 """
 from __future__ import annotations
 
@@ -50,7 +57,7 @@ class CacheFullError(RuntimeError):
 @dataclass(slots=True)
 class BlockBook:
     """Who holds which block: shared by a cache and its planes (`PagedKVCache.shared_plane`)."""
-    free: OrderedDict[int, None]                  # blocks nobody holds, the next one handed out first
+    free: list[OrderedDict[int, None]]            # per pool: blocks nobody holds, the next one handed out first
     refs: list[int]                               # holders of each block
     epochs: list[int]                             # bumped each time a block is handed out by `reserve`
     tables: dict[int, list[int]] = field(default_factory=dict)
@@ -58,10 +65,15 @@ class BlockBook:
     num_attached: dict[int, int] = field(default_factory=dict)   # leading blocks a sequence was attached
     # Cell ids of every position a sequence's blocks cover, rebuilt when its table changes.
     cell_cache: dict[int, torch.Tensor] = field(default_factory=dict)
+    pool_of: dict[int, int] = field(default_factory=dict)        # with several pools: each sequence's
+    pool_seqs: list[int] = field(default_factory=lambda: [0])    # sequences holding blocks in each pool
 
     @classmethod
-    def of(cls, num_blocks: int) -> BlockBook:
-        return cls(free=OrderedDict.fromkeys(range(num_blocks)), refs=[0] * num_blocks, epochs=[0] * num_blocks)
+    def of(cls, num_blocks: int, pools: int = 1) -> BlockBook:
+        """`pools` equal pools of `num_blocks` blocks each (ids p * num_blocks ... for pool p)."""
+        total = num_blocks * pools
+        return cls(free=[OrderedDict.fromkeys(range(p * num_blocks, (p + 1) * num_blocks)) for p in range(pools)],
+                   refs=[0] * total, epochs=[0] * total, pool_seqs=[0] * pools)
 
 
 class LayerStates:
@@ -113,6 +125,7 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.k, self.v = self._planes(num_layers, num_blocks * block_size, num_kv_heads, head_dim, dtype)
         self.book = BlockBook.of(num_blocks)
+        self.pool = 0   # the pool whose memory this cache holds (`split_pools`)
         # When a list, every reserve/attach/rewind/move/free is also recorded here as (op, seq_id, word)
         # (the length; an attach's block; a move's `pack_move(src, dst)`; a free's kept blocks), so
         # the caches of other ranks can replay it: the allocator is deterministic, so the same
@@ -136,8 +149,32 @@ class PagedKVCache:
                              device=self.device)
         other.num_blocks = self.num_blocks
         other.k, other.v = other._planes(num_layers, self.num_blocks * self.block_size, num_kv_heads, head_dim, dtype)
-        other.book = self.book
+        other.book, other.pool = self.book, self.pool
         return other
+
+    def split_pools(self, pools: int, pool: int) -> None:
+        """Count `pools` pools of this cache's size (one a rank of a data-parallel group, which
+        replays the same journal), this process holding pool `pool`'s memory. Before any
+        reservation."""
+        if self.book.tables or not 0 <= pool < pools:
+            raise ValueError(f"cannot split a cache into {pools} pools as pool {pool} once it holds sequences")
+        self.book = BlockBook.of(self.num_blocks, pools)
+        self.pool = pool
+
+    @property
+    def num_pools(self) -> int:
+        return len(self.book.free)
+
+    def pool_of(self, seq_id: int) -> int:
+        """The pool of `seq_id`'s blocks; for a sequence holding none, the pool its first
+        reservation will take (the most free blocks, then the fewest sequences, the lowest index)."""
+        book = self.book
+        if len(book.free) == 1:
+            return 0
+        got = book.pool_of.get(seq_id)
+        if got is None:
+            got = min(range(len(book.free)), key=lambda p: (-len(book.free[p]), book.pool_seqs[p], p))
+        return got
 
     def _planes(self, num_layers: int, num_cells: int, num_kv_heads: int, head_dim: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,16 +199,23 @@ class PagedKVCache:
     # --- accounting -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        """Blocks nobody holds (some may still hold a cached prefix until they are handed out)."""
-        return len(self.book.free)
+        """Blocks nobody holds (some may still hold a cached prefix until they are handed out),
+        over every pool."""
+        return sum(len(q) for q in self.book.free)
+
+    @property
+    def total_blocks(self) -> int:
+        """The blocks of every pool (`num_blocks` with one pool)."""
+        return self.num_blocks * len(self.book.free)
 
     @property
     def capacity_tokens(self) -> int:
+        """The most tokens one sequence can hold: one pool's."""
         return self.num_blocks * self.block_size
 
     def num_free_tokens(self) -> int:
-        """Tokens that still fit in the pool, counting only whole free blocks."""
-        return len(self.book.free) * self.block_size
+        """Tokens that still fit in the pools, counting only whole free blocks."""
+        return self.num_free_blocks * self.block_size
 
     def blocks_needed(self, seq_id: int, new_length: int) -> int:
         have = len(self.book.tables.get(seq_id, ()))
@@ -181,7 +225,8 @@ class PagedKVCache:
         """True when sequence `seq_id`, after attaching the blocks `attach`, can grow to
         `new_length` tokens from free blocks (attaching a free block takes it off the queue)."""
         taken = sum(1 for b in attach if self.book.refs[b] == 0)
-        return self.blocks_needed(seq_id, new_length) - len(attach) <= len(self.book.free) - taken
+        free = self.book.free[self.pool_of(seq_id)]
+        return self.blocks_needed(seq_id, new_length) - len(attach) <= len(free) - taken
 
     def length(self, seq_id: int) -> int:
         return self.book.lengths.get(seq_id, 0)
@@ -206,13 +251,18 @@ class PagedKVCache:
         which evicts whatever they held); never shrinks."""
         book = self.book
         need = self.blocks_needed(seq_id, new_length)
-        if need > len(book.free):
-            raise CacheFullError(f"sequence {seq_id} needs {need} more blocks, {len(book.free)} free")
+        pool = self.pool_of(seq_id)
+        free = book.free[pool]
+        if need > len(free):
+            raise CacheFullError(f"sequence {seq_id} needs {need} more blocks, {len(free)} free")
         if self.journal is not None:
             self.journal.append(("reserve", seq_id, new_length))
+        if len(book.free) > 1 and seq_id not in book.pool_of:
+            book.pool_of[seq_id] = pool
+            book.pool_seqs[pool] += 1
         table = book.tables.setdefault(seq_id, [])
         for _ in range(need):
-            block, _ = book.free.popitem(last=False)
+            block, _ = free.popitem(last=False)
             book.refs[block] = 1
             book.epochs[block] += 1
             table.append(block)
@@ -229,10 +279,12 @@ class PagedKVCache:
         if book.lengths.get(seq_id, 0) != len(table) * self.block_size or not 0 <= block < self.num_blocks:
             raise ValueError(f"cannot attach block {block} to sequence {seq_id} of length "
                              f"{book.lengths.get(seq_id, 0)}: it must end on a block boundary")
+        if len(book.free) > 1:
+            raise ValueError("cannot attach cached blocks to a cache split into pools (no prefix cache there)")
         if self.journal is not None:
             self.journal.append(("attach", seq_id, block))
         if book.refs[block] == 0:
-            del book.free[block]
+            del book.free[0][block]
         book.refs[block] += 1
         table.append(block)
         book.lengths[seq_id] = len(table) * self.block_size
@@ -243,9 +295,10 @@ class PagedKVCache:
         book = self.book
         book.refs[block] -= 1
         if book.refs[block] == 0:
-            book.free[block] = None
+            free = book.free[block // self.num_blocks]
+            free[block] = None
             if not keep:
-                book.free.move_to_end(block, last=False)
+                free.move_to_end(block, last=False)
 
     def rewind(self, seq_id: int, new_length: int) -> None:
         """Shrink `seq_id` to its first `new_length` tokens and give back blocks no longer used."""
@@ -276,8 +329,11 @@ class PagedKVCache:
             raise ValueError(f"cannot move position {src} of sequence {seq_id}: length {length}")
         if self.journal is not None:
             self.journal.append(("move", seq_id, word))
+        if self.pool_of(seq_id) != self.pool:   # another rank's pool: that rank moves its cells
+            return
         table, bs = self.book.tables[seq_id], self.block_size   # cell ids from the host table: no device sync
-        s, d = table[src // bs] * bs + src % bs, table[dst // bs] * bs + dst % bs
+        base = self.pool * self.num_blocks
+        s, d = (table[src // bs] - base) * bs + src % bs, (table[dst // bs] - base) * bs + dst % bs
         self.k[:, d] = self.k[:, s]
         if self.latent_dim is None:
             self.v[:, d] = self.v[:, s]
@@ -297,6 +353,9 @@ class PagedKVCache:
             self._release(table[i], keep=i < keep)
         book.lengths.pop(seq_id, None)
         book.num_attached.pop(seq_id, None)
+        pool = book.pool_of.pop(seq_id, None)
+        if pool is not None:
+            book.pool_seqs[pool] -= 1
 
     def replay(self, op: str, seq_id: int, word: int) -> None:
         """Apply one journal entry recorded by another rank's cache."""
@@ -323,7 +382,7 @@ class PagedKVCache:
         table = book.tables[seq_id]
         cached = book.cell_cache.get(seq_id)
         if cached is None or cached.shape[0] != len(table) * self.block_size:
-            blocks = torch.tensor(table, dtype=torch.long, device=self.device)
+            blocks = torch.tensor(self._local(seq_id, table), dtype=torch.long, device=self.device)
             offsets = torch.arange(self.block_size, device=self.device)
             cached = (blocks[:, None] * self.block_size + offsets[None, :]).reshape(-1)
             book.cell_cache[seq_id] = cached
@@ -342,13 +401,24 @@ class PagedKVCache:
             if end > book.lengths.get(seq_id, 0):
                 raise ValueError(f"positions up to {end} of sequence {seq_id} are not reserved "
                                  f"(length {book.lengths.get(seq_id, 0)})")
-            table = book.tables[seq_id][:-(-end // size)]
+            table = self._local(seq_id, book.tables[seq_id][:-(-end // size)])
             rows.append(table + [0] * (num_blocks - len(table)))
         blocks = torch.tensor(rows, dtype=torch.long, device=self.device)                   # [B, nb]
         offsets = torch.arange(size, device=self.device)
         cells = (blocks[:, :, None] * size + offsets).view(len(rows), num_blocks * size)[:, :width]
         inside = torch.arange(width, device=self.device) < torch.tensor(ends, device=self.device)[:, None]
         return torch.where(inside, cells, 0)
+
+    def _local(self, seq_id: int, blocks: list[int]) -> list[int]:
+        """`blocks` of `seq_id` as blocks of this process's pool memory; refused for a sequence of
+        another pool (its cells are another rank's)."""
+        if len(self.book.free) == 1:
+            return blocks
+        pool = self.book.pool_of.get(seq_id)
+        if pool != self.pool:
+            raise ValueError(f"sequence {seq_id}'s blocks are in pool {pool}; this rank holds pool {self.pool}'s")
+        base = pool * self.num_blocks
+        return [b - base for b in blocks]
 
     def gather(self, plane: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
         """Rows `cells` [...] of a cache plane (`k[layer]` or `v[layer]`, [N, ...]) -> [..., *plane.shape[1:]].

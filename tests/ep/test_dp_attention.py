@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 
 from ep.dp import DPBook, row_budget
-from ep.parallel import EPMoE
+from ep.parallel import EPMoE, dp_layers as target_dp_layers
 from ep.protocol import ProtocolError, decode, encode, forward_command, parse_forward
 from launch.mp import MPGroup
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence
 from runtime.executor.attention import SeqChunk
+from runtime.executor.kv_cache import PagedKVCache
 from runtime.sample.sampler import SamplingParams
 from serving.llm import LLM
 
@@ -26,8 +29,16 @@ def runs(llm: LLM, prompts=PROMPTS) -> list[tuple]:
     return out
 
 
+def alone_on_rank_1(llm: LLM) -> list[tuple]:
+    """Two sequences, the second (rank 1's at EP 2) drafting alone once the first has ended:
+    there rank 0 sends the seed's three-word propose and drafts nothing itself."""
+    got = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=2, ignore_eos=True), GREEDY])
+    return [(o.token_ids, o.drafted_tokens, o.accepted_tokens) for o in got]
+
+
 def dp_layers(llm: LLM) -> list[EPMoE]:
-    return [m for m in llm.engine.runner.model.modules() if isinstance(m, EPMoE) and m.mode == "dp"]
+    """The target's exchanging MoE layers on rank 0."""
+    return target_dp_layers(llm.engine.runner.model)
 
 
 # --- the wire and the book -------------------------------------------------------------------------
@@ -45,35 +56,86 @@ def test_a_dp_forward_carries_each_chunks_rank_and_the_budget():
         parse_forward(decode(*encode(forward_command([], [(3, 0, 2)], [7, 8]))), vocab_size=16, dp_size=2)
 
 
-def test_the_book_balances_blocks_then_sequences_and_pads_decode_only():
-    class Cache:
-        tables = {1: [0, 1, 2], 2: [3]}
+def split_cache(pool: int = 0) -> PagedKVCache:
+    """Two pools of 4 blocks of 4 tokens, this process holding pool `pool`."""
+    cache = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=4, block_size=4, device="cpu")
+    cache.split_pools(2, pool)
+    return cache
 
-        def block_table(self, seq):
-            return self.tables.get(seq, [])
 
+def test_a_split_cache_gives_each_sequence_one_pool_and_the_book_reads_it():
+    cache = split_cache()
+    cache.journal = []
+    cache.reserve(1, 9)                                          # pool 0: blocks 0-2
+    cache.reserve(2, 4)                                          # pool 1 has more free blocks: block 4
+    cache.reserve(5, 1)                                          # pool 1 again (3 free against 1)
+    assert [cache.pool_of(s) for s in (1, 2, 5)] == [0, 1, 1] and cache.block_table(5) == [5]
+    assert (cache.total_blocks, cache.num_free_blocks, cache.capacity_tokens) == (8, 3, 16)
+    assert not cache.can_reserve(1, 17) and cache.can_reserve(2, 12)   # 2 more blocks: in its own pool only
     book = DPBook(2, row_budget(4, 2, 4))                       # 2 sequences a rank, 4 rows each: 8
     assert book.budget == 8 and row_budget(64, 4, 1) == 16 and row_budget(3, 2, 3) == 8
-    assert book.assign([SeqChunk(1, 0, 9)], Cache()) == [0]
-    assert book.assign([SeqChunk(2, 0, 4), SeqChunk(1, 9, 1)], Cache()) == [1, 0]
-    assert book.assign([SeqChunk(5, 0, 1)], Cache()) == [1]     # rank 1 holds 1 block, rank 0 three
+    assert book.assign([SeqChunk(1, 0, 9)], cache) == [0]
+    assert book.assign([SeqChunk(2, 0, 4), SeqChunk(1, 9, 1)], cache) == [1, 0]
     assert book.step_budget([SeqChunk(1, 9, 4), SeqChunk(2, 4, 4)], [0, 1]) == 8
     assert book.step_budget([SeqChunk(1, 9, 9)], [0]) == 0      # a prefill: exact counts
+    # Rank 0 addresses its own pool's cells only; rank 1, replaying the journal, the other pool's.
+    assert cache.cells(1, 0, 9).tolist() == list(range(9))
+    with pytest.raises(ValueError, match="in pool 1; this rank holds pool 0"):
+        cache.cells(2, 0, 4)
+    other = split_cache(pool=1)
+    for op, seq, word in cache.journal:
+        other.replay(op, seq, word)
+    assert other.book.tables == cache.book.tables and other.cells(5, 0, 1).tolist() == [4]
+    cache.free(1)
     book.free(1)
-    assert book.assign([SeqChunk(1, 0, 3)], Cache()) == [0] and book.assigned == [2, 2]
+    assert cache.pool_of(7) == 0 and book.assign([SeqChunk(7, 0, 3)], cache) == [0] and book.assigned == [2, 1]
+
+
+def test_pools_admit_each_ranks_share_and_preempt_within_a_pool():
+    """Two pools of 16 tokens admit four 8-token sequences where one pool admits two; a sequence
+    that cannot grow preempts the youngest of its own pool, not the youngest of all."""
+    params = SamplingParams(max_tokens=4)
+    for pools, admitted in ((1, 2), (2, 4)):
+        cache = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=4, block_size=4, device="cpu")
+        if pools > 1:
+            cache.split_pools(pools, 0)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), cache)
+        seqs = [Sequence(seq_id=i, prompt_len=7, token_ids=list(range(1, 8)), params=params, seed=0) for i in range(4)]
+        for seq in seqs:
+            sched.add(seq)
+        for item in sched.schedule():
+            item.seq.num_computed += item.num_tokens
+            item.seq.token_ids.append(9)
+        assert len(sched.running) == admitted
+    assert [cache.pool_of(s.seq_id) for s in seqs] == [0, 1, 0, 1]
+    for item in sched.schedule():                 # a decode step in the blocks each holds
+        item.seq.num_computed += item.num_tokens
+    for seq in seqs[::2]:
+        seq.token_ids.append(9)
+    sched.schedule()                              # 0 and 2 need a third block: pool 0 is full
+    assert [s.seq_id for s in sched.running] == [0, 1, 3] and sched.num_preemptions == 1
 
 
 # --- EP groups ---------------------------------------------------------------------------------------
 def test_dp_attention_ep2_equals_one_rank_in_float64_with_mtp_chains(ckpt_mtp):
-    """EP 2 with data-parallel attention, MTP chains (greedy, then seeded): one rank's tokens,
-    drafts and acceptance; both ranks ran sequences; every padded decode exchange of a layer had
-    one shape, whatever the batch's width."""
+    """EP 2 with data-parallel attention, MTP chains (greedy, then seeded), each rank drafting its
+    own sequences: one rank's tokens, drafts and acceptance; both ranks ran sequences; every
+    padded decode exchange of a layer had one shape, whatever the batch's width. Each rank's KV
+    pool holds 64 tokens, its own two sequences' (two blocks each): the four run together without
+    a preemption, where one pool of that size holds two (rank 0 addresses its own pool's cells
+    only, `PagedKVCache.cells`, so it drafted none of rank 1's sequences)."""
     one = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048)
-    want = runs(one)
-    llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048, ep=2, dp_attention=True,
+    want = runs(one) + [alone_on_rank_1(one)]
+    llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=64, ep=2, dp_attention=True,
               max_num_seqs=4, launcher=MPGroup, ep_timeout_s=60, warm_standby=False)
     try:
-        assert runs(llm) == want
+        assert runs(llm) + [alone_on_rank_1(llm)] == want
+        cache = llm.engine.runner.cache
+        assert (cache.num_blocks, cache.total_blocks, llm.engine.scheduler.num_preemptions) == (4, 8, 0)
+        sent = llm.engine.runner.sent   # the seed's three words where one sequence drafts, else the batch
+        assert sent["MTP_PROPOSE"] > 0 and sent["MTP_PROPOSE_BATCH"] > 0, sent
+        [mtp] = target_dp_layers(llm.engine.runner.model, drafter=True)   # the MTP layer's experts: exchanged
+        assert mtp.dp_shapes
         assert sum(d for d, _ in want[0][1]) > 0
         assert min(llm.engine.runner.dp.assigned) >= 2
         layers = dp_layers(llm)
@@ -87,9 +149,11 @@ def test_dp_attention_ep2_equals_one_rank_in_float64_with_mtp_chains(ckpt_mtp):
 
 
 def test_dp_attention_ep4_equals_one_rank_with_trees_redundant_experts_and_idle_ranks(ckpt_mtp):
-    """EP 4 (correctness only on 2 cores): MTP trees, 4 redundant experts re-placed every 4
-    forwards; two greedy prompts leave two ranks without sequences (they still join every
-    exchange), then four seeded ones fill every rank. Tokens, drafts and acceptance are one rank's."""
+    """EP 4 (correctness only on 2 cores): MTP trees (each rank drafting its own sequences, the
+    hedges from the candidates they send back), 4 redundant experts re-placed every 4 forwards;
+    two greedy prompts leave two ranks without sequences (they still join every exchange, the
+    MTP layer's at every draft step too), then four seeded ones fill every rank. Tokens, drafts
+    and acceptance are one rank's."""
     kw = dict(dtype="float64", spec="mtp", num_drafts=3, tree_shape="1,2,1", kv_cache_tokens=2048)
     one = LLM(ckpt_mtp, **kw)
     want = [one.generate(PROMPTS[:2], GREEDY), one.generate(PROMPTS, SEEDED)]
