@@ -64,23 +64,29 @@ def test_the_book_balances_blocks_then_sequences_and_pads_decode_only():
 
 
 # --- EP groups ---------------------------------------------------------------------------------------
-def test_dp_attention_ep2_equals_one_rank_in_float64_with_mtp_chains(ckpt_mtp):
-    """EP 2 with data-parallel attention, MTP chains (greedy, then seeded): one rank's tokens,
-    drafts and acceptance; both ranks ran sequences; every padded decode exchange of a layer had
-    one shape, whatever the batch's width."""
+def test_dp_attention_ep2_with_two_batch_overlap_equals_one_rank_in_float64_with_mtp_chains(ckpt_mtp):
+    """EP 2 with data-parallel attention and two-batch overlap, MTP chains: one prompt first (rank 1
+    has no rows, rank 0's second micro-batch none: both join every exchange), then four, greedy and
+    seeded: one rank's tokens, drafts and acceptance; both ranks ran sequences. Decode exchanges
+    were padded to half the budget, one shape a layer whatever the batch's width; prefills exact."""
     one = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048)
-    want = runs(one)
+    want = [one.generate(PROMPTS[:1], GREEDY)[0].token_ids, runs(one)]
     llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048, ep=2, dp_attention=True,
-              max_num_seqs=4, launcher=MPGroup, ep_timeout_s=60, warm_standby=False)
+              two_batch_overlap=True, max_num_seqs=4, launcher=MPGroup, ep_timeout_s=60, warm_standby=False)
     try:
-        assert runs(llm) == want
-        assert sum(d for d, _ in want[0][1]) > 0
+        step = llm.engine.runner.model.dp_step
+        assert step.name == "two-batch overlap"
+        alone = llm.generate(PROMPTS[:1], GREEDY)[0].token_ids
+        assert llm.engine.runner.dp.idle_rank_steps > 0 and llm.engine.runner.dp.assigned == [1, 0]
+        assert [alone, runs(llm)] == want
+        assert sum(d for d, _ in want[1][0][1]) > 0
         assert min(llm.engine.runner.dp.assigned) >= 2
+        assert step.padded_steps > 0 and step.exact_steps > 0
         layers = dp_layers(llm)
         assert layers and all(len(m.dp_shapes) == 1 for m in layers)
         budget = llm.engine.runner.dp.budget                     # 2 sequences a rank of 4 rows: 8
         assert budget == 8
-        rows = 2 * budget * layers[0].gate.top_k                 # N * B * k
+        rows = 2 * budget // 2 * layers[0].gate.top_k            # N * B/2 * k: a micro-batch's
         assert {s for m in layers for s in m.dp_shapes} == {((rows, 64), (rows, 2), (rows, 64))}
     finally:
         llm.shutdown()
