@@ -63,6 +63,87 @@ def test_the_book_balances_blocks_then_sequences_and_pads_decode_only():
     assert book.assign([SeqChunk(1, 0, 3)], Cache()) == [0] and book.assigned == [2, 2]
 
 
+# --- two-batch overlap: the split, the schedule, the waits, the refusals ---------------------------
+def test_micro_batches_split_by_sequence_and_agree_on_the_exchange_form():
+    from ep.overlap import micro_budget, split_point
+    assert [split_point(r) for r in ([], [4], [4, 4], [1, 1, 1], [9, 1, 1], [1, 1, 9])] == [0, 1, 1, 2, 1, 2]
+    assert micro_budget(8, [(4, 4), (4, 0), (0, 0)]) == 4      # every micro-batch fits half the budget
+    assert micro_budget(8, [(4, 4), (5, 3)]) == 0              # one does not: exact counts, on every rank
+    assert micro_budget(1, [(1, 0)]) == 0 and micro_budget(0, [(0, 0)]) == 0
+
+
+def test_interleave_alternates_the_micro_batches_stages():
+    from ep.overlap import interleave
+    log = []
+
+    def mb(name, stages):
+        for i in range(stages):
+            log.append(f"{name}{i}")
+            yield
+        log.append(f"{name}-end")
+        return name
+
+    assert interleave([mb("a", 2), mb("b", 2)]) == ["a", "b"]
+    assert log == ["a0", "b0", "a1", "b1", "a-end", "b-end"]
+
+
+def test_a_wait_on_a_collective_in_flight_keeps_the_timeout_and_raises_comm_error():
+    import datetime as dt
+
+    import torch
+
+    from ep.comm import CommError, Communicator, Pending
+    comm = Communicator(rank=1, world_size=2, init_method=None, timeout_s=7.0, device="cpu")
+    seen = []
+
+    class Work:
+        def wait(self, timeout):
+            seen.append(timeout)
+            raise RuntimeError("[gloo] Timed out waiting 7000ms for recv operation to complete")
+
+    out = torch.zeros(2)
+    done = Pending(comm, "all_to_all", None, out)
+    assert done.wait() is out
+    with pytest.raises(CommError, match=r"rank 1: all_to_all \(wait\) failed \(RuntimeError: \[gloo\] Timed out"):
+        Pending(comm, "all_to_all", Work(), out).wait()
+    assert seen == [dt.timedelta(seconds=7.0)] and comm.comm_seconds > 0
+
+
+def test_two_batch_overlap_is_refused_where_it_cannot_overlap(capsys):
+    import re
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from ep.channel import driver_handshake
+    from ep.dp import OneBatch
+    from ep.overlap import NOT_EAGER, NOT_ROW_TWICE, NOT_STATIC, TwoBatchOverlap, choose_dp_step
+    from launch.cli import main
+    from serving.deployment import DeploymentConfig
+    embedded = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
+    cfg = dict(model_dir=embedded, ep=2, two_batch_overlap=True)
+    with pytest.raises(ValueError, match="^--two-batch-overlap splits each rank's rows of --dp-attention"):
+        DeploymentConfig(**cfg)
+    with pytest.raises(ValueError, match=f"^{re.escape(NOT_EAGER)}$"):
+        DeploymentConfig(**cfg, dp_attention=True)                       # float32 compiles its step
+    with pytest.raises(ValueError, match=f"^{re.escape(NOT_STATIC)}$"):
+        DeploymentConfig(**cfg, dp_attention=True, enforce_eager=True, static_steps=True)
+    DeploymentConfig(**cfg, dp_attention=True, enforce_eager=True)
+    DeploymentConfig(**cfg, dp_attention=True, dtype="float64")        # float64 runs eager
+    with pytest.raises(ValueError, match="splits the rows of --dp-attention"):
+        driver_handshake(SimpleNamespace(world_size=2), embedded, "float32", two_batch=True)
+    model = SimpleNamespace(one_row_twice=False)
+    runner = dict(compiled=False, graphs=None, model=model)
+    assert isinstance(choose_dp_step(SimpleNamespace(**runner), False), OneBatch)
+    assert isinstance(choose_dp_step(SimpleNamespace(**runner), True), TwoBatchOverlap)
+    for change, why in ((dict(compiled=True), NOT_EAGER), (dict(graphs=object()), NOT_STATIC),
+                        (dict(model=SimpleNamespace(one_row_twice=True)), NOT_ROW_TWICE)):
+        with pytest.raises(ValueError, match=f"^{re.escape(why)}$"):
+            choose_dp_step(SimpleNamespace(**runner | change), True)
+    code = main(["generate", "--model", str(embedded), "--prompt", "x", "--ep", "2", "--dp-attention",
+                 "--two-batch-overlap"])
+    assert code == 2 and capsys.readouterr().err.strip() == f"metrale generate: error: {NOT_EAGER}"
+
+
 # --- EP groups ---------------------------------------------------------------------------------------
 def test_dp_attention_ep2_with_two_batch_overlap_equals_one_rank_in_float64_with_mtp_chains(ckpt_mtp):
     """EP 2 with data-parallel attention and two-batch overlap, MTP chains: one prompt first (rank 1
