@@ -257,18 +257,20 @@ def test_a_worker_loaded_for_the_other_layout_refuses_the_handshake(ckpt_plain):
         group.close()
 
 
-def test_dp_attention_ep4_in_attention_groups_of_two_equals_one_rank(ckpt_mtp):
+def test_dp_attention_ep4_in_attention_groups_of_two_with_two_batch_overlap_equals_one_rank(ckpt_mtp):
     """`--attention-tp 2` at EP 4: two attention groups of two ranks, each splitting its heads
-    (output projection all-reduced inside the group) and routing half its rows; MTP chains, greedy
-    then seeded, give one rank's tokens, drafts and acceptance."""
+    (output projection all-reduced inside the group) and routing half its rows, each group's rows
+    as two overlapped micro-batches (the group's collectives run while the exchange's are in
+    flight); MTP chains, greedy then seeded, give one rank's tokens, drafts and acceptance."""
     kw = dict(dtype="float64", spec="mtp", num_drafts=2, kv_cache_tokens=2048)
     want = runs(LLM(ckpt_mtp, **kw))
-    llm = LLM(ckpt_mtp, **kw, ep=4, dp_attention=True, attention_tp=2, max_num_seqs=4, launcher=MPGroup,
-              ep_timeout_s=60, warm_standby=False)
+    llm = LLM(ckpt_mtp, **kw, ep=4, dp_attention=True, attention_tp=2, two_batch_overlap=True, max_num_seqs=4,
+              launcher=MPGroup, ep_timeout_s=60, warm_standby=False)
     try:
         assert runs(llm) == want
         assert llm.engine.runner.dp.dp_size == 2 and min(llm.engine.runner.dp.assigned) >= 2
         assert llm.model.layers[0].self_attn.num_heads == llm.model.config.num_attention_heads // 2
         assert all(len(m.dp_shapes) == 1 for m in dp_layers(llm))
+        assert llm.engine.runner.model.dp_step.padded_steps > 0
     finally:
         llm.shutdown()
