@@ -18,7 +18,7 @@ without rows (or a rank without rows) included, so every rank starts the same co
 same order. The split is by sequence, the same rule on every rank (`split_point`), and every rank
 computes every rank's split from the FORWARD's chunks, so all agree on each micro-batch's exchange
 form: padded to half the step's budget when every micro-batch of every rank fits it, exact counts
-otherwise (`micro_budget`).
+otherwise (`micro_budget`); and a step where no rank holds two sequences runs as one batch.
 
 Chosen once at load (`choose_dp_step`): `OneBatch` (ep.dp) or `TwoBatchOverlap`; steps never ask
 which. The micro-batch loop runs the layers eagerly, so a compiled, static or one-row-as-two step
@@ -78,16 +78,25 @@ class TwoBatchOverlap:
     name = "two-batch overlap"
 
     def __init__(self) -> None:
+        self.one = OneBatch()
         self.padded_steps = 0   # steps whose micro-batches exchanged padded (half the budget)
         self.exact_steps = 0    # steps whose micro-batches exchanged exact counts
+        self.one_batch_steps = 0   # steps no rank had two sequences in: run as one batch
+        self.empty_micro_batches = 0   # micro-batches without rows, over every rank (each rank counts all)
 
     def run(self, runner: ModelRunner, tokens: list[int], chunks: list[SeqChunk], budget: int,
             ranks_rows: list[list[int]], rank: int) -> torch.Tensor:
         """This rank's (group's) `chunks` and their `tokens` -> their hidden rows [T, H] in chunk
         order. `ranks_rows[r]`: the rows of rank r's chunks in order (every rank's, to agree on
-        the micro-batches' exchange form); `budget`: the step's padded rows a rank (0: exact)."""
+        the micro-batches' exchange form); `budget`: the step's padded rows a rank (0: exact).
+        A step in which no rank holds two sequences runs as one batch (every rank sees it alike):
+        a second micro-batch would be empty everywhere, its exchanges latency with nothing under."""
+        if all(len(r) < 2 for r in ranks_rows):
+            self.one_batch_steps += 1
+            return self.one.run(runner, tokens, chunks, budget, ranks_rows, rank)
         splits = [split_point(r) for r in ranks_rows]
         halves = [(sum(r[:i]), sum(r[i:])) for r, i in zip(ranks_rows, splits)]
+        self.empty_micro_batches += sum((a == 0) + (b == 0) for a, b in halves)
         mb_budget = micro_budget(budget, halves)
         if mb_budget:
             self.padded_steps += 1

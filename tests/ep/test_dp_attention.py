@@ -72,6 +72,14 @@ def test_micro_batches_split_by_sequence_and_agree_on_the_exchange_form():
     assert micro_budget(1, [(1, 0)]) == 0 and micro_budget(0, [(0, 0)]) == 0
 
 
+def test_a_step_without_two_sequences_on_any_rank_runs_as_one_batch():
+    from ep.overlap import TwoBatchOverlap
+    step, calls = TwoBatchOverlap(), []
+    step.one.run = lambda *args: calls.append(args[-2:]) or "one"
+    assert step.run(None, [5], ["chunk"], 8, [[1], []], 0) == "one"
+    assert calls == [([[1], []], 0)] and step.one_batch_steps == 1 and step.padded_steps == 0
+
+
 def test_interleave_alternates_the_micro_batches_stages():
     from ep.overlap import interleave
     log = []
@@ -109,10 +117,12 @@ def test_a_wait_on_a_collective_in_flight_keeps_the_timeout_and_raises_comm_erro
     assert seen == [dt.timedelta(seconds=7.0)] and comm.comm_seconds > 0
 
 
-def test_two_batch_overlap_is_refused_where_it_cannot_overlap(capsys):
+def test_two_batch_overlap_is_refused_where_it_cannot_overlap(capsys, monkeypatch):
     import re
     from pathlib import Path
     from types import SimpleNamespace
+
+    from speculative import ladder
 
     from ep.channel import driver_handshake
     from ep.dp import OneBatch
@@ -139,6 +149,8 @@ def test_two_batch_overlap_is_refused_where_it_cannot_overlap(capsys):
                         (dict(model=SimpleNamespace(one_row_twice=True)), NOT_ROW_TWICE)):
         with pytest.raises(ValueError, match=f"^{re.escape(why)}$"):
             choose_dp_step(SimpleNamespace(**runner | change), True)
+    for published in ("_published_ladder", "_published_max_seqs"):   # the CLI publishes the model's width cap
+        monkeypatch.setattr(ladder, published, getattr(ladder, published))
     code = main(["generate", "--model", str(embedded), "--prompt", "x", "--ep", "2", "--dp-attention",
                  "--two-batch-overlap"])
     assert code == 2 and capsys.readouterr().err.strip() == f"metrale generate: error: {NOT_EAGER}"
@@ -146,29 +158,33 @@ def test_two_batch_overlap_is_refused_where_it_cannot_overlap(capsys):
 
 # --- EP groups ---------------------------------------------------------------------------------------
 def test_dp_attention_ep2_with_two_batch_overlap_equals_one_rank_in_float64_with_mtp_chains(ckpt_mtp):
-    """EP 2 with data-parallel attention and two-batch overlap, MTP chains: one prompt first (rank 1
-    has no rows, rank 0's second micro-batch none: both join every exchange), then four, greedy and
-    seeded: one rank's tokens, drafts and acceptance; both ranks ran sequences. Decode exchanges
-    were padded to half the budget, one shape a layer whatever the batch's width; prefills exact."""
+    """EP 2 with data-parallel attention and two-batch overlap, MTP chains: three prompts first
+    (rank 0 runs two, rank 1 one, so its second micro-batch has no rows; its one stops after 2
+    tokens, and then it has none: both join every exchange), then four, greedy and seeded: one
+    rank's tokens, drafts and acceptance. Decode exchanges of micro-batches were padded to half
+    the budget, one shape a layer whatever the batch's width (a step with one sequence a rank
+    runs as one batch, padded to the budget); prefills exact."""
+    first = [GREEDY, SamplingParams(max_tokens=2, ignore_eos=True), GREEDY]
     one = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048)
-    want = [one.generate(PROMPTS[:1], GREEDY)[0].token_ids, runs(one)]
+    want = [[o.token_ids for o in one.generate(PROMPTS[:3], first)], runs(one)]
     llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048, ep=2, dp_attention=True,
               two_batch_overlap=True, max_num_seqs=4, launcher=MPGroup, ep_timeout_s=60, warm_standby=False)
     try:
         step = llm.engine.runner.model.dp_step
         assert step.name == "two-batch overlap"
-        alone = llm.generate(PROMPTS[:1], GREEDY)[0].token_ids
-        assert llm.engine.runner.dp.idle_rank_steps > 0 and llm.engine.runner.dp.assigned == [1, 0]
+        alone = [o.token_ids for o in llm.generate(PROMPTS[:3], first)]
+        assert llm.engine.runner.dp.assigned == [2, 1] and step.empty_micro_batches >= 3
         assert [alone, runs(llm)] == want
         assert sum(d for d, _ in want[1][0][1]) > 0
-        assert min(llm.engine.runner.dp.assigned) >= 2
+        assert min(llm.engine.runner.dp.assigned) >= 3
         assert step.padded_steps > 0 and step.exact_steps > 0
         layers = dp_layers(llm)
-        assert layers and all(len(m.dp_shapes) == 1 for m in layers)
         budget = llm.engine.runner.dp.budget                     # 2 sequences a rank of 4 rows: 8
         assert budget == 8
         rows = 2 * budget // 2 * layers[0].gate.top_k            # N * B/2 * k: a micro-batch's
-        assert {s for m in layers for s in m.dp_shapes} == {((rows, 64), (rows, 2), (rows, 64))}
+        shapes = {s for m in layers for s in m.dp_shapes}
+        assert ((rows, 64), (rows, 2), (rows, 64)) in shapes and len(shapes) <= 2   # and a one-batch step's
+        assert all(s[0][0] in (rows, 2 * rows) for s in shapes)
     finally:
         llm.shutdown()
 
@@ -270,7 +286,7 @@ def test_dp_attention_ep4_in_attention_groups_of_two_with_two_batch_overlap_equa
         assert runs(llm) == want
         assert llm.engine.runner.dp.dp_size == 2 and min(llm.engine.runner.dp.assigned) >= 2
         assert llm.model.layers[0].self_attn.num_heads == llm.model.config.num_attention_heads // 2
-        assert all(len(m.dp_shapes) == 1 for m in dp_layers(llm))
+        assert all(len(m.dp_shapes) <= 2 for m in dp_layers(llm))   # micro-batches', and one-batch steps'
         assert llm.engine.runner.model.dp_step.padded_steps > 0
     finally:
         llm.shutdown()
