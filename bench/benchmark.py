@@ -62,10 +62,11 @@ BATCH_INVARIANT = "-bi"   # ... with the batch-invariant kernels (none-bi, k3-bi
 EXCHANGE = "-a2a"   # ... at EP > 1 with the MoE exchange (`--moe-a2a alltoall`), not the default's choice
 DP = "-dp"          # ... at EP > 1 with data-parallel attention (`--dp-attention`)
 TP2 = "-tp2"        # ... with -dp: in attention groups of 2 ranks (`--attention-tp 2`)
+TBO = "-tbo"        # ... with -dp (and -eager): two overlapped micro-batches a rank (`--two-batch-overlap`)
 # ... a second, independent instance of the arm named without it (k3-twin beside k3): the two
 # differ by nothing, so their paired ratio is the noise any other ratio of the record must beat.
 TWIN = "-twin"
-SUFFIXES = (EAGER, BATCH_INVARIANT, EXCHANGE, DP, TP2, TWIN)
+SUFFIXES = (EAGER, BATCH_INVARIANT, EXCHANGE, DP, TP2, TBO, TWIN)
 
 
 def arm_base(arm: str) -> str:
@@ -232,6 +233,7 @@ class EngineArm:
                        batch_invariant=True if BATCH_INVARIANT in arm_suffixes(name) else None,
                        moe_a2a="alltoall" if EXCHANGE in arm_suffixes(name) else "auto", device=config.device,
                        dp_attention=DP in arm_suffixes(name), attention_tp=2 if TP2 in arm_suffixes(name) else 1,
+                       two_batch_overlap=TBO in arm_suffixes(name),
                        prefix_cache=config.prefix_cache == "both",
                        kv_block_size=VLLM_KV_BLOCK if config.prefix_cache == "both" else KV_BLOCK)
         self.prefix_policy = "on" if config.prefix_cache == "both" else "off"

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 from ep.comm import CommError, Communicator, u32_to_words, words_to_u32
+from ep.overlap import choose_dp_step
 from ep.parallel import parallelize, parse_dp_mode
 from ep.protocol import (ATTENTION_TP_MASK, ATTENTION_TP_SHIFT, BATCH_INVARIANT_BIT, COMPILED_BIT, DP_ATTENTION_BIT,
-                         DTYPE_CODES, DTYPE_MASK, EP_CMD_HANDSHAKE, EPLB_SHIFT,
+                         DTYPE_CODES, DTYPE_MASK, EP_CMD_HANDSHAKE, EPLB_SHIFT, TWO_BATCH_BIT,
                          EP_CMD_SLOT_ATTACH, EP_CMD_SLOT_FREE, EP_CMD_SLOT_MOVE, EP_CMD_SLOT_RESERVE,
                          EP_CMD_SLOT_REWIND, HEADER_WORDS, PROTOCOL_VERSION, Command, ProtocolError,
                          bulk_len, encode, float_bits, parse_stop)
@@ -81,13 +82,16 @@ def load_shard_model(model_dir: str | Path, dtype: str, comm: Communicator, moe_
 def load_shard(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: str,
                kv_cache_tokens: int, batch_invariant: bool, model: CausalLM | None = None,
                gpu_memory_utilization: float | None = None, compiled: bool = False,
-               eplb_redundant: int | None = None, states_for: tuple[int, int] = (0, 1)) -> ModelRunner:
+               eplb_redundant: int | None = None, states_for: tuple[int, int] = (0, 1),
+               two_batch: bool = False) -> ModelRunner:
     """This rank's model shard (`model` when loaded already, as loaded: contiguous experts) and a
     fresh KV cache, on the communicator's device; `compiled`: its step runs through
     `torch.compile` (every rank of a group alike: the handshake's COMPILED_BIT); `eplb_redundant`:
     EPLB with that many redundant experts (`ep.placement.enable`, collective; None: off).
     `states_for`: rank 0's (running sequences, rows a step) whose layer states a cache sized from
-    free memory leaves room for; the workers learn them in the same collective (give (0, 1))."""
+    free memory leaves room for; the workers learn them in the same collective (give (0, 1)).
+    A DP-attention shard (`moe_mode` a `dp_mode`) runs its rows as `ep.overlap.choose_dp_step`
+    picks for `two_batch` (two overlapped micro-batches, or one forward)."""
     if model is None:
         model = load_shard_model(model_dir, dtype, comm, moe_mode)
     if getattr(model, "attention_group", None) is not None:
@@ -105,8 +109,13 @@ def load_shard(model_dir: str | Path, dtype: str, comm: Communicator, moe_mode: 
         mine = kv_tokens_for_memory(comm.device, gpu_memory_utilization, kv_bytes_per_token(model), reserved)
         kv_cache_tokens = -int(comm.all_reduce(torch.tensor([-mine], dtype=torch.int64, device=comm.device),
                                                "max")[0])
-    return ModelRunner(model, StepSettings(kv_cache_tokens=kv_cache_tokens, batch_invariant=batch_invariant,
-                                           compiled=compiled, max_num_seqs=max(1, seqs), max_rows_per_seq=rows))
+    runner = ModelRunner(model, StepSettings(kv_cache_tokens=kv_cache_tokens, batch_invariant=batch_invariant,
+                                             compiled=compiled, max_num_seqs=max(1, seqs), max_rows_per_seq=rows))
+    if parse_dp_mode(moe_mode) is not None:
+        model.dp_step = choose_dp_step(runner, two_batch)
+    elif two_batch:
+        raise ValueError("--two-batch-overlap splits the rows of --dp-attention; add --dp-attention")
+    return runner
 
 
 def weight_bytes(runner: ModelRunner) -> int:
@@ -165,14 +174,15 @@ def _handshake_failed(comm: Communicator, status: int) -> HandshakeError:
 def driver_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
                      confidence_stop: float | None = None, batch_invariant: bool = False,
                      generation: int = 0, compiled: bool = False, eplb_redundant: int | None = None,
-                     dp_attention: bool = False, attention_tp: int = 1) -> None:
+                     dp_attention: bool = False, attention_tp: int = 1, two_batch: bool = False) -> None:
     """Rank 0: announce what this group must agree on (protocol version, world size, model
     fingerprint, dtype, and the group's generation, which travels in the header's slot word: the
     launcher counts its groups, so a rank started for an older group never joins a newer one),
     and what every rank adopts: the confidence stop TAU every rank drafts with (None: no stop)
     and whether every rank runs the batch-invariant kernels and compiles its step, and EPLB's
     redundant experts (None: no EPLB), and the attention layout (`dp_attention`: DP_ATTENTION_BIT,
-    checked: a rank loaded its shard for one layout).
+    checked: a rank loaded its shard for one layout), and two-batch overlap (`two_batch`: TWO_BATCH_BIT,
+    adopted; with `dp_attention` only).
     Raises `HandshakeError` naming the first rank that disagrees; every rank stops then."""
     if confidence_stop is not None and not 0.0 < confidence_stop < 1.0:
         raise ValueError(f"confidence_stop={confidence_stop} must be in (0, 1) or None")
@@ -180,7 +190,10 @@ def driver_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
     if eplb_redundant is not None and not 0 <= eplb_redundant < (1 << (32 - EPLB_SHIFT)) - 1:
         raise ValueError(f"eplb_redundant={eplb_redundant} does not fit the handshake")
     mode = dtype_word | (BATCH_INVARIANT_BIT if batch_invariant else 0) | (COMPILED_BIT if compiled else 0)
+    if two_batch and not dp_attention:
+        raise ValueError("--two-batch-overlap splits the rows of --dp-attention; add --dp-attention")
     mode |= DP_ATTENTION_BIT | dp_tp_bits(attention_tp) if dp_attention else 0
+    mode |= TWO_BATCH_BIT if two_batch else 0
     mode |= 0 if eplb_redundant is None else (eplb_redundant + 1) << EPLB_SHIFT
     words = (*words, mode, float_bits(confidence_stop))
     header, _ = encode(Command(EP_CMD_HANDSHAKE, generation, words))
@@ -199,15 +212,16 @@ def dp_tp_bits(attention_tp: int) -> int:
 
 def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
                      generation: int = 0, dp_attention: bool = False,
-                     attention_tp: int = 1) -> tuple[float | None, bool, bool, int | None]:
+                     attention_tp: int = 1) -> tuple[float | None, bool, bool, int | None, bool]:
     """Ranks above 0: check rank 0's handshake against this rank's own words (and the generation
     of the group its launcher started it for); returns what the group adopts from rank 0: the
     confidence stop TAU (float32-exact; None for no stop), whether the batch-invariant kernels run,
-    whether the step is compiled, and EPLB's redundant experts (None: no EPLB). `dp_attention`:
+    whether the step is compiled, EPLB's redundant experts (None: no EPLB) and whether the rows
+    run as two overlapped micro-batches (TWO_BATCH_BIT, with DP attention only). `dp_attention`:
     the layout this rank loads (`--dp-attention`); rank 0's must be the same (reason 7)."""
     header, _ = recv_command(comm)
     mine = handshake_words(model_dir, comm.world_size, dtype)
-    kind, stop, batch_invariant, compiled, eplb = 0, None, False, False, None
+    kind, stop, batch_invariant, compiled, eplb, two_batch = 0, None, False, False, None, False
     if header[1] != EP_CMD_HANDSHAKE:
         kind = 1
     else:
@@ -216,7 +230,9 @@ def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
         compiled = bool(theirs[4] & COMPILED_BIT)
         eplb = (theirs[4] >> EPLB_SHIFT) - 1 if theirs[4] >> EPLB_SHIFT else None
         layout = theirs[4] & (DP_ATTENTION_BIT | ATTENTION_TP_MASK << ATTENTION_TP_SHIFT)
-        if theirs[4] & ~(DTYPE_MASK | BATCH_INVARIANT_BIT | COMPILED_BIT | layout) & ((1 << EPLB_SHIFT) - 1):
+        two_batch = bool(theirs[4] & TWO_BATCH_BIT) and bool(layout & DP_ATTENTION_BIT)
+        known = DTYPE_MASK | BATCH_INVARIANT_BIT | COMPILED_BIT | layout | (TWO_BATCH_BIT if two_batch else 0)
+        if theirs[4] & ~known & ((1 << EPLB_SHIFT) - 1):
             kind = 4
         mine_layout = DP_ATTENTION_BIT | dp_tp_bits(attention_tp) if dp_attention else 0
         kind = kind or (7 if layout != mine_layout else 0)
@@ -231,7 +247,7 @@ def worker_handshake(comm: Communicator, model_dir: str | Path, dtype: str,
     status = report_status(comm, (kind << 16) | comm.rank if kind else 0)
     if status:
         raise _handshake_failed(comm, status)
-    return stop, batch_invariant, compiled, eplb
+    return stop, batch_invariant, compiled, eplb, two_batch
 
 
 def gather_rank_info(comm: Communicator) -> list[dict]:

@@ -134,7 +134,7 @@ class Communicator:
         import time
         t0 = time.perf_counter()
         try:
-            fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         except Exception as exc:  # gloo raises RuntimeError/DistBackendError on a dead peer or timeout
             raise CommError(f"rank {self.rank}: {what} failed ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
                             "a peer rank died or the link broke") from exc
@@ -169,14 +169,21 @@ class Communicator:
     def all_to_all(self, tensor: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """Uneven all-to-all along dim 0. The caller must have exchanged and checked the splits:
         gloo does not detect mismatched sizes (it returns stale data)."""
+        return self.all_to_all_start(tensor, send_splits, recv_splits, async_op=False).wait()
+
+    def all_to_all_start(self, tensor: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                         async_op: bool = True) -> Pending:
+        """`all_to_all` started and left in flight (`async_op`): its `Pending.wait` gives the output.
+        Every rank must start a group's collectives in the same order (in flight ones included)."""
         out = tensor.new_empty((sum(recv_splits), *tensor.shape[1:]))
         if not self.joined:
             out.copy_(tensor)
-            return out
+            return Pending(self, "all_to_all", None, out)
         row = _nbytes(tensor[:1]) if tensor.shape[0] else 0
         self._count("all_to_all", (sum(send_splits) - send_splits[self.rank]) * row)
-        self._run("all_to_all", dist.all_to_all_single, out, tensor.contiguous(), recv_splits, send_splits)
-        return out
+        work = self._run("all_to_all", dist.all_to_all_single, out, tensor.contiguous(), recv_splits, send_splits,
+                         async_op=async_op)
+        return Pending(self, "all_to_all", work, out)
 
     def barrier(self) -> None:
         if self.joined:
@@ -188,6 +195,22 @@ class Communicator:
                 dist.destroy_process_group()
             except Exception:  # a broken group cannot always be torn down; the process exits anyway
                 pass
+
+
+class Pending:
+    """A collective in flight (`Communicator.all_to_all_start`): `wait` blocks until it is done,
+    at most the communicator's collective timeout, and returns its output; a failure or timeout
+    raises `CommError` as a blocking collective does. The wait counts in `comm_seconds` (a
+    collective's exposed time: what the overlapped compute did not hide)."""
+
+    def __init__(self, comm: Communicator, what: str, work, out: torch.Tensor) -> None:
+        self.comm, self.what, self.work, self.out = comm, what, work, out
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            work, self.work = self.work, None
+            self.comm._run(f"{self.what} (wait)", work.wait, dt.timedelta(seconds=self.comm.timeout_s))
+        return self.out
 
 
 class GroupComm:

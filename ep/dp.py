@@ -66,11 +66,29 @@ class DPBook:
         self.owner.pop(seq_id, None)
 
 
+class OneBatch:
+    """A DP-attention rank's rows in one forward (the default; `ep.overlap.choose_dp_step`)."""
+
+    name = "one batch"
+
+    def run(self, runner: ModelRunner, tokens: list[int], chunks: list[SeqChunk], budget: int,
+            ranks_rows: list[list[int]], rank: int) -> torch.Tensor:
+        """This rank's (group's) `chunks` and their `tokens` -> their hidden rows [T, H]; without
+        chunks it joins every exchange. `ranks_rows[r]`: the rows of rank r's chunks in order."""
+        model = runner.model
+        set_dp_step(model, budget, sum(sum(r) for r in ranks_rows[:rank]))
+        if chunks:
+            return runner.forward(tokens, chunks)[0]
+        dp_join_empty(model)
+        return torch.zeros(0, model.config.hidden_size, dtype=model.dtype, device=model.device)
+
+
 @torch.inference_mode()
 def dp_forward(runner: ModelRunner, comm: Communicator, tokens: list[int], chunks: list[SeqChunk],
                owners: list[int], budget: int) -> torch.Tensor:
     """One DP-attention forward on this rank: its attention group's chunks (`owners` name groups
-    of `--attention-tp` ranks, which all run them), then the gather. Returns every chunk's hidden
+    of `--attention-tp` ranks, which all run them) as the model's `dp_step` runs them (one batch
+    or two overlapped micro-batches, chosen at load), then the gather. Returns every chunk's hidden
     rows [T, H] in `chunks` order, on every rank."""
     k = getattr(runner.model, "attention_tp", 1)
     n, rank = comm.world_size // k, comm.rank // k
@@ -78,16 +96,11 @@ def dp_forward(runner: ModelRunner, comm: Communicator, tokens: list[int], chunk
     for c in chunks:
         starts.append(at)
         at += c.num_tokens
-    rows = [sum(c.num_tokens for c, o in zip(chunks, owners) if o == r) for r in range(n)]
+    ranks_rows = [[c.num_tokens for c, o in zip(chunks, owners) if o == r] for r in range(n)]
+    rows = [sum(r) for r in ranks_rows]
     mine = [i for i, o in enumerate(owners) if o == rank]
-    model = runner.model
-    set_dp_step(model, budget, sum(rows[:rank]))
-    if mine:
-        own_tokens = [t for i in mine for t in tokens[starts[i]:starts[i] + chunks[i].num_tokens]]
-        hidden, _ = runner.forward(own_tokens, [chunks[i] for i in mine])
-    else:
-        dp_join_empty(model)
-        hidden = torch.zeros(0, model.config.hidden_size, dtype=model.dtype, device=model.device)
+    own_tokens = [t for i in mine for t in tokens[starts[i]:starts[i] + chunks[i].num_tokens]]
+    hidden = runner.model.dp_step.run(runner, own_tokens, [chunks[i] for i in mine], budget, ranks_rows, rank)
     width = max(rows)
     gathered = comm.all_gather(F.pad(hidden[:rows[rank]], (0, 0, 0, width - rows[rank])))   # [N * k * width, H]
     # Row j of rank r's part is the j-th row of its chunks in order: put each back at its chunk's place.

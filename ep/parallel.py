@@ -26,11 +26,13 @@ parameter, which slice of the checkpoint tensor it holds, so each rank reads onl
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ep.comm import Communicator, GroupComm
+from ep.comm import Communicator, GroupComm, Pending
 from ep.topology import EPTopology
 from runtime.ops import batch_invariant as bi
 from runtime.executor.step_context import step_model
@@ -160,6 +162,23 @@ class VocabParallelHead(ChosenGemm, bi.InvariantSwitch, nn.Module):
         return torch.cat(parts).t()                                        # [T, V]
 
 
+@dataclass(slots=True)
+class DPExchange:
+    """One `EPMoE.dp_exchange` between its stages: the rows it routes (`rows` of the group's
+    `full_rows`, k choices each) in destination `order`, the splits, the padded form's `place` of
+    each choice in the padded buffer (None: exact counts), and the collectives in flight."""
+    full_rows: int
+    rows: int
+    k: int
+    order: torch.Tensor
+    send_splits: list[int] | None = None
+    recv_splits: list[int] | None = None
+    place: torch.Tensor | None = None
+    recv_x: Pending | None = None
+    recv_meta: Pending | None = None
+    back: Pending | None = None
+
+
 class EPMoE(nn.Module):
     """MoE with routed experts split across ranks; same result as the single-rank layer."""
 
@@ -233,8 +252,7 @@ class EPMoE(nn.Module):
                 ids = self.physical(ids, 0)
             out = all_reduce(self, self.experts(x, weights, ids))
         elif self.mode == DP_MODE:   # x: this rank's attention group's rows; it routes its share of them
-            start, stop = self._group_share(x.shape[0])
-            _, weights, ids = self.gate(x[start:stop])
+            weights, ids = self.dp_route(x)
             if torch.compiler.is_compiling():
                 out = torch.ops.metrale.ep_moe_exchange(x, weights, ids, self.handle)
             else:
@@ -248,11 +266,20 @@ class EPMoE(nn.Module):
                 out = torch.ops.metrale.ep_moe_exchange(x, weights, ids, self.handle)
             else:
                 out = self.exchange(x, weights, ids)
+        shared = self.shared_out(x)
+        return out if shared is None else out + shared
+
+    def shared_out(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's output for x (gated where the model gates it), None without one."""
         if self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_experts(x)
-        elif self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_experts(x)
+        return None if self.shared_experts is None else self.shared_experts(x)
+
+    def dp_route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DP attention: the routing (weights, ids [Ts, k]) of this rank's share of its group's rows x."""
+        start, stop = self._group_share(x.shape[0])
+        _, weights, ids = self.gate(x[start:stop])
+        return weights, ids
 
     def _share(self, t: int, rank: int) -> tuple[int, int]:
         """Rows [start, stop) of a T-row step whose routing rank `rank` runs."""
@@ -284,6 +311,20 @@ class EPMoE(nn.Module):
         groups (`--attention-tp` K), x holds the group's rows, the same on its K ranks: each routes
         and exchanges its K-th (`_group_share`, weights and ids are its share's) and the group
         all-gathers the results."""
+        return self.dp_combine(self.dp_experts(self.dp_dispatch(x, weights, ids, self.dp_budget, self.dp_row_offset,
+                                                               async_op=False), async_op=False))
+
+    # The exchange in three stages (two-batch overlap, ep.overlap, runs another micro-batch's
+    # compute between them while the collectives started in one are in flight): `dp_dispatch`
+    # routes to ranks and starts sending the rows, `dp_experts` waits for this rank's rows, runs
+    # its experts and starts sending the results back, `dp_combine` waits for them and adds each
+    # row's choices. Every rank runs every stage of every exchange in the same order.
+    def dp_dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, budget: int,
+                    row_offset: int, async_op: bool) -> DPExchange:
+        """The first stage: `budget` the per-rank padded rows of this exchange (0: exact counts),
+        `row_offset` the first row of x among the step's rows rank-major (EPLB's copies); the
+        counts (exact) and EPLB's loads travel here, blocking; the rows and their (id, weight)
+        are started (left in flight with `async_op`)."""
         full = x
         start, stop = self._group_share(x.shape[0])
         x = x[start:stop]
@@ -293,7 +334,7 @@ class EPMoE(nn.Module):
         loads = ids.new_zeros(0)
         if self.eplb_on:
             loads = torch.bincount(ids.reshape(-1), minlength=topo.num_experts)
-            ids = self.physical(ids, self.dp_row_offset + start)
+            ids = self.physical(ids, row_offset + start)
             dest = ids.reshape(-1) // self.slots_per_rank
         else:
             dest = self.owner[ids.reshape(-1)]                             # [Tr*k] rank of each choice
@@ -301,7 +342,8 @@ class EPMoE(nn.Module):
         send_counts = torch.bincount(dest, minlength=n)                    # [N]
         meta_dtype = torch.float64 if weights.dtype == torch.float64 else torch.float32
         flat_ids, flat_w = ids.reshape(-1)[order].to(meta_dtype), weights.reshape(-1)[order].to(meta_dtype)
-        budget = self.dp_budget if self.group is None else -(-self.dp_budget // self.group.world_size)
+        budget = budget if self.group is None else -(-budget // self.group.world_size)
+        ex = DPExchange(full_rows=full.shape[0], rows=t, k=k, order=order)
         if not budget:
             gathered = comm.all_gather(torch.cat((send_counts, loads)).to(torch.int32)[None])
             all_counts = gathered[:, :n].reshape(n, n)
@@ -311,39 +353,50 @@ class EPMoE(nn.Module):
             if not torch.equal(all_counts[topo.ep_rank].long(), send_counts):
                 raise RuntimeError(f"rank {topo.ep_rank}: MoE dispatch counts disagree after exchange "
                                    f"({all_counts[topo.ep_rank].tolist()} vs {send_counts.tolist()})")
-            send_splits, recv_splits = send_counts.tolist(), all_counts[:, topo.ep_rank].tolist()
-            recv_x = comm.all_to_all(x[order // k], send_splits, recv_splits)
-            recv_meta = comm.all_to_all(torch.stack((flat_ids, flat_w), 1), send_splits, recv_splits)
-            y = self.experts(recv_x, recv_meta[:, 1:], recv_meta[:, :1].long())
-            back = comm.all_to_all(y, recv_splits, send_splits)            # [Tr*k, H] in `order`
+            ex.send_splits, ex.recv_splits = send_counts.tolist(), all_counts[:, topo.ep_rank].tolist()
+            send_x, send_meta = x[order // k], torch.stack((flat_ids, flat_w), 1)
         else:
             if t > budget:
                 raise RuntimeError(f"rank {topo.ep_rank}: {t} rows exceed the padded exchange's budget of {budget}")
             cap = budget * k                                               # rows a rank sends each rank
             sorted_dest = dest[order]
             first = torch.cumsum(send_counts, 0) - send_counts
-            place = sorted_dest * cap + torch.arange(t * k, device=x.device) - first[sorted_dest]   # [Tr*k]
+            ex.place = sorted_dest * cap + torch.arange(t * k, device=x.device) - first[sorted_dest]   # [Tr*k]
             send_x = x.new_zeros(n * cap, h)
-            send_x[place] = x[order // k]
+            send_x[ex.place] = x[order // k]
             send_meta = torch.stack((torch.full((n * cap,), -1.0, dtype=meta_dtype, device=x.device),
                                      torch.zeros(n * cap, dtype=meta_dtype, device=x.device)), 1)
-            send_meta[place] = torch.stack((flat_ids, flat_w), 1)
-            splits = [cap] * n
-            recv_x = comm.all_to_all(send_x, splits, splits)               # [N*B*k, H]
-            recv_meta = comm.all_to_all(send_meta, splits, splits)         # [N*B*k, 2]
-            y = self.experts(recv_x, recv_meta[:, 1:], recv_meta[:, :1].long())
-            back_all = comm.all_to_all(y, splits, splits)                  # [N*B*k, H]
-            back = back_all[place]
-            self.dp_shapes.add((tuple(send_x.shape), tuple(recv_meta.shape), tuple(back_all.shape)))
+            send_meta[ex.place] = torch.stack((flat_ids, flat_w), 1)
+            ex.send_splits = ex.recv_splits = [cap] * n
+            self.dp_shapes.add(((n * cap, h), (n * cap, 2), (n * cap, h)))   # rows out, (id, weight) in, results back
             if self.eplb_on:
                 self.expert_loads += comm.all_gather(loads.to(torch.int32)[None]).sum(dim=0)
+        ex.recv_x = comm.all_to_all_start(send_x, ex.send_splits, ex.recv_splits, async_op)       # [R, H]
+        ex.recv_meta = comm.all_to_all_start(send_meta, ex.send_splits, ex.recv_splits, async_op)  # [R, 2]
+        return ex
+
+    def dp_experts(self, ex: DPExchange, async_op: bool) -> DPExchange:
+        """The second stage: wait for the rows this rank's experts get, run them, start the
+        results back (left in flight with `async_op`)."""
+        recv_x, recv_meta = ex.recv_x.wait(), ex.recv_meta.wait()
+        y = self.experts(recv_x, recv_meta[:, 1:], recv_meta[:, :1].long())
+        ex.back = self.comm.all_to_all_start(y, ex.recv_splits, ex.send_splits, async_op)
+        return ex
+
+    def dp_combine(self, ex: DPExchange) -> torch.Tensor:
+        """The last stage: wait for the results and add each row's choices in choice order ->
+        the routed experts' output for the rows x held [Tr, H] (the group's, gathered)."""
+        back = ex.back.wait()                                              # exact: [Tr*k, H] in `order`
+        if ex.place is not None:                                           # padded: [N*B*k, H]
+            back = back[ex.place]
+        t, h = ex.rows, back.shape[1]
         per_choice = torch.empty_like(back)
-        per_choice[order] = back
-        out = per_choice.view(t, k, h).sum(dim=1)
-        if self.group is None or full.shape[0] == 0:   # a group's ranks hold the same rows: all skip alike
+        per_choice[ex.order] = back
+        out = per_choice.view(t, ex.k, h).sum(dim=1)
+        if self.group is None or ex.full_rows == 0:   # a group's ranks hold the same rows: all skip alike
             return out
         g = self.group.world_size
-        shares = [(r + 1) * full.shape[0] // g - r * full.shape[0] // g for r in range(g)]
+        shares = [(r + 1) * ex.full_rows // g - r * ex.full_rows // g for r in range(g)]
         width = max(shares)
         gathered = self.group.all_gather(F.pad(out, (0, 0, 0, width - t)))          # [K * width, H]
         return torch.cat([gathered[r * width:r * width + shares[r]] for r in range(g)])

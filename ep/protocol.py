@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from speculative.proposer import EP_CMD_MTP_PROPOSE
 from speculative.settings import MAX_NUM_DRAFTS
 
-PROTOCOL_VERSION = 9   # 7: COMPILED_BIT in the handshake; 8: EPLB (its field in dtype_mode, EP_CMD_EPLB);
-#                        9: DP_ATTENTION_BIT, and a DP-attention FORWARD's owners and row budget
+PROTOCOL_VERSION = 10  # 7: COMPILED_BIT in the handshake; 8: EPLB (its field in dtype_mode, EP_CMD_EPLB);
+#                        9: DP_ATTENTION_BIT, and a DP-attention FORWARD's owners and row budget;
+#                        10: TWO_BATCH_BIT (two-batch overlap: the order of the exchanges' collectives)
 HEADER_WORDS = 8
 NO_SLOT = 0xFFFFFFFF
 MAX_SLOT = 1 << 30
@@ -35,7 +36,9 @@ EP_CMD_HANDSHAKE = 0xFFFFFFFE     # version, world_size, fingerprint_lo, fingerp
 #                                   | COMPILED_BIT (adopted: every rank compiles its step or none does)
 #                                   | (R + 1) << EPLB_SHIFT (adopted: EPLB with R redundant experts; 0: off)
 #                                   | DP_ATTENTION_BIT | log2(attention_tp) << ATTENTION_TP_SHIFT (checked:
-#                                   data-parallel attention and its attention groups, docs/design.md §4.3);
+#                                   data-parallel attention and its attention groups, docs/design.md §4.3)
+#                                   | TWO_BATCH_BIT (adopted, with DP_ATTENTION_BIT only: every rank runs its
+#                                   rows as two overlapped micro-batches, ep.overlap, or none does);
 #                                   stop_bits: the group's confidence stop TAU as float32 bits, 0 for none;
 #                                   workers adopt it (the three-word propose drafts with it)
 EP_CMD_FORWARD = 0xFFFFFFFD       # num_ops, num_chunks, num_tokens, bulk_len, num_obs, num_tree_words
@@ -84,6 +87,7 @@ BATCH_INVARIANT_BIT = 1 << 8
 COMPILED_BIT = 1 << 9
 DP_ATTENTION_BIT = 1 << 10
 ATTENTION_TP_SHIFT, ATTENTION_TP_MASK = 11, 0xF   # dtype_mode bits 11-14: log2 of `--attention-tp`
+TWO_BATCH_BIT = 1 << 15   # `--two-batch-overlap` (with DP_ATTENTION_BIT)
 EPLB_SHIFT = 16   # dtype_mode bits 16-31: 1 + the redundant experts of EPLB, 0 without it
 
 

@@ -260,10 +260,10 @@ def serve_rank(comm: Communicator, model_dir: str, dtype: str, moe_a2a: str, kv_
     _thread_lock_for_progress_bars()
     try:
         k = parse_dp_mode(moe_a2a)
-        confidence_stop, batch_invariant, compiled, eplb = worker_handshake(comm, model_dir, dtype, generation,
-                                                                            k is not None, k or 1)
+        confidence_stop, batch_invariant, compiled, eplb, two_batch = worker_handshake(
+            comm, model_dir, dtype, generation, k is not None, k or 1)
         runner = load_shard(model_dir, dtype, comm, moe_a2a, kv_cache_tokens, batch_invariant, model,
-                            gpu_memory_utilization, compiled, eplb)
+                            gpu_memory_utilization, compiled, eplb, two_batch=two_batch)
         gather_weight_bytes(comm, runner)
         gather_rank_info(comm)
         comm.started()

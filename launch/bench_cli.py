@@ -31,7 +31,9 @@ def add_bench_parser(sub) -> None:
                         "eager generate), vllm and vllm-mtpK (K=1..4, vLLM's CPU build as documented, see "
                         "--vllm-python), vllm-untuned / vllm-mtpK-untuned (the old set-up: an ablation). An engine arm + '-eager' runs without torch.compile "
                         "(none-eager), + '-bi' with the batch-invariant kernels (k3-bi), + '-a2a' at --ep > 1 with "
-                        "the MoE exchange instead of auto's choice (none-a2a), + '-twin' a second instance of an "
+                        "the MoE exchange instead of auto's choice (none-a2a), + '-dp' with --dp-attention "
+                        "(none-dp), + '-tp2' with -dp in attention groups of 2, + '-tbo' with -dp and -eager "
+                        "with --two-batch-overlap (none-dp-tbo-eager), + '-twin' a second instance of an "
                         "arm also listed (k3-twin beside k3: their paired ratio, printed as the noise, is what two "
                         "identical arms differ by). Chat workload: no-cache,cache (its default)")
     b.add_argument("--request-kinds", default="plain", metavar="KINDS",

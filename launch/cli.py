@@ -186,6 +186,9 @@ def add_model_args(p: argparse.ArgumentParser, model_dir: Path | None = None) ->
     p.add_argument("--attention-tp", type=_positive_int, default=1, metavar="K",
                    help="with --dp-attention: groups of K ranks (a power of two dividing --ep) share their sequences "
                         "and split attention heads tensor-parallel among them (default 1)")
+    p.add_argument("--two-batch-overlap", action="store_true",
+                   help="with --dp-attention (and --enforce-eager): run each rank's rows as two micro-batches, one's "
+                        "expert exchange in flight while the other computes (docs/design.md §4.3)")
     p.add_argument("--ep-timeout", type=float, default=60.0, metavar="S",
                    help="seconds before a collective is declared dead")
     p.add_argument("--enforce-eager", action="store_true",
@@ -419,7 +422,7 @@ def make_llm(args: argparse.Namespace):
                   enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
                   prefix_cache=args.prefix_cache, eplb_redundant_experts=args.eplb_redundant_experts,
                   eplb_interval_steps=args.eplb_interval_steps, dp_attention=args.dp_attention,
-                  attention_tp=args.attention_tp)
+                  attention_tp=args.attention_tp, two_batch_overlap=args.two_batch_overlap)
     tr = torchrun_rank()
     if tr is not None:
         rank, world = tr

@@ -30,6 +30,7 @@ from ep.channel import (CommandRefused, driver_handshake, gather_rank_info, gath
 from ep.comm import CommError, Communicator
 from ep.driver import DriverRunner, ShardedMTPProposer
 from ep.dp import row_budget
+from ep.overlap import NOT_EAGER, NOT_STATIC
 from ep.parallel import dp_mode
 from ep.protocol import MAX_SLOT
 from ep.local_drafter import load_local_drafter
@@ -128,6 +129,9 @@ class DeploymentConfig:
     # and the routed experts exchange rows (padded in decode to `ep.dp.row_budget` rows a rank).
     dp_attention: bool = False
     attention_tp: int = 1   # with dp_attention: ranks of an attention group, which split its heads
+    # With dp_attention: each rank's rows as two micro-batches, one's exchange in flight while the
+    # other computes (ep.overlap); eager steps only.
+    two_batch_overlap: bool = False
 
     @property
     def shard_mode(self) -> str:
@@ -178,6 +182,19 @@ class DeploymentConfig:
             raise ValueError(f"--attention-tp {self.attention_tp}: a power of two that divides --ep {self.ep}")
         if self.dp_attention and self.moe_a2a != "auto":
             raise ValueError(f"--dp-attention exchanges the routed experts' rows itself; drop --moe-a2a {self.moe_a2a}")
+        if self.two_batch_overlap:
+            self._check_two_batch()
+
+    def _check_two_batch(self) -> None:
+        """`--two-batch-overlap` refused in one line where it cannot overlap (ep.overlap.choose_dp_step
+        checks the resolved step again on every rank)."""
+        if not self.dp_attention:
+            raise ValueError("--two-batch-overlap splits each rank's rows of --dp-attention into two micro-batches; "
+                             "add --dp-attention (the all-reduce layout has no exchange to overlap)")
+        if not self.enforce_eager and self.dtype != "float64":   # float64 runs eager (runtime.executor.settings)
+            raise ValueError(NOT_EAGER)
+        if self.static_steps:
+            raise ValueError(NOT_STATIC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,7 +425,7 @@ class Deployment:
             compiled = not cfg.enforce_eager and cfg.dtype != "float64"
             driver_handshake(comm, cfg.model_dir, cfg.dtype, self.spec.confidence_stop, batch_invariant,
                              getattr(self.group, "generation", 0), compiled, cfg.eplb_redundant_experts,
-                             cfg.dp_attention, cfg.attention_tp)
+                             cfg.dp_attention, cfg.attention_tp, cfg.two_batch_overlap)
             if comm.device != torch.device(cfg.device):
                 raise ValueError(f"rank 0's communicator is on {comm.device}, the deployment on {cfg.device}")
             # EPLB moves experts between ranks: a restarted group starts again from the loaded split.
@@ -416,7 +433,7 @@ class Deployment:
                 self._shard = comm, load_shard_model(cfg.model_dir, cfg.dtype, comm, cfg.shard_mode)
             local = load_shard(cfg.model_dir, cfg.dtype, comm, cfg.shard_mode, cfg.kv_cache_tokens, batch_invariant,
                                self._shard[1], cfg.gpu_memory_utilization, compiled, cfg.eplb_redundant_experts,
-                               (cfg.max_num_seqs, self.rows_per_seq))
+                               (cfg.max_num_seqs, self.rows_per_seq), cfg.two_batch_overlap)
             self.rank_weight_bytes = gather_weight_bytes(comm, local)
             info = gather_rank_info(comm)
             comm.started()

@@ -35,7 +35,7 @@ class LLM:
                  gpu_memory_utilization: float | None = None, static_steps: bool | None = None,
                  kv_block_size: int = 16, eplb_redundant_experts: int | None = None,
                  eplb_interval_steps: int | None = None, dp_attention: bool = False,
-                 attention_tp: int = 1) -> None:
+                 attention_tp: int = 1, two_batch_overlap: bool = False) -> None:
         """Speculation: `spec` (none, mtp, ngram) with at most `num_drafts` drafts per step, a
         depth policy (`draft_policy` fixed/ladder/auto, or `mtp_k_ladder` text or "auto"), a
         width cap `mtp_max_seqs`, a confidence stop, a draft-tree shape ("1,2,2"); resolved once
@@ -78,7 +78,9 @@ class LLM:
         ceil(max_num_seqs / ep) sequences of 1 + the drafts a verify checks a rank. Its ranks
         keep each sequence's keys and values on one rank, so the prefix cache is off.
         `attention_tp` K (with `dp_attention`, K a power of two dividing `ep`): groups of K ranks
-        share their sequences and split attention heads among them, tensor-parallel."""
+        share their sequences and split attention heads among them, tensor-parallel.
+        `two_batch_overlap` (with `dp_attention`, eager steps): each rank's rows run as two
+        micro-batches, one's expert exchange in flight while the other computes (ep.overlap)."""
         model_dir = Path(model)
         resolved = resolve_device(device) if comm is None else comm.device
         if not model_dir.is_dir():
@@ -99,7 +101,8 @@ class LLM:
                              gpu_memory_utilization=gpu_memory_utilization, static_steps=static_steps,
                              kv_block_size=kv_block_size, eplb_redundant_experts=eplb_redundant_experts,
                              eplb_interval_steps=eplb_interval_steps, max_num_seqs=max_num_seqs,
-                             dp_attention=dp_attention, attention_tp=attention_tp),
+                             dp_attention=dp_attention, attention_tp=attention_tp,
+                             two_batch_overlap=two_batch_overlap),
             self.spec, launcher, comm)
         runner = self.deployment.runner
         # Every setting this LLM runs by, resolved once (serving.settings).

@@ -116,34 +116,138 @@ def test_pools_admit_each_ranks_share_and_preempt_within_a_pool():
     assert [s.seq_id for s in sched.running] == [0, 1, 3] and sched.num_preemptions == 1
 
 
+# --- two-batch overlap: the split, the schedule, the waits, the refusals ---------------------------
+def test_micro_batches_split_by_sequence_and_agree_on_the_exchange_form():
+    from ep.overlap import micro_budget, split_point
+    assert [split_point(r) for r in ([], [4], [4, 4], [1, 1, 1], [9, 1, 1], [1, 1, 9])] == [0, 1, 1, 2, 1, 2]
+    assert micro_budget(8, [(4, 4), (4, 0), (0, 0)]) == 4      # every micro-batch fits half the budget
+    assert micro_budget(8, [(4, 4), (5, 3)]) == 0              # one does not: exact counts, on every rank
+    assert micro_budget(1, [(1, 0)]) == 0 and micro_budget(0, [(0, 0)]) == 0
+
+
+def test_a_step_without_two_sequences_on_any_rank_runs_as_one_batch():
+    from ep.overlap import TwoBatchOverlap
+    step, calls = TwoBatchOverlap(), []
+    step.one.run = lambda *args: calls.append(args[-2:]) or "one"
+    assert step.run(None, [5], ["chunk"], 8, [[1], []], 0) == "one"
+    assert calls == [([[1], []], 0)] and step.one_batch_steps == 1 and step.padded_steps == 0
+
+
+def test_interleave_alternates_the_micro_batches_stages():
+    from ep.overlap import interleave
+    log = []
+
+    def mb(name, stages):
+        for i in range(stages):
+            log.append(f"{name}{i}")
+            yield
+        log.append(f"{name}-end")
+        return name
+
+    assert interleave([mb("a", 2), mb("b", 2)]) == ["a", "b"]
+    assert log == ["a0", "b0", "a1", "b1", "a-end", "b-end"]
+
+
+def test_a_wait_on_a_collective_in_flight_keeps_the_timeout_and_raises_comm_error():
+    import datetime as dt
+
+    import torch
+
+    from ep.comm import CommError, Communicator, Pending
+    comm = Communicator(rank=1, world_size=2, init_method=None, timeout_s=7.0, device="cpu")
+    seen = []
+
+    class Work:
+        def wait(self, timeout):
+            seen.append(timeout)
+            raise RuntimeError("[gloo] Timed out waiting 7000ms for recv operation to complete")
+
+    out = torch.zeros(2)
+    done = Pending(comm, "all_to_all", None, out)
+    assert done.wait() is out
+    with pytest.raises(CommError, match=r"rank 1: all_to_all \(wait\) failed \(RuntimeError: \[gloo\] Timed out"):
+        Pending(comm, "all_to_all", Work(), out).wait()
+    assert seen == [dt.timedelta(seconds=7.0)] and comm.comm_seconds > 0
+
+
+def test_two_batch_overlap_is_refused_where_it_cannot_overlap(capsys, monkeypatch):
+    import re
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from speculative import ladder
+
+    from ep.channel import driver_handshake
+    from ep.dp import OneBatch
+    from ep.overlap import NOT_EAGER, NOT_ROW_TWICE, NOT_STATIC, TwoBatchOverlap, choose_dp_step
+    from launch.cli import main
+    from serving.deployment import DeploymentConfig
+    embedded = Path(__file__).resolve().parents[2] / "models" / "tiny-glm-moe"
+    cfg = dict(model_dir=embedded, ep=2, two_batch_overlap=True)
+    with pytest.raises(ValueError, match="^--two-batch-overlap splits each rank's rows of --dp-attention"):
+        DeploymentConfig(**cfg)
+    with pytest.raises(ValueError, match=f"^{re.escape(NOT_EAGER)}$"):
+        DeploymentConfig(**cfg, dp_attention=True)                       # float32 compiles its step
+    with pytest.raises(ValueError, match=f"^{re.escape(NOT_STATIC)}$"):
+        DeploymentConfig(**cfg, dp_attention=True, enforce_eager=True, static_steps=True)
+    DeploymentConfig(**cfg, dp_attention=True, enforce_eager=True)
+    DeploymentConfig(**cfg, dp_attention=True, dtype="float64")        # float64 runs eager
+    with pytest.raises(ValueError, match="splits the rows of --dp-attention"):
+        driver_handshake(SimpleNamespace(world_size=2), embedded, "float32", two_batch=True)
+    model = SimpleNamespace(one_row_twice=False)
+    runner = dict(compiled=False, graphs=None, model=model)
+    assert isinstance(choose_dp_step(SimpleNamespace(**runner), False), OneBatch)
+    assert isinstance(choose_dp_step(SimpleNamespace(**runner), True), TwoBatchOverlap)
+    for change, why in ((dict(compiled=True), NOT_EAGER), (dict(graphs=object()), NOT_STATIC),
+                        (dict(model=SimpleNamespace(one_row_twice=True)), NOT_ROW_TWICE)):
+        with pytest.raises(ValueError, match=f"^{re.escape(why)}$"):
+            choose_dp_step(SimpleNamespace(**runner | change), True)
+    for published in ("_published_ladder", "_published_max_seqs"):   # the CLI publishes the model's width cap
+        monkeypatch.setattr(ladder, published, getattr(ladder, published))
+    code = main(["generate", "--model", str(embedded), "--prompt", "x", "--ep", "2", "--dp-attention",
+                 "--two-batch-overlap"])
+    assert code == 2 and capsys.readouterr().err.strip() == f"metrale generate: error: {NOT_EAGER}"
+
+
 # --- EP groups ---------------------------------------------------------------------------------------
-def test_dp_attention_ep2_equals_one_rank_in_float64_with_mtp_chains(ckpt_mtp):
-    """EP 2 with data-parallel attention, MTP chains (greedy, then seeded), each rank drafting its
-    own sequences: one rank's tokens, drafts and acceptance; both ranks ran sequences; every
-    padded decode exchange of a layer had one shape, whatever the batch's width. Each rank's KV
+def test_dp_attention_ep2_with_two_batch_overlap_equals_one_rank_in_float64_with_mtp_chains(ckpt_mtp):
+    """EP 2 with data-parallel attention and two-batch overlap, MTP chains, each rank drafting its
+    own sequences in a KV pool of its own: three prompts first (rank 0 runs two, rank 1 one, so its
+    second micro-batch has no rows; its one stops after 2 tokens, and then it has none: both join
+    every exchange), then four, greedy and seeded, then rank 1's sequence drafting alone (rank 0
+    sends the seed's three-word propose): one rank's tokens, drafts and acceptance. Each rank's
     pool holds 64 tokens, its own two sequences' (two blocks each): the four run together without
-    a preemption, where one pool of that size holds two (rank 0 addresses its own pool's cells
-    only, `PagedKVCache.cells`, so it drafted none of rank 1's sequences)."""
+    a preemption, where one pool of that size holds two. Decode exchanges of micro-batches were
+    padded to half the budget, one shape a layer whatever the batch's width (a step with one
+    sequence a rank runs as one batch, padded to the budget); prefills exact; the MTP layer's
+    experts exchanged too."""
+    first = [GREEDY, SamplingParams(max_tokens=2, ignore_eos=True), GREEDY]
     one = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=2048)
-    want = runs(one) + [alone_on_rank_1(one)]
+    want = [[o.token_ids for o in one.generate(PROMPTS[:3], first)], runs(one), alone_on_rank_1(one)]
     llm = LLM(ckpt_mtp, dtype="float64", spec="mtp", num_drafts=3, kv_cache_tokens=64, ep=2, dp_attention=True,
-              max_num_seqs=4, launcher=MPGroup, ep_timeout_s=60, warm_standby=False)
+              two_batch_overlap=True, max_num_seqs=4, launcher=MPGroup, ep_timeout_s=60, warm_standby=False)
     try:
-        assert runs(llm) + [alone_on_rank_1(llm)] == want
+        step = llm.engine.runner.model.dp_step
+        assert step.name == "two-batch overlap"
+        alone = [o.token_ids for o in llm.generate(PROMPTS[:3], first)]
+        assert llm.engine.runner.dp.assigned == [2, 1] and step.empty_micro_batches >= 3
+        assert [alone, runs(llm), alone_on_rank_1(llm)] == want
+        assert sum(d for d, _ in want[1][0][1]) > 0
+        assert min(llm.engine.runner.dp.assigned) >= 3
+        assert step.padded_steps > 0 and step.exact_steps > 0
         cache = llm.engine.runner.cache
         assert (cache.num_blocks, cache.total_blocks, llm.engine.scheduler.num_preemptions) == (4, 8, 0)
         sent = llm.engine.runner.sent   # the seed's three words where one sequence drafts, else the batch
         assert sent["MTP_PROPOSE"] > 0 and sent["MTP_PROPOSE_BATCH"] > 0, sent
         [mtp] = target_dp_layers(llm.engine.runner.model, drafter=True)   # the MTP layer's experts: exchanged
         assert mtp.dp_shapes
-        assert sum(d for d, _ in want[0][1]) > 0
-        assert min(llm.engine.runner.dp.assigned) >= 2
         layers = dp_layers(llm)
-        assert layers and all(len(m.dp_shapes) == 1 for m in layers)
         budget = llm.engine.runner.dp.budget                     # 2 sequences a rank of 4 rows: 8
         assert budget == 8
-        rows = 2 * budget * layers[0].gate.top_k                 # N * B * k
-        assert {s for m in layers for s in m.dp_shapes} == {((rows, 64), (rows, 2), (rows, 64))}
+        rows = 2 * budget // 2 * layers[0].gate.top_k            # N * B/2 * k: a micro-batch's
+        shapes = {s for m in layers for s in m.dp_shapes}
+        assert ((rows, 64), (rows, 2), (rows, 64)) in shapes and len(shapes) <= 2   # and a one-batch step's
+        assert all(s[0][0] in (rows, 2 * rows) for s in shapes)
     finally:
         llm.shutdown()
 
@@ -234,18 +338,20 @@ def test_a_worker_loaded_for_the_other_layout_refuses_the_handshake(ckpt_plain):
         group.close()
 
 
-def test_dp_attention_ep4_in_attention_groups_of_two_equals_one_rank(ckpt_mtp):
+def test_dp_attention_ep4_in_attention_groups_of_two_with_two_batch_overlap_equals_one_rank(ckpt_mtp):
     """`--attention-tp 2` at EP 4: two attention groups of two ranks, each splitting its heads
-    (output projection all-reduced inside the group) and routing half its rows; MTP chains, greedy
-    then seeded, give one rank's tokens, drafts and acceptance."""
+    (output projection all-reduced inside the group) and routing half its rows, each group's rows
+    as two overlapped micro-batches (the group's collectives run while the exchange's are in
+    flight); MTP chains, greedy then seeded, give one rank's tokens, drafts and acceptance."""
     kw = dict(dtype="float64", spec="mtp", num_drafts=2, kv_cache_tokens=2048)
     want = runs(LLM(ckpt_mtp, **kw))
-    llm = LLM(ckpt_mtp, **kw, ep=4, dp_attention=True, attention_tp=2, max_num_seqs=4, launcher=MPGroup,
-              ep_timeout_s=60, warm_standby=False)
+    llm = LLM(ckpt_mtp, **kw, ep=4, dp_attention=True, attention_tp=2, two_batch_overlap=True, max_num_seqs=4,
+              launcher=MPGroup, ep_timeout_s=60, warm_standby=False)
     try:
         assert runs(llm) == want
         assert llm.engine.runner.dp.dp_size == 2 and min(llm.engine.runner.dp.assigned) >= 2
         assert llm.model.layers[0].self_attn.num_heads == llm.model.config.num_attention_heads // 2
-        assert all(len(m.dp_shapes) == 1 for m in dp_layers(llm))
+        assert all(len(m.dp_shapes) <= 2 for m in dp_layers(llm))   # micro-batches', and one-batch steps'
+        assert llm.engine.runner.model.dp_step.padded_steps > 0
     finally:
         llm.shutdown()
