@@ -4,7 +4,7 @@
 
 `runtime.ops.cpu_ops.few_rows_max` sends a GEMM of at most that many rows to the native few-row
 kernel and more to MKL / oneDNN; the compiled step reads it as a constant, so each limit is a
-process of its own (a child of this one, its table set before the library loads), built and
+process of its own (a child of this one, its table set before a step compiles), built and
 warmed up once. Per round, every child decodes each width in turn (that many held-out prompts
 added at once, greedy, `--max-tokens` each, EOS ignored); the children take turns (the order
 swapped every round), never two at once. Per limit and width: the median over rounds of the
@@ -33,8 +33,9 @@ def child(model: str, dtype: str, limit: int) -> None:
     from runtime.ops import cpu_ops
     from runtime.sample.sampler import SamplingParams
     from serving.llm import LLM
-    key = {"float32": "FEW_ROWS_FLOAT32", "bfloat16": "FEW_ROWS_BF16_DOT"}[dtype]
-    setattr(cpu_ops, key, limit)
+    if not cpu_ops.load():
+        raise SystemExit(f"the native CPU ops did not load: {cpu_ops._state.get('error')}")
+    cpu_ops.FEW_ROWS[getattr(torch, dtype)] = limit     # read as a constant by the compiled step
     llm = LLM(model, dtype=dtype, max_num_seqs=64, kv_cache_tokens=65536, prefix_cache=False)
     assert cpu_ops.few_rows_max(getattr(torch, dtype)) == limit, cpu_ops.FEW_ROWS
     llm.deployment.warm_up()
