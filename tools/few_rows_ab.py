@@ -9,8 +9,9 @@ warmed up once. Per round, every child decodes each width in turn (that many hel
 added at once, greedy, `--max-tokens` each, EOS ignored); the children take turns (the order
 swapped every round), never two at once. Per limit and width: the median over rounds of the
 decode steps' ms (the steps after every prompt has its first token) and of the ms inside the
-native kernels (linears, attention, routed experts: `cpu_ops.kernel_clock`), and each limit's
-paired ratio to the first one.
+native kernels (linears, attention, routed experts: `cpu_ops.kernel_clock`), the prefill's ms
+(the steps until every prompt has its first token: one step while the prompts fit the 1,024-token
+budget), and each limit's paired ratios to the first one.
 """
 from __future__ import annotations
 
@@ -50,8 +51,10 @@ def child(model: str, dtype: str, limit: int) -> None:
         for w in widths:
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             seqs = [engine.add_request(ids[i % len(ids)], params) for i in range(w)]
+            steps0, t0 = engine.num_steps, time.perf_counter()
             while any(s.num_output == 0 for s in seqs):
                 llm.step()
+            prefill, prefill_steps = time.perf_counter() - t0, engine.num_steps - steps0
             steps0 = engine.num_steps
             cpu_ops.kernel_clock(True)
             t0 = time.perf_counter()
@@ -60,7 +63,9 @@ def child(model: str, dtype: str, limit: int) -> None:
             wall = time.perf_counter() - t0
             kernels = cpu_ops.kernel_clock(False)
             steps = engine.num_steps - steps0
-            out[str(w)] = {"step_ms": 1000 * wall / steps, "kernels_ms": 1000 * kernels / steps, "steps": steps}
+            out[str(w)] = {"step_ms": 1000 * wall / steps, "kernels_ms": 1000 * kernels / steps, "steps": steps,
+                           "prefill_ms": 1000 * prefill, "prefill_steps": prefill_steps,
+                           "prefill_tokens": sum(len(ids[i % len(ids)]) for i in range(w))}
         print(json.dumps(out), flush=True)
 
 
@@ -103,16 +108,22 @@ def main() -> None:
         p.wait(timeout=120)
     rows = []
     print(f"{args.dtype}, decode steps, {args.max_tokens} tokens, {args.rounds} rounds (medians, ms a step)")
-    print(f"{'limit':>6} {'width':>6} {'step_ms':>9} {'kernels_ms':>11} {'vs first':>9}")
+    print(f"{'limit':>10} {'width':>6} {'step_ms':>9} {'kernels_ms':>11} {'vs first':>9} {'prefill_ms':>11} {'vs first':>9}")
     for limit in limits:
         for w in map(str, widths):
             step = statistics.median(x[w]["step_ms"] for x in runs[limit])
             kern = statistics.median(x[w]["kernels_ms"] for x in runs[limit])
             ratio = statistics.median(a[w]["step_ms"] / b[w]["step_ms"] for a, b in zip(runs[limit], runs[limits[0]]))
+            pre = statistics.median(x[w]["prefill_ms"] for x in runs[limit])
+            pre_ratio = statistics.median(a[w]["prefill_ms"] / b[w]["prefill_ms"]
+                                          for a, b in zip(runs[limit], runs[limits[0]]))
             rows.append({"limit": limit, "width": int(w), "step_ms": round(step, 3), "kernels_ms": round(kern, 3),
                          "step_vs_first": round(ratio, 3),
-                         "step_ms_runs": [round(x[w]["step_ms"], 3) for x in runs[limit]]})
-            print(f"{limit:>6} {w:>6} {step:>9.3f} {kern:>11.3f} {ratio:>9.3f}")
+                         "step_ms_runs": [round(x[w]["step_ms"], 3) for x in runs[limit]],
+                         "prefill_ms": round(pre, 3), "prefill_vs_first": round(pre_ratio, 3),
+                         "prefill_steps": runs[limit][0][w]["prefill_steps"],
+                         "prefill_tokens": runs[limit][0][w]["prefill_tokens"]})
+            print(f"{limit:>10} {w:>6} {step:>9.3f} {kern:>11.3f} {ratio:>9.3f} {pre:>11.3f} {pre_ratio:>9.3f}")
     if args.json_out:
         import os
 
