@@ -69,6 +69,26 @@ def child(model: str, dtype: str, limit: int) -> None:
         print(json.dumps(out), flush=True)
 
 
+def plot(record: dict, path: Path) -> None:
+    """Decode step ms by width, a line per limit (dots: rounds)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for limit in record["limits"]:
+        rows = [r for r in record["rows"] if r["limit"] == limit]
+        line, = ax.plot([r["width"] for r in rows], [r["step_ms"] for r in rows], "o-",
+                        label=f"limit {limit if limit < 1 << 20 else 'all rows'}")
+        for r in rows:
+            ax.plot([r["width"]] * len(r["step_ms_runs"]), r["step_ms_runs"], ".", color=line.get_color(), ms=3)
+    ax.set(xlabel="decode width (rows a step)", ylabel="ms a decode step (median)",
+           title=f"{record['dtype']}: few-row kernel limit, {record['rounds']} rounds (load {record['load'][0]:.1f})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="models/tiny-glm-moe")
@@ -78,6 +98,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--plot-out", type=Path, default=None)
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -124,14 +145,16 @@ def main() -> None:
                          "prefill_steps": runs[limit][0][w]["prefill_steps"],
                          "prefill_tokens": runs[limit][0][w]["prefill_tokens"]})
             print(f"{limit:>10} {w:>6} {step:>9.3f} {kern:>11.3f} {ratio:>9.3f} {pre:>11.3f} {pre_ratio:>9.3f}")
-    if args.json_out:
-        import os
+    import os
 
-        from bench.report import machine
-        args.json_out.write_text(json.dumps({"tool": "few_rows_ab", "model": args.model, "dtype": args.dtype,
-                                             "limits": limits, "widths": widths, "max_tokens": args.max_tokens,
-                                             "rounds": args.rounds, "load": os.getloadavg(), "machine": machine(),
-                                             "rows": rows}, indent=1) + "\n")
+    from bench.report import machine
+    record = {"tool": "few_rows_ab", "model": args.model, "dtype": args.dtype, "limits": limits, "widths": widths,
+              "max_tokens": args.max_tokens, "rounds": args.rounds, "load": os.getloadavg(), "machine": machine(),
+              "rows": rows}
+    if args.json_out:
+        args.json_out.write_text(json.dumps(record, indent=1) + "\n")
+    if args.plot_out:
+        plot(record, args.plot_out)
 
 
 if __name__ == "__main__":

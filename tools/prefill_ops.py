@@ -21,6 +21,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def plot(record: dict, path: Path) -> None:
+    """The ops' self time a wave, the most first."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ops = record["ops"][::-1]
+    fig, ax = plt.subplots(figsize=(8, 0.3 * len(ops) + 1.2))
+    ax.barh(range(len(ops)), [o["self_ms_per_wave"] for o in ops])
+    ax.set_yticks(range(len(ops)), [o["op"][:48] for o in ops], fontsize=7)
+    wall = sorted(record["wall_ms"])[len(record["wall_ms"]) // 2]
+    ax.set(xlabel="self CPU ms a wave", title=f"{record['dtype']}: {record['width']} x {record['input_len']} tokens "
+                                             f"in one step, {wall:.0f} ms a wave under the profiler")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "tiny-glm-moe"))
@@ -30,6 +47,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--plot-out", type=Path, default=None)
     args = ap.parse_args()
     if min(args.width, args.input_len, args.rounds, args.top) < 1:
         ap.error("--width, --input-len, --rounds and --top must be at least 1")
@@ -61,12 +79,13 @@ def main() -> None:
           f"profiler: {1000 * sorted(walls)[len(walls) // 2]:.1f} ms a wave (median wall)")
     for t in table:
         print(f"  {t['self_ms_per_wave']:9.2f} ms  {t['calls_per_wave']:7.1f} calls  {t['op']}")
+    from bench.report import machine
+    record = {"tool": "prefill_ops", **{k: v for k, v in vars(args).items() if k not in ("json_out", "plot_out")},
+              "wall_ms": [round(1000 * w, 2) for w in walls], "machine": machine(), "ops": table}
     if args.json_out:
-        from bench.report import machine
-        args.json_out.write_text(json.dumps({"tool": "prefill_ops", **{k: v for k, v in vars(args).items()
-                                                                         if k != "json_out"},
-                                             "wall_ms": [round(1000 * w, 2) for w in walls], "machine": machine(),
-                                             "ops": table}, indent=1) + "\n")
+        args.json_out.write_text(json.dumps(record, indent=1) + "\n")
+    if args.plot_out:
+        plot(record, args.plot_out)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,27 @@ for line in sys.stdin:
 """
 
 
+def plot(record: dict, path: Path) -> None:
+    """A wave's prefill and a decode step, ms, ours beside vLLM's (dots: rounds)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.6))
+    for ax, key, label in ((axes[0], "prefill_ms", f"a wave's prefill ({record['width']} x {record['input_len']})"),
+                           (axes[1], "decode_ms", f"a decode step ({record['width']} rows)")):
+        cell = record["steps"][key]
+        for i, name in enumerate(("metrale", "vllm")):
+            ax.bar(i, cell[name], 0.6, color=f"C{i}")
+            ax.plot([i] * len(cell[f"{name}_runs"]), cell[f"{name}_runs"], "k.", ms=4)
+        ax.set_xticks([0, 1], ["metrale", "vLLM"])
+        ax.set(ylabel="ms (median)", title=f"{label}\nours / theirs {cell['ours_over_theirs']:.2f}x")
+        ax.set_ylim(bottom=0)
+    fig.suptitle(f"{record['dtype']}, offline, {record['rounds']} rounds (load {record['load'][0]:.1f})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(ROOT / "models" / "tiny-glm-moe"))
@@ -76,6 +97,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--plot-out", type=Path, default=None)
     args = ap.parse_args()
     if min(args.width, args.input_len, args.decode, args.rounds) < 1 or args.budget < args.width * args.input_len:
         ap.error("--width, --input-len, --decode and --rounds at least 1; --budget must take the whole wave")
@@ -120,12 +142,14 @@ def main() -> None:
                     "metrale_runs": [round(x[key], 3) for x in runs["metrale"]],
                     "vllm_runs": [round(x[key], 3) for x in runs["vllm"]]}
         print(f"  {key:10s} metrale {ours:8.2f}  vllm {theirs:8.2f}  ours / theirs {paired:.3f} (paired)")
+    from bench.report import machine
+    record = {"tool": "step_vs_vllm", **{k: v for k, v in vars(args).items()
+                                         if k not in ("json_out", "plot_out", "vllm_python")},
+              "load": os.getloadavg(), "machine": machine(), "steps": out}
     if args.json_out:
-        from bench.report import machine
-        args.json_out.write_text(json.dumps({"tool": "step_vs_vllm", **{k: v for k, v in vars(args).items()
-                                                                          if k not in ("json_out", "vllm_python")},
-                                             "load": os.getloadavg(), "machine": machine(), "steps": out},
-                                            indent=1) + "\n")
+        args.json_out.write_text(json.dumps(record, indent=1) + "\n")
+    if args.plot_out:
+        plot(record, args.plot_out)
 
 
 if __name__ == "__main__":
