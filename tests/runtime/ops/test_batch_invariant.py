@@ -23,7 +23,10 @@ from runtime.executor.kv_cache import PagedKVCache
 from runtime.model.experts import RoutedExperts
 from runtime.model.layers import Router, pack_for_inference
 from runtime.sample.sampler import SamplingParams
+from engine.engine import Engine, EngineConfig
 from serving.llm import LLM
+from speculative.ngram import NgramProposer
+from speculative.settings import SpecSettings, resolve_spec_settings
 
 MODEL = Path(__file__).resolve().parents[3] / "models" / "tiny-glm-moe"
 ROW_COUNTS = (1, 3, 16, 33, 61)
@@ -401,6 +404,14 @@ def test_compiled_step_rows_do_not_depend_on_the_step(dtype):
 PROMPTS = heldout_prompts(16)
 
 
+def engine_on(llm: LLM, spec: SpecSettings, proposer, prefix_cache: bool = True) -> Engine:
+    """A fresh engine (scheduler, prefix index, speculation) over `llm`'s runner: its weights, KV
+    pool and compiled step (target and drafter graphs) serve every arm, so the test compiles once
+    a dtype instead of once an arm (each compile ~10 s of the suite)."""
+    config = EngineConfig(max_num_seqs=llm.engine.config.max_num_seqs, prefix_cache=prefix_cache)
+    return Engine(llm.deployment.runner, llm.tokenizer, config, spec, proposer)
+
+
 def engine_outputs(dtype: str) -> dict:
     """{arm: token lists of the 16 prompts at concurrency 16}, plus 'alone' and the other runs the
     test below compares."""
@@ -408,32 +419,36 @@ def engine_outputs(dtype: str) -> dict:
     seeded = [SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, seed=100 + i) for i in range(16)]
     runs: dict[str, list[list[int]]] = {}
     # Every speculating arm drafts at all 16 sequences (the model folder's width cap is lower).
-    wide = dict(mtp_max_seqs=16)
-    # (k1's two-row verifies are covered at float64 by tests/speculative/test_lossless.py; each arm
-    # here is a compiled engine, ~14 s.)
-    arms = {"none": {}, "k3": dict(spec="mtp", num_drafts=3, **wide),
-            "tree": dict(spec="mtp", num_drafts=3, tree_shape="2,2,1", **wide), "ngram": dict(spec="ngram", num_drafts=3)}
-    for arm, spec in arms.items():
-        llm = LLM(MODEL, dtype, kv_cache_tokens=16384, batch_invariant=True, enforce_eager=False, **spec)
+    # (k1's two-row verifies are covered at float64 by tests/speculative/test_lossless.py.)
+    settings = lambda **kw: resolve_spec_settings(width_cap=16, model_dir=MODEL, dtype=dtype, **kw)
+    llm = LLM(MODEL, dtype, kv_cache_tokens=16384, batch_invariant=True, enforce_eager=False, spec="mtp",
+              num_drafts=3, mtp_max_seqs=16)
+    drafter = llm.engine.proposer
+    arms = {"none": engine_on(llm, settings(), None), "k3": llm.engine,
+            "tree": engine_on(llm, settings(method="mtp", num_drafts=3, tree_shape="2,2,1"), drafter),
+            "ngram": engine_on(llm, settings(method="ngram", num_drafts=3), NgramProposer())}
+    for arm, engine in arms.items():
+        llm.engine = engine
         runs[arm] = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
         if arm in ("none", "k3"):
             runs[arm + "-seeded"] = [o.token_ids for o in llm.generate(PROMPTS, seeded)]
         if arm == "none":
             runs["alone"] = [llm.generate([p], greedy)[0].token_ids for p in PROMPTS[:8]]
-        llm.shutdown()
+    # A pool a third the batch's size (the rest held by a sequence no engine steps): sequences are
+    # preempted and recomputed (prefix cache off, so the recompute really computes), MTP on.
+    cache = llm.deployment.runner.cache
+    assert cache.num_free_tokens() == cache.capacity_tokens, "an arm left blocks held"
+    cache.reserve(10**9, cache.capacity_tokens - 768)
+    llm.engine = small = engine_on(llm, arms["k3"].spec, drafter, prefix_cache=False)
+    runs["preempted"] = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+    runs["num_preemptions"] = small.scheduler.num_preemptions
+    llm.shutdown()
     # The eager step (`enforce_eager`) is invariant too (it rounds otherwise than the compiled one).
     eager = LLM(MODEL, dtype, kv_cache_tokens=16384, batch_invariant=True, enforce_eager=True, spec="mtp",
-                num_drafts=3, **wide)
+                num_drafts=3, mtp_max_seqs=16)
     runs["eager-k3"] = [o.token_ids for o in eager.generate(PROMPTS, greedy)]
     runs["eager-alone"] = [eager.generate([p], greedy)[0].token_ids for p in PROMPTS[:6]]
     eager.shutdown()
-    # A cache a third the batch's size: sequences are preempted and recomputed (prefix cache off,
-    # so the recompute really computes), MTP on.
-    small = LLM(MODEL, dtype, kv_cache_tokens=768, batch_invariant=True, prefix_cache=False, spec="mtp", num_drafts=3,
-                enforce_eager=False, **wide)
-    runs["preempted"] = [o.token_ids for o in small.generate(PROMPTS, greedy)]
-    runs["num_preemptions"] = small.engine.scheduler.num_preemptions
-    small.shutdown()
     return runs
 
 
