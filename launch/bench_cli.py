@@ -65,6 +65,11 @@ def add_bench_parser(sub) -> None:
                      help="a running server to drive, e.g. metrale=http://127.0.0.1:8000 (repeat: they take turns)")
     srv.add_argument("--input-len", type=int, default=128, help="random prompt tokens per request")
     srv.add_argument("--api-key", default=None, help="bearer token the servers ask for (default: none)")
+    srv.add_argument("--serve-arm", action="append", default=[], metavar="NAME:ARGS",
+                     help="serve-vs-vllm: one more metrale server with these extra serve options, e.g. "
+                          "'b512:--max-num-batched-tokens 512', measured in the same turns (repeat for more)")
+    srv.add_argument("--no-vllm", action="store_true",
+                     help="serve-vs-vllm: leave vLLM's server out (our servers only, with --serve-arm)")
     chat = b.add_argument_group("chat workload")
     chat.add_argument("--conversations", type=int, default=16, help="conversations run at once")
     chat.add_argument("--turns", type=int, default=4, help="user turns per conversation")
@@ -149,7 +154,8 @@ def cmd_serve_vs_vllm(args: argparse.Namespace) -> int:
                                dtype=args.dtype, concurrency=levels,
                                requests={c: args.requests for c in levels} if args.requests else {},
                                input_len=args.input_len, output_len=args.max_tokens or 64,
-                               repeats=args.repeats, prefix_cache=args.prefix_cache)
+                               repeats=args.repeats, prefix_cache=args.prefix_cache,
+                               arms=tuple(args.serve_arm), vllm=not args.no_vllm)
     run_serve_vs_vllm(config, json_out=args.json_out, plot_out=args.plot_out)
     return 0
 

@@ -136,6 +136,9 @@ def add_model_args(p: argparse.ArgumentParser, model_dir: Path | None = None) ->
                    help="CUDA only: size the KV cache to what is left of this share of the GPU's memory after "
                         "the weights (replaces --kv-cache-tokens; refused on the CPU)")
     p.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most sequences in one step")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=1024,
+                   help="most tokens in one step (decode rows, prefill chunks and drafts together); a longer "
+                        "prompt is prefilled in chunks over several steps (vLLM's flag; default: 1024)")
     p.add_argument("--spec", default="none", choices=["none", "mtp", "ngram"],
                    help="speculative decoding: the checkpoint's MTP layer, prompt lookup, or none")
     p.add_argument("--num-drafts", type=int, default=None,
@@ -417,7 +420,7 @@ def make_llm(args: argparse.Namespace):
                          "--kv-cache-tokens")
     spec = resolve_speculation(args)
     common = dict(dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens, kv_block_size=args.block_size,
-                  max_num_seqs=args.max_num_seqs,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   gpu_memory_utilization=args.gpu_memory_utilization, spec_settings=spec, moe_a2a=args.moe_a2a, ep_timeout_s=args.ep_timeout,
                   enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant,
                   prefix_cache=args.prefix_cache, eplb_redundant_experts=args.eplb_redundant_experts,

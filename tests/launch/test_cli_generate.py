@@ -148,3 +148,13 @@ def test_tree_shape_flag(ckpt_mtp, tmp_path, capsys):
                           (["--arms", "tree", "--tree-shape", "0,1"], "count 0"),
                           (["--request-kinds", "plain,xml"], "request kind 'xml'")):
         assert needle in refused_in_process(capsys, "bench", "--model", str(ckpt_mtp), *extra)
+
+
+def test_max_num_batched_tokens_reaches_the_engine(monkeypatch):
+    import serving
+    from launch.cli import build_parser, make_llm
+    got = {}
+    monkeypatch.setattr(serving, "LLM", lambda **kw: got.update(kw))
+    for argv, want in ((["serve", "--model", "m"], 1024), (["serve", "--model", "m", "--max-num-batched-tokens", "2048"], 2048)):
+        make_llm(build_parser().parse_args(argv))
+        assert got["max_num_batched_tokens"] == want

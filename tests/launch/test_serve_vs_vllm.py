@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.serve.vs_vllm import CLIENT, ServeVsVLLMConfig, metrale_command, summarize, vllm_command, vllm_env
+from bench.serve.vs_vllm import (CLIENT, ServeVsVLLMConfig, metrale_command, metrale_env, summarize, vllm_command,
+                                 vllm_env)
 from tests.conftest import ROOT
 
 MODEL = str(ROOT / "models" / "tiny-glm-moe")
@@ -50,3 +51,34 @@ def test_ratios_are_paired_run_by_run(tmp_path):
     assert (r["tok_s_ratio"], r["tok_s_ratio_min"], r["tok_s_ratio_max"]) == (1.0, 0.9, 1.2)
     assert (r["ttft_p50_ratio"], r["ttft_p50_ratio_min"], r["ttft_p50_ratio_max"]) == (1.25, 1.0, 2.0)
     assert r["tpot_p50_ratio"] == 2.0
+
+
+def test_arms_are_more_servers_of_ours_with_their_options_and_environment(tmp_path):
+    cfg = config(tmp_path, arms=("b512:--max-num-batched-tokens 512", "spin:GOMP_SPINCOUNT=1000 --max-num-seqs 16"))
+    assert cfg.servers() == ["metrale", "metrale-b512", "metrale-spin", "vllm"]
+    base = metrale_command(cfg, 1)
+    assert metrale_command(cfg, 1, "metrale-b512") == base + ["--max-num-batched-tokens", "512"]
+    assert metrale_command(cfg, 1, "metrale-spin") == base + ["--max-num-seqs", "16"]
+    assert metrale_env(cfg, "metrale") is None and metrale_env(cfg, "metrale-b512") is None
+    assert metrale_env(cfg, "metrale-spin")["GOMP_SPINCOUNT"] == "1000"
+    assert config(tmp_path, arms=("b512:x",), vllm=False).servers() == ["metrale", "metrale-b512"]
+    for bad in (("b512",), ("a:x", "a:y"), (":x",), ("a b:x",)):
+        with pytest.raises(ValueError, match="NAME:ARGS"):
+            config(tmp_path, arms=bad)
+    with pytest.raises(ValueError, match="arms to compare"):
+        config(tmp_path, vllm=False)
+
+
+def test_arms_get_ratios_against_vllm_and_the_default_server(tmp_path):
+    cfg = config(tmp_path, concurrency=(16,), repeats=2, arms=("b:x",))
+
+    def run(tok_s, ttft):
+        return {"requests": 64, "tok_s": tok_s, "ttft_p50_ms": ttft, "tpot_p50_ms": 1.0}
+    runs = {("metrale", 16): [run(100, 10), run(100, 10)], ("metrale-b", 16): [run(110, 8), run(130, 10)],
+            ("vllm", 16): [run(50, 10), run(100, 10)]}
+    cells, ratios = summarize(runs, cfg)
+    assert [c["server"] for c in cells] == ["metrale", "metrale-b", "vllm"]
+    got = {(r["server"], r["against"]): (r["tok_s_ratio_min"], r["tok_s_ratio_max"], r["ttft_p50_ratio"])
+           for r in ratios}
+    assert got == {("metrale", "vllm"): (1.0, 2.0, 1.0), ("metrale-b", "vllm"): (1.3, 2.2, 1.125),
+                   ("metrale-b", "metrale"): (1.1, 1.3, 1.125)}

@@ -297,3 +297,17 @@ def test_kernel_clock_counts_the_compute_ops_only_while_it_runs():
     counted = cpu_ops.kernel_clock(False)
     assert 0.0 < counted <= wall
     assert cpu_ops.kernel_clock(False) == 0.0            # each read starts the count again
+
+
+def test_float32_few_row_limit_follows_avx512(monkeypatch):
+    """float32 GEMMs of up to 32 rows take the kernel where it runs its AVX-512 tiles, 16 elsewhere
+    (tools/few_rows_ab.py measures the limits); bfloat16 and float64 are not moved by it."""
+    assert cpu_ops.load()
+    tables = {}
+    for avx512 in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda v=avx512: v)
+        tables[avx512] = cpu_ops._few_rows_table()
+    assert tables[True][torch.float32] == cpu_ops.FEW_ROWS_FLOAT32_AVX512 == 32
+    assert tables[False][torch.float32] == cpu_ops.FEW_ROWS_FLOAT32 == 16
+    assert tables[True][torch.bfloat16] == tables[False][torch.bfloat16]
+    assert tables[True][torch.float64] == tables[False][torch.float64] == cpu_ops.ALL_ROWS
