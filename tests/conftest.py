@@ -35,6 +35,16 @@ def engines_run_eager_unless_asked(request, monkeypatch):
     monkeypatch.setitem(LLM.__init__.__kwdefaults__, "enforce_eager", True)
 
 
+@pytest.fixture(autouse=True)
+def cli_publications_end_with_the_test(monkeypatch):
+    """The CLI publishes its speculation settings process-wide (`launch.cli.resolve_speculation`:
+    the ladder, the width cap, the confidence stop), as one process serves one model; a test that
+    runs the CLI in the test process must not leave them to the next test of its worker."""
+    from speculative import draft_stop, ladder
+    for module, name in ((ladder, "_published_ladder"), (ladder, "_published_max_seqs"), (draft_stop, "_published")):
+        monkeypatch.setattr(module, name, getattr(module, name))
+
+
 def forces_eager(node) -> bool:
     """Whether `engines_run_eager_unless_asked` makes this test's LLMs eager: not for a `cuda` test."""
     return node.get_closest_marker("cuda") is None

@@ -170,12 +170,10 @@ def test_a_wait_on_a_collective_in_flight_keeps_the_timeout_and_raises_comm_erro
     assert seen == [dt.timedelta(seconds=7.0)] and comm.comm_seconds > 0
 
 
-def test_two_batch_overlap_is_refused_where_it_cannot_overlap(capsys, monkeypatch):
+def test_two_batch_overlap_is_refused_where_it_cannot_overlap(capsys):
     import re
     from pathlib import Path
     from types import SimpleNamespace
-
-    from speculative import ladder
 
     from ep.channel import driver_handshake
     from ep.dp import OneBatch
@@ -202,8 +200,6 @@ def test_two_batch_overlap_is_refused_where_it_cannot_overlap(capsys, monkeypatc
                         (dict(model=SimpleNamespace(one_row_twice=True)), NOT_ROW_TWICE)):
         with pytest.raises(ValueError, match=f"^{re.escape(why)}$"):
             choose_dp_step(SimpleNamespace(**runner | change), True)
-    for published in ("_published_ladder", "_published_max_seqs"):   # the CLI publishes the model's width cap
-        monkeypatch.setattr(ladder, published, getattr(ladder, published))
     code = main(["generate", "--model", str(embedded), "--prompt", "x", "--ep", "2", "--dp-attention",
                  "--two-batch-overlap"])
     assert code == 2 and capsys.readouterr().err.strip() == f"metrale generate: error: {NOT_EAGER}"
