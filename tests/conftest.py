@@ -50,6 +50,15 @@ def forces_eager(node) -> bool:
     return node.get_closest_marker("cuda") is None
 
 
+def engine_on(llm, spec=None, proposer=None, prefix_cache: bool = True):
+    """A fresh engine (scheduler, prefix index, speculation: `spec` with its `proposer`, or none)
+    over `llm`'s runner, so one loaded and compiled model serves several arms of a test; run it
+    with `llm.engine = engine_on(...)` before `llm.generate`."""
+    from engine.engine import Engine, EngineConfig
+    config = EngineConfig(max_num_seqs=llm.engine.config.max_num_seqs, prefix_cache=prefix_cache)
+    return Engine(llm.deployment.runner, llm.tokenizer, config, spec, proposer)
+
+
 def cache_kwargs(model, cache) -> dict:
     """The keyword a transformers model's forward takes its KV cache by: `cache` from 5.25,
     `past_key_values` before (the GPU image has 5.17), read off the forward's signature."""

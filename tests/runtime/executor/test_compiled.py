@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 
 from runtime.sample.sampler import SamplingParams
 from serving.llm import LLM
+from tests.conftest import engine_on
 
 MODEL = Path(__file__).resolve().parents[3] / "models" / "tiny-glm-moe"
 
@@ -22,13 +23,8 @@ def test_compiled_float32_equals_eager_on_the_embedded_model():
     prompts = [[5, 17, 200, 3], [9, 9, 9, 100, 250], [300, 4], [1, 2, 3, 4, 5, 6, 7, 8]]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     eager = LLM(MODEL, dtype="float32", kv_cache_tokens=2048, enforce_eager=True)
-    compiled = LLM(MODEL, dtype="float32", kv_cache_tokens=2048, enforce_eager=False)
-    assert compiled.engine.runner.compiled and not eager.engine.runner.compiled
+    assert not eager.engine.runner.compiled
     want = [o.token_ids for o in eager.generate(prompts, params)]
-    got = [o.token_ids for o in compiled.generate(prompts, params)]
-    same = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
-    assert same == sum(len(w) for w in want)       # every token (the probe record says the same)
-    # One prompt at a time (other row counts, the same compiled graph) and MTP on top of it.
     mtp = LLM(MODEL, dtype="float32", kv_cache_tokens=2048, spec="mtp", num_drafts=3, enforce_eager=False)
     assert mtp.engine.runner.compiled and mtp.engine.proposer.compiles
     graphs = counters["stats"]["unique_graphs"]
@@ -43,6 +39,13 @@ def test_compiled_float32_equals_eager_on_the_embedded_model():
     cache = mtp.engine.runner.cache
     assert cache.num_free_blocks == cache.num_blocks         # the warm-up's rows are given back
     graphs = counters["stats"]["unique_graphs"]
+    # The compiled target without speculation (an engine without a drafter on the same runner).
+    speculating, mtp.engine = mtp.engine, engine_on(mtp)
+    got = [o.token_ids for o in mtp.generate(prompts, params)]
+    mtp.engine = speculating
+    same = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
+    assert same == sum(len(w) for w in want)       # every token (the probe record says the same)
+    # One prompt at a time (other row counts, the same compiled graph) and MTP on top of it.
     assert [o.token_ids for o in mtp.generate(prompts[:1], params)] == want[:1]
     # Several sequences at once, and one-row steps: a verify that drafts nothing (the last
     # token of a request has no room for drafts).

@@ -23,10 +23,10 @@ from runtime.executor.kv_cache import PagedKVCache
 from runtime.model.experts import RoutedExperts
 from runtime.model.layers import Router, pack_for_inference
 from runtime.sample.sampler import SamplingParams
-from engine.engine import Engine, EngineConfig
 from serving.llm import LLM
 from speculative.ngram import NgramProposer
-from speculative.settings import SpecSettings, resolve_spec_settings
+from speculative.settings import resolve_spec_settings
+from tests.conftest import engine_on
 
 MODEL = Path(__file__).resolve().parents[3] / "models" / "tiny-glm-moe"
 ROW_COUNTS = (1, 3, 16, 33, 61)
@@ -402,14 +402,6 @@ def test_compiled_step_rows_do_not_depend_on_the_step(dtype):
 
 # --- the engine ----------------------------------------------------------------------------
 PROMPTS = heldout_prompts(16)
-
-
-def engine_on(llm: LLM, spec: SpecSettings, proposer, prefix_cache: bool = True) -> Engine:
-    """A fresh engine (scheduler, prefix index, speculation) over `llm`'s runner: its weights, KV
-    pool and compiled step (target and drafter graphs) serve every arm, so the test compiles once
-    a dtype instead of once an arm (each compile ~10 s of the suite)."""
-    config = EngineConfig(max_num_seqs=llm.engine.config.max_num_seqs, prefix_cache=prefix_cache)
-    return Engine(llm.deployment.runner, llm.tokenizer, config, spec, proposer)
 
 
 def engine_outputs(dtype: str) -> dict:
