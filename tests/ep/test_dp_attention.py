@@ -18,6 +18,8 @@ from serving.llm import LLM
 PROMPTS = [[5, 17, 200, 3], [9, 9, 9, 100, 250, 31, 7, 64, 12], [300], [7, 7, 8]]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=5)
+# Sixteen prompts of 1 to 16 tokens (the issue's batch at EP 4: four sequences a rank).
+PROMPTS16 = [[(7 * i + 13 * j) % 300 + 1 for j in range(1 + (5 * i) % 16)] for i in range(16)]
 
 
 def runs(llm: LLM, prompts=PROMPTS) -> list[tuple]:
@@ -252,22 +254,22 @@ def test_dp_attention_ep4_equals_one_rank_with_trees_redundant_experts_and_idle_
     """EP 4 (correctness only on 2 cores): MTP trees (each rank drafting its own sequences, the
     hedges from the candidates they send back), 4 redundant experts re-placed every 4 forwards;
     two greedy prompts leave two ranks without sequences (they still join every exchange, the
-    MTP layer's at every draft step too), then four seeded ones fill every rank. Tokens, drafts
+    MTP layer's at every draft step too), then sixteen seeded ones fill every rank with four. Tokens, drafts
     and acceptance are one rank's."""
     kw = dict(dtype="float64", spec="mtp", num_drafts=3, tree_shape="1,2,1", kv_cache_tokens=2048)
     one = LLM(ckpt_mtp, **kw)
-    want = [one.generate(PROMPTS[:2], GREEDY), one.generate(PROMPTS, SEEDED)]
-    llm = LLM(ckpt_mtp, **kw, ep=4, dp_attention=True, max_num_seqs=4, launcher=MPGroup, ep_timeout_s=60,
+    want = [one.generate(PROMPTS[:2], GREEDY), one.generate(PROMPTS16, SEEDED)]
+    llm = LLM(ckpt_mtp, **kw, ep=4, dp_attention=True, max_num_seqs=16, launcher=MPGroup, ep_timeout_s=60,
               warm_standby=False, eplb_redundant_experts=4, eplb_interval_steps=4)
     try:
         book = llm.engine.runner.dp
         got = [llm.generate(PROMPTS[:2], GREEDY)]
         assert book.idle_rank_steps > 0 and book.assigned[2:] == [0, 0]
-        got.append(llm.generate(PROMPTS, SEEDED))
+        got.append(llm.generate(PROMPTS16, SEEDED))
         for g, w in zip(got, want):
             assert [(o.token_ids, o.drafted_tokens, o.accepted_tokens) for o in g] == \
                 [(o.token_ids, o.drafted_tokens, o.accepted_tokens) for o in w]
-        assert min(book.assigned) >= 1 and llm.expert_stats()["placements"] >= 2
+        assert min(book.assigned) >= 4 and llm.expert_stats()["placements"] >= 2
         assert sum(o.drafted_tokens for o in want[1]) > 0
         assert all(len(m.dp_shapes) == 1 for m in dp_layers(llm))
     finally:
@@ -275,7 +277,7 @@ def test_dp_attention_ep4_equals_one_rank_with_trees_redundant_experts_and_idle_
 
 
 def test_dp_attention_ep4_with_ngram_equals_one_rank(ckpt_grouped):
-    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], *PROMPTS[:3]]
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], *PROMPTS16[1:]]
     kw = dict(dtype="float64", spec="ngram", num_drafts=3, kv_cache_tokens=2048)
     want = LLM(ckpt_grouped, **kw).generate(prompts, GREEDY)
     llm = LLM(ckpt_grouped, **kw, ep=4, dp_attention=True, launcher=MPGroup, ep_timeout_s=60, warm_standby=False)
