@@ -370,34 +370,38 @@ def test_one_row_step_equals_the_row_among_others(dtype):
     llm.shutdown()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_compiled_step_rows_do_not_depend_on_the_step(dtype):
+def compiled_rows_differ(llm: LLM) -> list[str]:
     """The compiled batch-invariant step (one graph for every row count: its GEMMs, experts and
     attention are opaque ops): a 700-row prefill alone, beside a 324-row one (1,024 rows), and in
     two chunks of 350, its first 5 rows alone, and its first row alone (below float32's least GEMM
-    rows: padded in the graph), give the same hidden rows bit for bit."""
-    llm = LLM(MODEL, dtype, kv_cache_tokens=4096, batch_invariant=True, enforce_eager=False)
-    runner = llm.engine.runner
+    rows: padded in the graph), give the same hidden rows bit for bit; so do the logits of a row
+    alone and among others (the head's compiled graph where it is native). Run on the engine
+    test's compiled LLM (its sequences done), so it compiles nothing of its own; returns what
+    differs."""
+    runner = llm.deployment.runner
     assert runner.compiled
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(1, 4000, (700,), generator=gen).tolist()
     other = torch.randint(1, 4000, (324,), generator=gen).tolist()
-    for seq, n in enumerate((700, 700, 324, 700, 5, 1)):
-        runner.cache.reserve(seq, n)
-    alone, _ = runner.forward(tokens, [SeqChunk(0, 0, 700)])
-    beside, _ = runner.forward(other + tokens, [SeqChunk(2, 0, 324), SeqChunk(1, 0, 700)])
-    first, _ = runner.forward(tokens[:350], [SeqChunk(3, 0, 350)])
-    second, _ = runner.forward(tokens[350:], [SeqChunk(3, 350, 350)])
-    few, _ = runner.forward(tokens[:5], [SeqChunk(4, 0, 5)])
-    one, _ = runner.forward(tokens[:1], [SeqChunk(5, 0, 1)])
-    assert torch.equal(beside[324:], alone)
-    assert torch.equal(torch.cat((first, second)), alone)
-    assert torch.equal(few, alone[:5])
-    assert torch.equal(one, alone[:1])
-    # The logits of a row alone and among others (the head's compiled graph where it is native).
-    assert torch.equal(runner.logits(one, [0]), runner.logits(alone, list(range(700)))[:1])
-    assert torch.equal(runner.logits(alone, [3]), runner.logits(alone, [0, 3, 9])[1:2])
-    llm.shutdown()
+    seq = [10**6 + i for i in range(6)]          # no engine's: they count from 0
+    for s, n in zip(seq, (700, 700, 324, 700, 5, 1)):
+        runner.cache.reserve(s, n)
+    alone, _ = runner.forward(tokens, [SeqChunk(seq[0], 0, 700)])
+    beside, _ = runner.forward(other + tokens, [SeqChunk(seq[2], 0, 324), SeqChunk(seq[1], 0, 700)])
+    first, _ = runner.forward(tokens[:350], [SeqChunk(seq[3], 0, 350)])
+    second, _ = runner.forward(tokens[350:], [SeqChunk(seq[3], 350, 350)])
+    few, _ = runner.forward(tokens[:5], [SeqChunk(seq[4], 0, 5)])
+    one, _ = runner.forward(tokens[:1], [SeqChunk(seq[5], 0, 1)])
+    checks = {"beside a 324-row prefill": torch.equal(beside[324:], alone),
+              "in two chunks": torch.equal(torch.cat((first, second)), alone),
+              "its first 5 rows alone": torch.equal(few, alone[:5]),
+              "its first row alone": torch.equal(one, alone[:1]),
+              "logits of one row alone": torch.equal(runner.logits(one, [0]),
+                                                     runner.logits(alone, list(range(700)))[:1]),
+              "logits among three": torch.equal(runner.logits(alone, [3]), runner.logits(alone, [0, 3, 9])[1:2])}
+    for s in seq:
+        runner.cache.free(s)
+    return [f"compiled step: a 700-row prefill's rows {what} differ" for what, same in checks.items() if not same]
 
 
 # --- the engine ----------------------------------------------------------------------------
@@ -430,6 +434,7 @@ def engine_outputs(dtype: str) -> dict:
     # preempted and recomputed (prefix cache off, so the recompute really computes), MTP on.
     cache = llm.deployment.runner.cache
     assert cache.num_free_tokens() == cache.capacity_tokens, "an arm left blocks held"
+    runs["rows"] = compiled_rows_differ(llm)
     cache.reserve(10**9, cache.capacity_tokens - 768)
     llm.engine = small = engine_on(llm, arms["k3"].spec, drafter, prefix_cache=False)
     runs["preempted"] = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
@@ -450,10 +455,11 @@ def engine_outputs(dtype: str) -> dict:
 def test_every_arm_gives_the_tokens_of_one_sequence_alone(dtype):
     """At concurrency 16 with batch-invariant kernels: a sequence alone equals it among fifteen
     others (the first 8 prompts); MTP k3, a tree and n-gram speculation equal no speculation; a small cache that
-    preempts and recomputes equals it; seeded sampling with k3 equals seeded sampling without; and
-    the eager step is invariant too."""
+    preempts and recomputes equals it; seeded sampling with k3 equals seeded sampling without; the
+    compiled step's rows do not depend on the step (`compiled_rows_differ`); and the eager step is
+    invariant too."""
     runs = engine_outputs(dtype)
-    wrong = []
+    wrong = list(runs["rows"])
     differ = lambda arm, ref="none": [i for i in range(16) if runs[arm][i] != runs[ref][i]]
     alone = [i for i in range(8) if runs["alone"][i] != runs["none"][i]]
     if alone:
