@@ -101,6 +101,26 @@ def test_moe_bench_times_both_expert_paths_per_dtype_and_row_count(tmp_path):
     assert len(table) == 2 + len(rows)
 
 
+def test_prefill_gemm_libs_times_both_libraries_on_the_models_shapes(tmp_path):
+    out, png = tmp_path / "gemm.json", tmp_path / "gemm.png"
+    ok(run_tool("kernels/prefill_gemm_libs.py", "--model", MODEL, "--rows", 32, "--rounds", 2, "--json-out", out,
+                "--plot-out", png, timeout=120))
+    record = json.loads(out.read_text())
+    assert record["rows"] == 32 and set(record["dtypes"]) == {"float32", "bfloat16"} and png.stat().st_size > 0
+    for dtype, cells in record["dtypes"].items():
+        names = [c["name"] for c in cells["shapes"]]
+        assert names[:2] == ["qkv", "o"] and "expert down" in names
+        experts = next(c for c in cells["shapes"] if c["name"] == "expert gate/up")
+        assert experts["m"] == 32 * 2 // 8 and experts["calls"] == 8        # top-2 of 8 experts: an even share
+        for c in cells["shapes"]:
+            assert c["mm_ms"] > 0 and c["onednn_ms"] > 0 and len(c["ratio_runs"]) == 2
+            assert c["max_abs_diff"] < (1e-4 if dtype == "float32" else 0.1), c   # the same product
+        layer = sum(c["mm_ms"] * c["calls"] for c in cells["shapes"]) / sum(c["onednn_ms"] * c["calls"]
+                                                                         for c in cells["shapes"])
+        assert cells["layer_mm_over_onednn"] == pytest.approx(layer, rel=0.01)
+    assert "must be at least 1" in refused(run_tool("kernels/prefill_gemm_libs.py", "--rows", 0, timeout=60))
+
+
 def test_moe_bench_refuses_a_zero_row_count():
     assert "must be at least 1" in refused(run_tool("kernels/moe_bench.py", "--rows", "0,4", timeout=60))
 
